@@ -1,0 +1,1 @@
+"""Functional Flax models and weight loaders."""

@@ -1,0 +1,1 @@
+"""pagedjax: PagedAttention serving engine on JAX."""

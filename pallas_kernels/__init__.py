@@ -1,0 +1,1 @@
+"""Pallas kernels for the paged KV cache."""
