@@ -1,0 +1,180 @@
+"""Per-request sampling parameters (host side, no JAX import).
+
+Mirrors vLLM's ``SamplingParams`` surface so OpenAI-style requests map onto it
+1:1, but validates eagerly: every bad value raises ``ValueError`` naming the
+offending field, so the API layer can return a 400 with a useful message
+instead of failing inside a jitted step.
+
+Beam search (legacy vLLM style): ``use_beam_search=True`` with beam width
+``best_of`` (defaults to ``n``); the width must be > 1, sampling must be greedy
+(``temperature=0``) with no top-k/top-p/min-p filtering. The ``n`` best finished
+beams are returned. ``length_penalty`` divides the cumulative logprob by
+``seq_len ** length_penalty`` and ``early_stopping`` selects the stopping rule
+(``True``: stop as soon as ``best_of`` beams finished; ``False``: stop when no
+live beam can still beat the worst finished one at its current length;
+``"never"``: the canonical rule, assume the beam could grow to ``max_tokens``).
+See :mod:`pagedjax.beam_search`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+    BEAM = 3
+
+
+@dataclass(repr=False)
+class SamplingParams:
+    """Sampling configuration of one request; validated on construction."""
+
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
+    include_stop_str_in_output: bool = False
+    # Normalised copies (not constructor arguments).
+    _stop_list: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Normalise containers first so validation sees one shape.
+        if self.stop is None:
+            self._stop_list = []
+        elif isinstance(self.stop, str):
+            self._stop_list = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self._stop_list = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}.")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:  # OpenAI clients send 0 for "disabled".
+            self.top_k = -1
+        if self.best_of is None:
+            self.best_of = self.n
+        self._validate()
+
+    # ------------------------------------------------------------------ checks
+    def _validate(self) -> None:
+        def need(cond: bool, name: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}.")
+
+        def is_int(x: Any) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        need(is_int(self.n) and self.n >= 1, "n", "must be an int >= 1")
+        need(is_int(self.best_of) and self.best_of >= self.n, "best_of", "must be an int >= n")
+        need(self.temperature >= 0.0, "temperature", "must be non-negative")
+        need(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        need(is_int(self.top_k) and self.top_k >= -1, "top_k", "must be -1 (disable), 0 or >= 1")
+        need(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        need(self.seed is None or is_int(self.seed), "seed", "must be an int or None")
+        need(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "must be >= 1")
+        need(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0")
+        need(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
+        need(all(isinstance(s, str) and s for s in self._stop_list), "stop",
+             "must be a non-empty string or a list of non-empty strings")
+        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative ints")
+        need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        need(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            need(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
+                 f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        need(self.early_stopping in (True, False, "never"), "early_stopping",
+             "must be True, False or 'never'")
+        if self.use_beam_search:
+            need(self.best_of > 1, "best_of", "must be > 1 when using beam search")
+            need(self.temperature < _GREEDY_EPS, "temperature",
+                 "must be 0 when using beam search")
+            need(self.top_p == 1.0, "top_p", "must be 1 when using beam search")
+            need(self.top_k == -1, "top_k", "must be -1 when using beam search")
+            need(self.min_p == 0.0, "min_p", "must be 0 when using beam search")
+        else:
+            need(self.length_penalty == 1.0, "length_penalty",
+                 "is only supported with use_beam_search=True")
+            need(self.early_stopping is False, "early_stopping",
+                 "is only supported with use_beam_search=True")
+            if self.temperature < _GREEDY_EPS:
+                # n identical greedy samples would waste compute silently.
+                need(self.best_of == 1, "best_of", "must be 1 for greedy sampling")
+
+    # -------------------------------------------------------------- factories
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Build from a request dict; unknown keys are errors, not silently dropped."""
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"Unknown sampling parameter(s): {', '.join(unknown)}.")
+        return cls(**d)
+
+    # ------------------------------------------------------------- properties
+    @property
+    def stop_strings(self) -> list[str]:
+        """``stop`` normalised to a list."""
+        return list(self._stop_list)
+
+    @property
+    def is_greedy(self) -> bool:
+        # Tiny temperatures blow up logits / T in fp32; treat them as argmax.
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def beam_width(self) -> int:
+        return int(self.best_of) if self.use_beam_search else 1
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.use_beam_search:
+            return SamplingType.BEAM
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM_SEED if self.seed is not None else SamplingType.RANDOM
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        kw.update(changes)
+        return SamplingParams(**kw)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(
+            f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.init
+        )
+        return f"SamplingParams({parts})"
