@@ -1,0 +1,367 @@
+"""Batched, jit-friendly token sampler.
+
+One jitted :func:`sample` call turns the last-position logits ``[B, V]`` of a
+padded decode batch into next tokens. Every per-request knob lives in a
+:class:`SamplingMetadata` pytree of fixed-shape arrays, so mixing greedy,
+seeded, penalised and filtered requests in one batch does not recompile; only
+the few static flags (``all_greedy``, ``do_top_k_top_p``, ``do_min_p``,
+``do_penalties``) and the power-of-two history buckets pick a variant.
+
+Pipeline (matches vLLM's order)::
+
+    raw logprobs = log_softmax(logits)               # reported logprobs
+    logits -> repetition -> frequency/presence       # penalties
+           -> ban (min_tokens: EOS / stop ids)
+           -> greedy rows: argmax (ties -> lowest id)
+           -> / temperature -> top-k -> top-p -> min-p -> categorical(row key)
+
+Reported logprobs are the *raw* model distribution (``log_softmax`` of the
+unprocessed logits), like vLLM V1's default ``raw_logprobs`` mode. They do not
+depend on how a request was sampled, which makes them comparable across
+requests and is what cumulative logprobs for ``best_of`` ranking use.
+
+Randomness: each row's key is ``fold_in(key(seed), step)`` where ``step`` is
+the number of tokens the sequence has generated so far, so a seeded request
+reproduces its tokens whatever batch it lands in (sequence ``j > 0`` of an
+``n > 1`` request additionally folds in ``j`` so the samples differ). Unseeded
+rows use ``fold_in(fold_in(key(engine_seed), request_counter), step)``. Seeds
+are taken modulo 2**32 (keys are derived on device from uint32 seeds).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pagedjax.sampling_params import _GREEDY_EPS, SamplingParams
+
+_NEG_INF = float("-inf")
+_MIN_BUCKET = 16
+
+
+class SeqStateLike(Protocol):
+    """What :meth:`SamplingMetadata.from_params` reads from an engine sequence."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    request_counter: int
+    seq_index: int
+
+
+class SeqSamplingState(NamedTuple):
+    """Minimal concrete :class:`SeqStateLike` (engine sequences may duck-type it).
+
+    ``request_counter``: engine-wide monotonically increasing request number,
+    the random stream of unseeded requests. ``seq_index``: index of this
+    sequence inside its request's ``n``/``best_of`` group.
+    """
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    request_counter: int = 0
+    seq_index: int = 0
+
+
+def _bucket(n: int) -> int:
+    """History width bucket: 0 when unused, else a power of two >= 16."""
+    if n <= 0:
+        return 0
+    return max(_MIN_BUCKET, 1 << (n - 1).bit_length())
+
+
+@struct.dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters for a padded batch of ``B`` rows.
+
+    Padded rows are greedy with no penalties; their outputs are garbage and
+    must be ignored by the caller. Token-id arrays are padded with ``-1``.
+    """
+
+    temperature: jax.Array  # [B] f32, 0 for greedy rows
+    top_k: jax.Array  # [B] i32 in [1, V]; V = disabled
+    top_p: jax.Array  # [B] f32 in (0, 1]
+    min_p: jax.Array  # [B] f32 in [0, 1]
+    seed: jax.Array  # [B] u32 user seed (seeded rows)
+    is_seeded: jax.Array  # [B] bool
+    request_counter: jax.Array  # [B] u32 stream of unseeded rows
+    seq_index: jax.Array  # [B] u32 index in the n/best_of group
+    step: jax.Array  # [B] i32 number of tokens generated so far
+    engine_seed: jax.Array  # [] u32
+    presence_penalty: jax.Array  # [B] f32
+    frequency_penalty: jax.Array  # [B] f32
+    repetition_penalty: jax.Array  # [B] f32
+    # Histories as padded id lists; counts / masks are scatter-built on device,
+    # so the host copies O(tokens) per penalised row, never O(V).
+    output_token_ids: jax.Array  # [B, Lo] i32, Lo a power-of-two bucket or 0
+    prompt_token_ids: jax.Array  # [B, Lp] i32 (repetition penalty only)
+    banned_token_ids: jax.Array  # [B, S] i32, ids masked to -inf (min_tokens)
+    all_greedy: bool = struct.field(pytree_node=False, default=True)
+    do_top_k_top_p: bool = struct.field(pytree_node=False, default=False)
+    do_min_p: bool = struct.field(pytree_node=False, default=False)
+    do_penalties: bool = struct.field(pytree_node=False, default=False)
+
+    @classmethod
+    def from_params(
+        cls,
+        rows: Sequence[tuple[SamplingParams, SeqStateLike]],
+        pad_to: int,
+        vocab_size: int,
+        *,
+        eos_token_id: int | None = None,
+        engine_seed: int = 0,
+    ) -> SamplingMetadata:
+        """Build the host-side (numpy) metadata for one step.
+
+        ``rows[i]`` describes batch row ``i``; rows ``len(rows)..pad_to-1`` are
+        padding. Call once per step: ``step`` and the histories come from the
+        sequences' current ``output_token_ids``.
+        """
+        b, v = pad_to, vocab_size
+        if len(rows) > b:
+            raise ValueError(f"pad_to={b} is smaller than the batch ({len(rows)} rows).")
+        temperature = np.zeros(b, np.float32)
+        top_k = np.full(b, v, np.int32)
+        top_p = np.ones(b, np.float32)
+        min_p = np.zeros(b, np.float32)
+        seed = np.zeros(b, np.uint32)
+        is_seeded = np.zeros(b, bool)
+        counter = np.zeros(b, np.uint32)
+        seq_index = np.zeros(b, np.uint32)
+        step = np.zeros(b, np.int32)
+        presence = np.zeros(b, np.float32)
+        frequency = np.zeros(b, np.float32)
+        repetition = np.ones(b, np.float32)
+        penalised: list[int] = []
+        banned: dict[int, list[int]] = {}
+        all_greedy = True
+        for i, (p, s) in enumerate(rows):
+            n_out = len(s.output_token_ids)
+            step[i] = n_out
+            counter[i] = s.request_counter % (1 << 32)
+            seq_index[i] = s.seq_index
+            if p.seed is not None:
+                seed[i] = p.seed % (1 << 32)
+                is_seeded[i] = True
+            if not p.is_greedy:
+                all_greedy = False
+                temperature[i] = p.temperature
+                top_k[i] = v if p.top_k <= 0 else min(p.top_k, v)
+                top_p[i] = p.top_p
+                min_p[i] = p.min_p
+            if p.uses_penalties:
+                penalised.append(i)
+                presence[i] = p.presence_penalty
+                frequency[i] = p.frequency_penalty
+                repetition[i] = p.repetition_penalty
+            if n_out < p.min_tokens:
+                ids = list(p.stop_token_ids or [])
+                if eos_token_id is not None and not p.ignore_eos:
+                    ids.append(eos_token_id)
+                if ids:
+                    banned[i] = ids
+
+        def pack(lists: dict[int, Sequence[int]]) -> np.ndarray:
+            width = _bucket(max((len(x) for x in lists.values()), default=0))
+            out = np.full((b, width), -1, np.int32)
+            for i, ids in lists.items():
+                out[i, : len(ids)] = np.asarray(ids, np.int32)
+            return out
+
+        out_hist = pack({i: rows[i][1].output_token_ids for i in penalised})
+        prompt_hist = pack(
+            {i: rows[i][1].prompt_token_ids for i in penalised if repetition[i] != 1.0}
+        )
+        return cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            is_seeded=is_seeded,
+            request_counter=counter,
+            seq_index=seq_index,
+            step=step,
+            engine_seed=np.uint32(engine_seed % (1 << 32)),
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            output_token_ids=out_hist,
+            prompt_token_ids=prompt_hist,
+            banned_token_ids=pack(banned),
+            all_greedy=all_greedy,
+            do_top_k_top_p=bool((top_k < v).any() or (top_p < 1.0).any()),
+            do_min_p=bool((min_p > 0.0).any()),
+            do_penalties=bool(penalised),
+        )
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array  # [B] i32
+    logprobs: jax.Array  # [B] f32, raw logprob of the chosen token
+    ranks: jax.Array  # [B] i32, 1-based rank of the chosen token under raw logprobs
+    topk_logprobs: jax.Array  # [B, K] f32
+    topk_ids: jax.Array  # [B, K] i32
+
+
+class PromptLogprobs(NamedTuple):
+    token_logprobs: jax.Array  # [T] f32
+    ranks: jax.Array  # [T] i32
+    topk_logprobs: jax.Array  # [T, K] f32
+    topk_ids: jax.Array  # [T, K] i32
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _row_index(ids: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+    """Scatter indices with -1 padding sent out of bounds (JAX wraps negatives)."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    return rows, jnp.where(ids < 0, vocab_size, ids)
+
+
+def apply_penalties(
+    logits: jax.Array,
+    prompt_token_ids: jax.Array,
+    output_token_ids: jax.Array,
+    presence_penalty: jax.Array,
+    frequency_penalty: jax.Array,
+    repetition_penalty: jax.Array,
+) -> jax.Array:
+    """vLLM semantics: repetition over prompt+output tokens, then
+    ``logit -= frequency * count + presence * (count > 0)`` over output tokens.
+    """
+    v = logits.shape[-1]
+    rows, out_idx = _row_index(output_token_ids, v)
+    counts = jnp.zeros(logits.shape, jnp.float32).at[rows, out_idx].add(1.0, mode="drop")
+    rows_p, prompt_idx = _row_index(prompt_token_ids, v)
+    seen = jnp.zeros(logits.shape, bool).at[rows_p, prompt_idx].set(True, mode="drop")
+    seen = seen | (counts > 0)
+    rep = repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = jnp.where(seen, penalised, logits)
+    return (logits - frequency_penalty[:, None] * counts
+            - presence_penalty[:, None] * (counts > 0).astype(jnp.float32))
+
+
+def ban_tokens(logits: jax.Array, banned_token_ids: jax.Array) -> jax.Array:
+    """Set the listed ids of each row to -inf (-1 entries are padding)."""
+    rows, idx = _row_index(banned_token_ids, logits.shape[-1])
+    return logits.at[rows, idx].set(_NEG_INF, mode="drop")
+
+
+def filter_logits(
+    logits: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    *,
+    do_top_k_top_p: bool = True,
+    do_min_p: bool = True,
+) -> jax.Array:
+    """Mask (to -inf) tokens outside top-k, then top-p (nucleus), then min-p.
+
+    Expects temperature-scaled logits. Each filter reduces to a per-row logit
+    threshold and keeps ``logits >= threshold``, so tokens tied with the last
+    kept one are all kept (deterministic, independent of sort order). Top-p
+    keeps the shortest prefix of the top-k-renormalised distribution, sorted
+    descending, whose mass reaches ``top_p`` (always at least one token).
+    Min-p keeps ``p >= min_p * p_max`` which, being a ratio, is unaffected by
+    the renormalisation of earlier filters.
+    """
+    v = logits.shape[-1]
+    threshold = jnp.full(logits.shape[:1], _NEG_INF, logits.dtype)
+    if do_top_k_top_p:
+        desc = -jnp.sort(-logits, axis=-1)  # single [B, V] sort
+        k = jnp.clip(top_k, 1, v)
+        kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
+        desc = jnp.where(desc >= kth, desc, _NEG_INF)
+        probs = jax.nn.softmax(desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # top_p == 1 must be a no-op even where fp32 cumsum rounds up to 1.
+        keep = (desc > _NEG_INF) & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+        n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+        threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
+        row_max = desc[:, 0]
+    else:
+        row_max = jnp.max(logits, axis=-1)
+    if do_min_p:
+        min_p_thr = jnp.where(min_p > 0, row_max + jnp.log(min_p), _NEG_INF)
+        threshold = jnp.maximum(threshold, min_p_thr)
+    return jnp.where(logits >= threshold[:, None], logits, _NEG_INF)
+
+
+def row_keys(meta: SamplingMetadata) -> jax.Array:
+    """Per-row PRNG keys; see the module docstring for the derivation."""
+
+    def one(seed, seeded, counter, seq_idx, step):
+        user = jax.random.key_data(jax.random.key(seed))
+        engine = jax.random.key_data(
+            jax.random.fold_in(jax.random.key(meta.engine_seed), counter)
+        )
+        base = jax.random.wrap_key_data(jnp.where(seeded, user, engine))
+        k = jax.random.fold_in(base, step)
+        k_seq = jax.random.fold_in(k, seq_idx)
+        return jax.random.wrap_key_data(
+            jnp.where(seq_idx > 0, jax.random.key_data(k_seq), jax.random.key_data(k))
+        )
+
+    return jax.vmap(one)(
+        meta.seed, meta.is_seeded, meta.request_counter, meta.seq_index, meta.step
+    )
+
+
+def _logprob_info(
+    raw_logprobs: jax.Array, token_ids: jax.Array, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    lp = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(raw_logprobs > lp[:, None], axis=-1).astype(jnp.int32) + 1
+    if k > 0:
+        top_lp, top_ids = jax.lax.top_k(raw_logprobs, k)
+    else:
+        top_lp = jnp.zeros((raw_logprobs.shape[0], 0), raw_logprobs.dtype)
+        top_ids = jnp.zeros((raw_logprobs.shape[0], 0), jnp.int32)
+    return lp, rank, top_lp, top_ids.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0) -> SamplerOutput:
+    """Sample one token per row of ``logits [B, V]``.
+
+    ``num_logprobs`` (static) is the max ``logprobs`` over the batch; the caller
+    slices each row's top-k down to what that request asked for.
+    """
+    logits = logits.astype(jnp.float32)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    x = logits
+    if meta.do_penalties:
+        x = apply_penalties(x, meta.prompt_token_ids, meta.output_token_ids,
+                            meta.presence_penalty, meta.frequency_penalty,
+                            meta.repetition_penalty)
+    if meta.banned_token_ids.shape[-1]:
+        x = ban_tokens(x, meta.banned_token_ids)
+    tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if not meta.all_greedy:
+        greedy = meta.temperature < _GREEDY_EPS
+        x = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
+        x = filter_logits(x, meta.top_k, meta.top_p, meta.min_p,
+                          do_top_k_top_p=meta.do_top_k_top_p, do_min_p=meta.do_min_p)
+        sampled = jax.vmap(jax.random.categorical)(row_keys(meta), x).astype(jnp.int32)
+        tokens = jnp.where(greedy, tokens, sampled)
+    lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs)
+    return SamplerOutput(tokens, lp, rank, top_lp, top_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("k",))
+def prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array, k: int = 0) -> PromptLogprobs:
+    """Raw logprobs of prompt tokens: row ``t`` of ``logits [T, V]`` is scored
+    against ``next_token_ids[t]`` (i.e. prompt token ``t + 1``), plus its rank
+    and the row's top-``k``.
+    """
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return PromptLogprobs(*_logprob_info(raw, next_token_ids.astype(jnp.int32), k))
