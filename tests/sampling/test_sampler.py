@@ -1,0 +1,267 @@
+"""Sampler vs an independent numpy reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pagedjax.sampler import (
+    SamplingMetadata,
+    SeqSamplingState,
+    apply_penalties,
+    filter_logits,
+    prompt_logprobs,
+    sample,
+)
+from pagedjax.sampling_params import SamplingParams
+
+V = 512
+
+
+# ------------------------------------------------------------ numpy reference
+def np_log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def np_penalties(logits, prompt, output, presence, frequency, repetition):
+    out = logits.astype(np.float64).copy()
+    for i in range(out.shape[0]):
+        counts = np.bincount(np.asarray(output[i], int), minlength=out.shape[1])
+        seen = counts > 0
+        seen[np.asarray(prompt[i], int)] = True
+        row = out[i]
+        row[seen] = np.where(row[seen] > 0, row[seen] / repetition[i], row[seen] * repetition[i])
+        out[i] = row - frequency[i] * counts - presence[i] * (counts > 0)
+    return out
+
+
+def np_keep_mask(logits, top_k, top_p, min_p):
+    """Return (kept mask, ambiguous) for each row; ambiguous = top-p mass lands
+    within 1e-4 of the cutoff, where fp32 vs fp64 rounding may legitimately differ."""
+    keep = np.ones(logits.shape, bool)
+    ambiguous = np.zeros(logits.shape[0], bool)
+    for i, row in enumerate(logits.astype(np.float64)):
+        k = top_k[i] if 0 < top_k[i] < row.size else row.size
+        order = np.argsort(-row, kind="stable")
+        kth = row[order[k - 1]]
+        m = row >= kth
+        if top_p[i] < 1.0:
+            masked = np.where(m, row, -np.inf)
+            p = np.exp(masked - masked.max())
+            p /= p.sum()
+            sp = p[np.argsort(-masked, kind="stable")]
+            before = np.cumsum(sp) - sp
+            n_keep = max(int((before < top_p[i]).sum()), 1)
+            ambiguous[i] = np.any(np.abs(before - top_p[i]) < 1e-4)
+            cutoff = np.sort(masked)[::-1][n_keep - 1]
+            m &= row >= cutoff
+        if min_p[i] > 0:
+            prob = np.exp(row - row.max())
+            m &= prob >= min_p[i] - 1e-12
+            ambiguous[i] |= np.any(np.abs(prob - min_p[i]) < 1e-5)
+        keep[i] = m
+    return keep, ambiguous
+
+
+def meta_for(params, states, pad_to, vocab=V, **kw) -> SamplingMetadata:
+    return SamplingMetadata.from_params(list(zip(params, states)), pad_to, vocab, **kw)
+
+
+def st(out=(), prompt=(1, 2, 3), counter=0, seq_index=0) -> SeqSamplingState:
+    return SeqSamplingState(list(prompt), list(out), counter, seq_index)
+
+
+# ---------------------------------------------------------------------- tests
+def test_penalties_match_numpy_exactly() -> None:
+    rng = np.random.default_rng(0)
+    b = 6
+    logits = rng.normal(size=(b, V)).astype(np.float32) * 3
+    prompts = [rng.integers(0, V, rng.integers(1, 40)).tolist() for _ in range(b)]
+    outputs = [rng.integers(0, 60, rng.integers(0, 50)).tolist() for _ in range(b)]
+    pres = rng.uniform(-2, 2, b).astype(np.float32)
+    freq = rng.uniform(-2, 2, b).astype(np.float32)
+    rep = rng.uniform(0.5, 2.0, b).astype(np.float32)
+    params = [SamplingParams(temperature=0, presence_penalty=float(pres[i]),
+                             frequency_penalty=float(freq[i]),
+                             repetition_penalty=float(rep[i])) for i in range(b)]
+    meta = meta_for(params, [st(outputs[i], prompts[i]) for i in range(b)], pad_to=8)
+    assert meta.do_penalties and meta.output_token_ids.shape[1] == 64  # bucketed
+    got = apply_penalties(jnp.asarray(np.pad(logits, ((0, 2), (0, 0)))),
+                          meta.prompt_token_ids, meta.output_token_ids,
+                          meta.presence_penalty, meta.frequency_penalty,
+                          meta.repetition_penalty)[:b]
+    want = np_penalties(logits, prompts, outputs, meta.presence_penalty,
+                        meta.frequency_penalty, meta.repetition_penalty)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-5)
+    # Greedy sampling picks the argmax of the penalised logits.
+    out = sample(np.pad(logits, ((0, 2), (0, 0))), meta)
+    np.testing.assert_array_equal(np.asarray(out.token_ids[:b]), want.argmax(-1))
+
+
+def test_greedy_is_argmax_with_lowest_index_ties() -> None:
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(4, V)).astype(np.float32)
+    logits[2, [7, 100, 300]] = 50.0  # exact tie
+    meta = meta_for([SamplingParams(temperature=0)] * 4, [st()] * 4, pad_to=4)
+    assert meta.all_greedy
+    out = sample(logits, meta)
+    want = logits.argmax(-1)
+    assert want[2] == 7
+    np.testing.assert_array_equal(np.asarray(out.token_ids), want)
+    # Greedy rows inside a mixed batch behave identically.
+    mixed = meta_for([SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2,
+                     [st()] * 4, pad_to=4)
+    out = sample(logits, mixed)
+    np.testing.assert_array_equal(np.asarray(out.token_ids)[[0, 2]], want[[0, 2]])
+
+
+FILTERS = [  # (top_k, top_p, min_p)
+    (5, 1.0, 0.0), (1, 1.0, 0.0), (-1, 0.9, 0.0), (-1, 0.3, 0.0), (-1, 1.0, 0.05),
+    (40, 0.8, 0.0), (40, 0.95, 0.02), (V + 100, 0.5, 0.0), (-1, 1.0, 0.0), (3, 0.05, 0.0),
+]
+
+
+def test_filter_masks_match_numpy() -> None:
+    rng = np.random.default_rng(2)
+    b = len(FILTERS)
+    logits = (rng.normal(size=(b, V)) * rng.uniform(0.5, 4, (b, 1))).astype(np.float32)
+    top_k = np.array([f[0] if f[0] > 0 else V for f in FILTERS], np.int32)
+    top_p = np.array([f[1] for f in FILTERS], np.float32)
+    min_p = np.array([f[2] for f in FILTERS], np.float32)
+    got = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), top_k, top_p, min_p)))
+    want, ambiguous = np_keep_mask(logits, top_k, top_p, min_p)
+    assert not ambiguous.any()
+    np.testing.assert_array_equal(got, want)
+    # Kept logits are untouched.
+    kept = np.asarray(filter_logits(jnp.asarray(logits), top_k, top_p, min_p))
+    np.testing.assert_array_equal(kept[want], logits[want])
+
+
+def test_sampled_tokens_lie_in_filtered_set_with_temperature() -> None:
+    rng = np.random.default_rng(3)
+    b, temp = len(FILTERS), 0.7
+    logits = rng.normal(size=(b, V)).astype(np.float32) * 2
+    params = [SamplingParams(temperature=temp, top_k=k, top_p=p, min_p=m, seed=i)
+              for i, (k, p, m) in enumerate(FILTERS)]
+    meta = meta_for(params, [st()] * b, pad_to=b)
+    want, ambiguous = np_keep_mask(logits / temp, meta.top_k, meta.top_p, meta.min_p)
+    assert not ambiguous.any()
+
+    @jax.jit
+    def many(seeds):
+        return jax.vmap(lambda s: sample(logits, meta.replace(seed=s)).token_ids)(seeds)
+
+    toks = np.asarray(many(jnp.arange(400 * b, dtype=jnp.uint32).reshape(400, b)))
+    for i in range(b):
+        assert want[i, toks[:, i]].all(), FILTERS[i]
+        # Small kept sets are fully covered, i.e. nothing extra is masked.
+        if want[i].sum() <= 5:
+            assert set(toks[:, i].tolist()) == set(np.flatnonzero(want[i]).tolist())
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.5])
+def test_empirical_frequencies_match_softmax(temp: float) -> None:
+    vs, n = 16, 16384
+    rng = np.random.default_rng(4)
+    row = rng.normal(size=vs).astype(np.float32)
+    logits = np.broadcast_to(row, (n, vs))
+    params = [SamplingParams(temperature=temp)] * n
+    meta = meta_for(params, [st(counter=i) for i in range(n)], pad_to=n, vocab=vs,
+                    engine_seed=1234)
+    toks = np.asarray(sample(logits, meta).token_ids)
+    p = np.exp(np_log_softmax(row / temp))
+    obs = np.bincount(toks, minlength=vs)
+    chi2 = float(((obs - n * p) ** 2 / (n * p)).sum())
+    assert chi2 < 45.0, chi2  # df=15: p(chi2 > 45) ~ 1e-4
+
+
+def test_logprobs_match_numpy_log_softmax() -> None:
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(5, V)).astype(np.float32) * 4
+    params = [SamplingParams(temperature=0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.8, seed=1, top_k=10),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=0), ]
+    meta = meta_for(params, [st(out=[int(logits[0].argmax())])] + [st()] * 3, pad_to=5)
+    out = sample(logits, meta, num_logprobs=4)
+    ref = np_log_softmax(logits)  # raw model distribution, before penalties
+    toks = np.asarray(out.token_ids)
+    np.testing.assert_allclose(np.asarray(out.logprobs), ref[np.arange(5), toks], rtol=1e-5)
+    order = np.argsort(-ref, axis=-1, kind="stable")[:, :4]
+    np.testing.assert_array_equal(np.asarray(out.topk_ids), order)
+    np.testing.assert_allclose(np.asarray(out.topk_logprobs),
+                               np.take_along_axis(ref, order, -1), rtol=1e-5)
+    ranks = (ref > ref[np.arange(5), toks][:, None]).sum(-1) + 1
+    np.testing.assert_array_equal(np.asarray(out.ranks), ranks)
+    assert toks[0] != logits[0].argmax()  # penalised away, yet logprob is raw
+    assert sample(logits, meta).topk_ids.shape == (5, 0)
+
+
+def test_prompt_logprobs_helper() -> None:
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(7, V)).astype(np.float32)
+    nxt = rng.integers(0, V, 7)
+    got = prompt_logprobs(logits, nxt, k=3)
+    ref = np_log_softmax(logits)
+    np.testing.assert_allclose(np.asarray(got.token_logprobs), ref[np.arange(7), nxt], rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(got.topk_ids), np.argsort(-ref, -1)[:, :3])
+    np.testing.assert_array_equal(
+        np.asarray(got.ranks), (ref > ref[np.arange(7), nxt][:, None]).sum(-1) + 1)
+
+
+def test_seeded_row_is_independent_of_batch_composition() -> None:
+    rng = np.random.default_rng(7)
+    target = SamplingParams(temperature=0.9, top_p=0.95, seed=42)
+    others = [SamplingParams(temperature=float(rng.uniform(0.2, 2)), top_k=int(rng.integers(1, 50)),
+                             seed=None if i % 2 else int(rng.integers(1 << 30)))
+              for i in range(7)]
+    out_a: list[int] = []
+    out_b: list[int] = []
+    for _ in range(6):
+        row = rng.normal(size=V).astype(np.float32)
+        alone = sample(row[None], meta_for([target], [st(out_a)], pad_to=1)).token_ids
+        batch_logits = rng.normal(size=(8, V)).astype(np.float32)
+        batch_logits[5] = row
+        params = others[:5] + [target] + others[5:]
+        states = [st(rng.integers(0, V, rng.integers(0, 9)).tolist(), counter=i)
+                  for i in range(8)]
+        states[5] = st(out_b)
+        mixed = sample(batch_logits, meta_for(params, states, pad_to=8)).token_ids
+        out_a.append(int(alone[0]))
+        out_b.append(int(mixed[5]))
+    assert out_a == out_b
+    # Another sequence of the same seeded request (n > 1) gets its own stream.
+    logits = np.zeros((1, V), np.float32)
+    a = [int(sample(logits, meta_for([target], [st(list(range(s)))], 1)).token_ids[0])
+         for s in range(6)]
+    b = [int(sample(logits, meta_for([target], [st(list(range(s)), seq_index=1)], 1))
+             .token_ids[0]) for s in range(6)]
+    assert a != b
+    # Key derivation is exactly fold_in(key(seed), step).
+    step = 3
+    meta = meta_for([SamplingParams(temperature=1.0, seed=42)], [st([0] * step)], 1)
+    want = jax.random.categorical(jax.random.fold_in(jax.random.key(42), step), logits[0])
+    assert int(sample(logits, meta).token_ids[0]) == int(want)
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    eos, stop_id = 2, 9
+    logits = np.zeros((3, V), np.float32)
+    logits[:, eos] = 30.0
+    logits[:, stop_id] = 29.0
+    params = [SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[stop_id]),
+              SamplingParams(temperature=1.0, seed=0, min_tokens=3, stop_token_ids=[stop_id]),
+              SamplingParams(temperature=0, min_tokens=3, ignore_eos=True)]
+    for n_out in range(5):
+        meta = meta_for(params, [st([5] * n_out)] * 3, pad_to=4, eos_token_id=eos)
+        toks = np.asarray(sample(np.pad(logits, ((0, 1), (0, 0))), meta).token_ids)[:3]
+        if n_out < 3:
+            assert eos not in toks[:2] and stop_id not in toks[:2]
+            assert toks[2] == eos  # ignore_eos: EOS is not banned, stop ids are
+        else:
+            assert toks[0] == eos and toks[2] == eos
+    meta = meta_for(params[:1], [st([5] * 3)], pad_to=1, eos_token_id=eos)
+    assert meta.banned_token_ids.shape[1] == 0  # nothing banned once reached
