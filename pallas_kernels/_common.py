@@ -1,0 +1,45 @@
+"""Shared helpers: cache-rank normalisation, layer indices, padding sizes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Finite "minus infinity" for masked logits: exp(MASK - m) underflows to exactly 0 while
+# fully masked rows still stay finite (a true -inf would give inf - inf = NaN).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def layer_arg(cache: jax.Array, layer: int | jax.Array | None) -> jax.Array:
+    """Validate ``layer`` against the cache rank; return it as an int32 scalar array.
+
+    Passing the layer as data (never as a static argument) means one compilation serves
+    every layer and the model can call the kernels inside ``lax.scan`` over layers.
+    """
+    if cache.ndim not in (4, 5):
+        raise ValueError(f"cache must be 4-D or 5-D, got shape {cache.shape}")
+    if isinstance(layer, int | np.integer):
+        limit = 1 if cache.ndim == 4 else cache.shape[0]
+        if not 0 <= int(layer) < limit:
+            raise ValueError(f"layer={layer} out of range for cache of shape {cache.shape}")
+    elif layer is None and cache.ndim == 5 and cache.shape[0] != 1:
+        raise ValueError("layer is required for a multi-layer cache")
+    return jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+
+
+def as_5d(cache: jax.Array) -> jax.Array:
+    """View a single-layer 4-D cache as ``[1, Hkv, NB, bs, D]`` (a free reshape)."""
+    return cache[None] if cache.ndim == 4 else cache
+
+
+def from_5d(cache5: jax.Array, ndim: int) -> jax.Array:
+    return cache5[0] if ndim == 4 else cache5

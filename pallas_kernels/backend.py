@@ -1,0 +1,65 @@
+"""Backend selection for the paged-cache kernels.
+
+Every public kernel takes ``backend``: ``"pallas"`` runs the Pallas kernel (Triton-lowered
+when the target is a GPU, ``interpret=True`` otherwise) and ``"xla"`` runs the pure-jnp
+reference. ``None`` picks automatically: Pallas on GPU, XLA on CPU, where interpreting a
+kernel is far slower than letting XLA fuse the reference. ``PAGEDJAX_ATTENTION_BACKEND``
+overrides the automatic choice (an explicit argument still wins).
+
+Whether Pallas interprets is decided from the *lowering target*, not from the installed
+devices: under ``jax.sharding.use_abstract_mesh`` with an abstract CUDA device the kernels
+lower through Triton even on a CPU-only host, which is how the CUDA-lowering tests work.
+``PAGEDJAX_PALLAS_INTERPRET=0/1`` forces the choice.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import jax
+from jax._src import mesh as mesh_lib
+
+Backend = Literal["pallas", "xla"]
+BACKENDS: tuple[str, ...] = ("pallas", "xla")
+ENV_BACKEND = "PAGEDJAX_ATTENTION_BACKEND"
+ENV_INTERPRET = "PAGEDJAX_PALLAS_INTERPRET"
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def target_platform() -> str:
+    """Platform the current trace lowers for: an abstract mesh's device wins, else default."""
+    abstract_device = mesh_lib.get_abstract_mesh().abstract_device
+    if abstract_device is not None:
+        return abstract_device.platform
+    return jax.default_backend()
+
+
+def is_gpu_target() -> bool:
+    return target_platform() in _GPU_PLATFORMS
+
+
+def resolve_backend(backend: str | None) -> Backend:
+    """Explicit argument, then the env override, then Pallas on GPU / XLA elsewhere."""
+    choice = backend if backend is not None else os.environ.get(ENV_BACKEND) or None
+    if choice is None:
+        return "pallas" if is_gpu_target() else "xla"
+    choice = choice.lower()
+    if choice not in BACKENDS:
+        raise ValueError(f"unknown attention backend {choice!r}; expected one of {BACKENDS}")
+    return choice  # type: ignore[return-value]
+
+
+def interpret_mode() -> bool:
+    """Run Pallas kernels in the interpreter unless lowering for a GPU."""
+    forced = os.environ.get(ENV_INTERPRET)
+    if forced is not None and forced != "":
+        return forced not in ("0", "false", "False")
+    return not is_gpu_target()
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 2):
+    """Triton compiler parameters (ignored by the interpreter)."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

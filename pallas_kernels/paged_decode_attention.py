@@ -1,0 +1,280 @@
+"""Paged decode attention: one query token per sequence against its paged KV history.
+
+Flash-decoding layout: the grid is ``(seq, kv_head, split)``. Each split walks a contiguous
+slice of the sequence's block table in chunks of ``pages_per_chunk`` pages, keeping an
+online-softmax state (running max ``m``, denominator ``l``, unnormalised accumulator) in
+fp32, and writes that partial state out. A small jnp epilogue merges the splits with a
+log-sum-exp combine. Splitting the context is what lets a handful of long sequences still
+occupy every SM; with many sequences one split is enough.
+
+All query heads that share a KV head are processed together (GQA), so each K/V tile is read
+once per group. The group is padded to a power of two >= 16 because Triton's ``dot`` needs
+that; the padded rows are dropped in the epilogue.
+
+Masking is by length with ``where`` (never by multiplying with a 0/1 mask, which would turn
+a NaN in an unused cache slot into a NaN output), and table entries past the last used page
+are replaced by page 0 of the same head, so the kernel never dereferences a block-table
+entry the sequence does not own.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
+from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
+
+# Target number of programs per launch when choosing the split count automatically
+# (about two waves on a 132-SM H100).
+_TARGET_PROGRAMS = 264
+_TARGET_CHUNK_TOKENS = 64
+
+
+def _decode_kernel(
+    layer_ref,  # [1] int32
+    lens_ref,  # [S] int32
+    tables_ref,  # [S, pages_padded] int32
+    q_ref,  # [Gp, D] block
+    k_ref,  # [L * Hkv * NB, bs, D] (whole cache, flattened over layer/head/block)
+    v_ref,
+    acc_ref,  # [Gp, D] fp32 block
+    m_ref,  # [Gp] fp32 block
+    l_ref,  # [Gp] fp32 block
+    *,
+    num_kv_heads: int,
+    num_blocks: int,
+    pages_per_chunk: int,
+    pages_per_split: int,
+    scale: float,
+):
+    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, block_size, head_dim = k_ref.shape
+    group = q_ref.shape[0]
+    chunk_tokens = pages_per_chunk * block_size
+    exact = q_ref.dtype == jnp.float32
+
+    ctx_len = lens_ref[seq]
+    base_page = (layer_ref[0] * num_kv_heads + head) * num_blocks
+    used_pages = (ctx_len + block_size - 1) // block_size
+    first_page = split * pages_per_split
+    last_page = jnp.minimum(first_page + pages_per_split, used_pages)
+    num_chunks = (jnp.maximum(last_page - first_page, 0) + pages_per_chunk - 1) // pages_per_chunk
+
+    q = q_ref[...]
+
+    def body(c, carry):
+        acc, m_prev, l_prev = carry
+        page0 = first_page + c * pages_per_chunk
+        page_pos = page0 + jnp.arange(pages_per_chunk, dtype=jnp.int32)
+        ids = tables_ref[seq, pl.ds(page0, pages_per_chunk)]
+        ids = jnp.where(page_pos < used_pages, ids, 0) + base_page
+        k = k_ref[ids].reshape(chunk_tokens, head_dim)
+        v = v_ref[ids].reshape(chunk_tokens, head_dim)
+        tok = page0 * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        valid = tok < ctx_len
+        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale
+        logits = jnp.where(valid[None, :], logits, MASK_VALUE)
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=-1)
+        pv = plgpu.dot(p.astype(v.dtype), v, allow_tf32=not exact)
+        return acc * correction[:, None] + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((group, head_dim), jnp.float32),
+        jnp.full((group,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((group,), jnp.float32),
+    )
+    acc, m, denom = lax.fori_loop(0, num_chunks, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = denom
+
+
+def _auto_splits(num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
+    return max(1, min(max_chunks, cdiv(_TARGET_PROGRAMS, num_seqs * num_kv_heads)))
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale", "num_splits", "pages_per_chunk", "num_warps", "num_stages", "interpret"
+    ),
+)
+def _decode_pallas(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    layer: jax.Array,
+    *,
+    scale: float,
+    num_splits: int | None,
+    pages_per_chunk: int | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> jax.Array:
+    k5, v5 = as_5d(k_cache), as_5d(v_cache)
+    num_layers, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
+    num_seqs, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    group_p = max(16, next_pow2(group))
+    max_pages = block_tables.shape[1]
+
+    if pages_per_chunk is None:
+        pages_per_chunk = max(1, _TARGET_CHUNK_TOKENS // block_size)
+        pages_per_chunk = min(pages_per_chunk, max(next_pow2(max_pages), cdiv(16, block_size)))
+    if pages_per_chunk * block_size < 16 or next_pow2(pages_per_chunk) != pages_per_chunk:
+        raise ValueError("pages_per_chunk must be a power of two covering >= 16 tokens")
+    max_chunks = cdiv(max_pages, pages_per_chunk)
+    splits = num_splits or _auto_splits(num_seqs, num_kv_heads, max_chunks)
+    splits = max(1, min(splits, max_chunks))
+    pages_per_split = cdiv(max_chunks, splits) * pages_per_chunk
+    padded_pages = pages_per_split * splits
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+    flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
+
+    kernel = functools.partial(
+        _decode_kernel,
+        num_kv_heads=num_kv_heads,
+        num_blocks=num_blocks,
+        pages_per_chunk=pages_per_chunk,
+        pages_per_split=pages_per_split,
+        scale=float(scale),
+    )
+    whole = pl.no_block_spec
+    acc, m, denom = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, splits),
+        in_specs=[
+            whole,
+            whole,
+            whole,
+            pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, p: (s, h, 0, 0)),
+            whole,
+            whole,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, group_p, head_dim), lambda s, h, p: (p, s, h, 0, 0)),
+            pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
+            pl.BlockSpec((None, None, None, group_p), lambda s, h, p: (p, s, h, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group_p, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group_p), jnp.float32),
+            jax.ShapeDtypeStruct((splits, num_seqs, num_kv_heads, group_p), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=triton_params(num_warps, num_stages),
+        name=f"paged_decode_g{group_p}_c{pages_per_chunk}x{block_size}",
+    )(
+        layer.reshape(1),
+        context_lens.astype(jnp.int32),
+        tables,
+        qg,
+        k5.reshape(flat_shape),
+        v5.reshape(flat_shape),
+    )
+    out = combine_splits(acc, m, denom)[:, :, :group]
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, lsum: jax.Array) -> jax.Array:
+    """Merge flash-decoding partials along axis 0; rows that saw no token become 0."""
+    m_max = m.max(axis=0)
+    w = jnp.exp(m - m_max[None])
+    denom = (w * lsum).sum(axis=0)
+    num = (w[..., None] * acc).sum(axis=0)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    return jnp.where(denom[..., None] > 0, num / safe[..., None], 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_decode_attention_ref(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    layer: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Pure-jnp reference: gather dense K/V through the block table, masked fp32 softmax."""
+    k5, v5 = as_5d(k_cache), as_5d(v_cache)
+    _, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
+    num_seqs, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    tables = jnp.clip(block_tables, 0, num_blocks - 1)
+    kl = lax.dynamic_index_in_dim(k5, layer, 0, keepdims=False)
+    vl = lax.dynamic_index_in_dim(v5, layer, 0, keepdims=False)
+    # [Hkv, S, pages, bs, D] -> [S, Hkv, T, D]
+    k = kl[:, tables].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(1, 0, 2, 3)
+    v = vl[:, tables].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(1, 0, 2, 3)
+    valid = jnp.arange(k.shape[2])[None, :] < context_lens[:, None]  # [S, T]
+    k = jnp.where(valid[:, None, :, None], k.astype(jnp.float32), 0.0)
+    v = jnp.where(valid[:, None, :, None], v.astype(jnp.float32), 0.0)
+    qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
+    logits = jnp.einsum("shgd,shtd->shgt", qg, k, precision=lax.Precision.HIGHEST) * scale
+    logits = jnp.where(valid[:, None, None, :], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("shgt,shtd->shgd", probs, v, precision=lax.Precision.HIGHEST)
+    out = jnp.where((context_lens > 0)[:, None, None, None], out, 0.0)
+    return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_decode_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    block_tables: jax.Array,
+    context_lens: jax.Array,
+    *,
+    scale: float,
+    layer: int | jax.Array | None = None,
+    backend: str | None = None,
+    num_splits: int | None = None,
+    pages_per_chunk: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Attention of one new query token per sequence over its paged context.
+
+    Args:
+      q: ``[num_seqs, num_q_heads, head_dim]``.
+      k_cache, v_cache: ``[num_layers, Hkv, num_blocks, block_size, head_dim]`` (or 4-D for
+        a single layer).
+      block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids.
+      context_lens: ``[num_seqs]`` int32; 0 marks a padding row (output zeros).
+      scale: softmax scale, usually ``head_dim ** -0.5``.
+      layer: python int or traced int32 scalar selecting the cache layer.
+      backend: "pallas", "xla" or None (auto, see :mod:`pallas_kernels.backend`).
+      num_splits: flash-decoding partitions of the context (None: fill the GPU).
+    Returns:
+      ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.
+    """
+    lay = layer_arg(k_cache, layer)
+    if q.shape[1] % k_cache.shape[-4]:
+        raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+    if resolve_backend(backend) == "xla":
+        return paged_decode_attention_ref(
+            q, k_cache, v_cache, block_tables, context_lens, lay, scale=float(scale)
+        )
+    return _decode_pallas(
+        q, k_cache, v_cache, block_tables, context_lens, lay,
+        scale=float(scale), num_splits=num_splits, pages_per_chunk=pages_per_chunk,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret_mode(),
+    )

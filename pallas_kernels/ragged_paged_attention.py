@@ -1,0 +1,310 @@
+"""Ragged paged attention: decode rows and prefill chunks of many sequences in one launch.
+
+The flat query batch is cut into *work items*: runs of up to ``block_q`` consecutive query
+tokens of one sequence. The item list is computed with a few jnp ops from ``cu_q_lens``
+(static length ``num_tokens // block_q + min(max_seqs, num_tokens)``, an upper bound on the
+number of items, so shapes stay static); surplus items have zero rows and return at once.
+The grid is ``(kv_head, item)``. One program loads its ``block_q`` tokens times the padded
+GQA group as a single ``[block_q * group_p, head_dim]`` tile (rows ordered token-major),
+walks the sequence's block table up to its last query's position with an online softmax,
+and stores only its valid rows. Query token ``i`` of a sequence with ``q_len`` new tokens
+and ``kv_len`` total tokens sits at position ``kv_len - q_len + i`` and sees positions
+``<=`` its own, so a decode row is simply an item with one token.
+
+The output buffer is a zero-filled input aliased to the output: rows no item owns (padding
+beyond ``cu_q_lens[num_seqs]``) therefore stay exactly zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
+from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
+
+_TARGET_ROWS = 64
+_TARGET_CHUNK_TOKENS = 64
+_XLA_BLOCK_Q = 32
+
+
+def work_items(
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    num_tokens: int,
+    block_q: int,
+) -> jax.Array:
+    """Split every live sequence's query run into items of ``<= block_q`` tokens.
+
+    Returns int32 ``[4, num_items]``: sequence id, first flat query row, number of valid
+    rows (0 for surplus items) and the cache position of the item's first query token.
+    """
+    max_seqs = kv_lens.shape[0]
+    cu = cu_q_lens.astype(jnp.int32)
+    live = jnp.arange(max_seqs) < num_seqs
+    q_lens = jnp.where(live, cu[1 : max_seqs + 1] - cu[:max_seqs], 0)
+    blocks = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(blocks)
+    starts = ends - blocks
+    num_items = num_tokens // block_q + min(max_seqs, num_tokens)
+    i = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(ends, i, side="right"), 0, max_seqs - 1).astype(jnp.int32)
+    j = i - starts[seq]
+    valid = i < ends[-1]
+    n_rows = jnp.where(valid, jnp.minimum(block_q, q_lens[seq] - j * block_q), 0)
+    q_start = jnp.where(valid, cu[seq] + j * block_q, 0)
+    pos0 = jnp.where(valid, kv_lens[seq] - q_lens[seq] + j * block_q, 0)
+    return jnp.stack([seq, q_start, n_rows, pos0]).astype(jnp.int32)
+
+
+def _ragged_kernel(
+    layer_ref,  # [1]
+    items_ref,  # [4, num_items]
+    tables_ref,  # [max_seqs, pages_padded]
+    q_ref,  # [Hkv, (T + block_q) * group_p, D]
+    k_ref,  # [L * Hkv * NB, bs, D]
+    v_ref,
+    out_in_ref,  # aliased with out_ref
+    out_ref,  # [Hkv, (T + block_q) * group_p, D]
+    *,
+    num_kv_heads: int,
+    num_blocks: int,
+    group_p: int,
+    block_q: int,
+    pages_per_chunk: int,
+    scale: float,
+):
+    del out_in_ref
+    head, item = pl.program_id(0), pl.program_id(1)
+    _, block_size, head_dim = k_ref.shape
+    rows = block_q * group_p
+    chunk_tokens = pages_per_chunk * block_size
+    exact = q_ref.dtype == jnp.float32
+
+    seq = items_ref[0, item]
+    q_start = items_ref[1, item]
+    n_rows = items_ref[2, item]
+    pos0 = items_ref[3, item]
+    kv_end = jnp.where(n_rows > 0, pos0 + n_rows, 0)
+    used_pages = (kv_end + block_size - 1) // block_size
+    num_chunks = (used_pages + pages_per_chunk - 1) // pages_per_chunk
+    base_page = (layer_ref[0] * num_kv_heads + head) * num_blocks
+
+    row_slice = pl.ds(q_start * group_p, rows)
+    q = q_ref[head, row_slice, :]
+    tok = jnp.arange(rows, dtype=jnp.int32) // group_p
+    q_pos = pos0 + tok
+    row_valid = tok < n_rows
+
+    def body(c, carry):
+        acc, m_prev, l_prev = carry
+        page0 = c * pages_per_chunk
+        page_pos = page0 + jnp.arange(pages_per_chunk, dtype=jnp.int32)
+        ids = tables_ref[seq, pl.ds(page0, pages_per_chunk)]
+        ids = jnp.where(page_pos < used_pages, ids, 0) + base_page
+        k = k_ref[ids].reshape(chunk_tokens, head_dim)
+        v = v_ref[ids].reshape(chunk_tokens, head_dim)
+        kv_pos = page0 * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        in_range = kv_pos < kv_end
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale
+        logits = jnp.where(visible, logits, MASK_VALUE)
+        v = jnp.where(in_range[:, None], v, jnp.zeros_like(v))
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=-1)
+        pv = plgpu.dot(p.astype(v.dtype), v, allow_tf32=not exact)
+        return acc * correction[:, None] + pv, m_next, l_next
+
+    init = (
+        jnp.zeros((rows, head_dim), jnp.float32),
+        jnp.full((rows,), jnp.finfo(jnp.float32).min, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+    acc, _, denom = lax.fori_loop(0, num_chunks, body, init)
+    l_safe = jnp.where(denom > 0, denom, 1.0)
+    out = (acc / l_safe[:, None]).astype(out_ref.dtype)
+    plgpu.store(out_ref.at[head, row_slice, :], out, mask=row_valid[:, None])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale", "block_q", "pages_per_chunk", "num_warps", "num_stages", "interpret"
+    ),
+)
+def _ragged_pallas(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    layer: jax.Array,
+    *,
+    scale: float,
+    block_q: int | None,
+    pages_per_chunk: int | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+) -> jax.Array:
+    k5, v5 = as_5d(k_cache), as_5d(v_cache)
+    num_layers, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
+    num_tokens, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    group_p = next_pow2(group)
+    if block_q is None:
+        block_q = max(1, _TARGET_ROWS // group_p)
+    if block_q * group_p < 16 or next_pow2(block_q) != block_q:
+        raise ValueError("block_q must be a power of two with block_q * group_p >= 16")
+    max_pages = block_tables.shape[1]
+    if pages_per_chunk is None:
+        pages_per_chunk = max(1, _TARGET_CHUNK_TOKENS // block_size)
+        pages_per_chunk = min(pages_per_chunk, max(next_pow2(max_pages), cdiv(16, block_size)))
+    padded_pages = cdiv(max_pages, pages_per_chunk) * pages_per_chunk
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
+
+    items = work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q)
+    num_items = items.shape[1]
+    padded_tokens = num_tokens + block_q
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qg = jnp.pad(qg, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
+    qg = qg.transpose(1, 0, 2, 3).reshape(num_kv_heads, padded_tokens * group_p, head_dim)
+    out_init = jnp.zeros_like(qg)
+    flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
+
+    kernel = functools.partial(
+        _ragged_kernel,
+        num_kv_heads=num_kv_heads,
+        num_blocks=num_blocks,
+        group_p=group_p,
+        block_q=block_q,
+        pages_per_chunk=pages_per_chunk,
+        scale=float(scale),
+    )
+    whole = pl.no_block_spec
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_kv_heads, num_items),
+        in_specs=[whole] * 7,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
+        input_output_aliases={6: 0},
+        interpret=interpret,
+        compiler_params=triton_params(num_warps, num_stages),
+        name=f"ragged_paged_attention_q{block_q}_g{group_p}_c{pages_per_chunk}x{block_size}",
+    )(layer.reshape(1), items, tables, qg, k5.reshape(flat_shape), v5.reshape(flat_shape),
+      out_init)
+    out = out.reshape(num_kv_heads, padded_tokens, group_p, head_dim).transpose(1, 0, 2, 3)
+    return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q"))
+def ragged_paged_attention_ref(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    layer: jax.Array,
+    *,
+    scale: float,
+    block_q: int = _XLA_BLOCK_Q,
+) -> jax.Array:
+    """Pure-jnp reference: per work item, gather dense K/V, causal masked fp32 softmax.
+
+    Working per item (not per token) keeps the gathered K/V at
+    ``num_items x context`` instead of ``num_tokens x context``, which is what makes this
+    path usable as the CPU engine's attention.
+    """
+    k5, v5 = as_5d(k_cache), as_5d(v_cache)
+    _, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
+    num_tokens, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    seq, q_start, n_rows, pos0 = work_items(cu_q_lens, kv_lens, num_seqs, num_tokens, block_q)
+    num_items = seq.shape[0]
+
+    tok = jnp.arange(block_q, dtype=jnp.int32)
+    rows = q_start[:, None] + tok[None, :]  # [I, bq]
+    row_valid = tok[None, :] < n_rows[:, None]
+    qi = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))[rows].astype(jnp.float32)
+    qi = qi.reshape(num_items, block_q, num_kv_heads, group, head_dim)
+
+    tables = jnp.clip(block_tables[seq], 0, num_blocks - 1)  # [I, pages]
+    kl = lax.dynamic_index_in_dim(k5, layer, 0, keepdims=False)
+    vl = lax.dynamic_index_in_dim(v5, layer, 0, keepdims=False)
+    k = kl[:, tables].reshape(num_kv_heads, num_items, -1, head_dim).transpose(1, 0, 2, 3)
+    v = vl[:, tables].reshape(num_kv_heads, num_items, -1, head_dim).transpose(1, 0, 2, 3)
+    kv_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
+    kv_end = jnp.where(n_rows > 0, pos0 + n_rows, 0)
+    in_range = kv_pos[None, :] < kv_end[:, None]  # [I, T]
+    k = jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0)
+    v = jnp.where(in_range[:, None, :, None], v.astype(jnp.float32), 0.0)
+    q_pos = pos0[:, None] + tok[None, :]  # [I, bq]
+    visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & in_range[:, None, :]
+
+    logits = jnp.einsum("iqhgd,ihtd->ihgqt", qi, k, precision=lax.Precision.HIGHEST) * scale
+    logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("ihgqt,ihtd->iqhgd", probs, v, precision=lax.Precision.HIGHEST)
+    out = out.reshape(num_items * block_q, num_q_heads, head_dim).astype(q.dtype)
+    dest = jnp.where(row_valid, rows, num_tokens).reshape(-1)
+    return jnp.zeros_like(q).at[dest].set(out, mode="drop")
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    *,
+    scale: float,
+    layer: int | jax.Array | None = None,
+    backend: str | None = None,
+    block_q: int | None = None,
+    pages_per_chunk: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> jax.Array:
+    """Causal attention for a flat batch of query tokens from many sequences.
+
+    Args:
+      q: ``[num_tokens, num_q_heads, head_dim]``; sequence ``s`` owns rows
+        ``cu_q_lens[s]:cu_q_lens[s + 1]``.
+      k_cache, v_cache: ``[num_layers, Hkv, num_blocks, block_size, head_dim]`` (or 4-D),
+        already holding the new tokens (written with ``write_kv``).
+      kv_lens: ``[max_seqs]`` int32 context lengths including the new tokens.
+      block_tables: ``[max_seqs, max_blocks_per_seq]`` int32.
+      cu_q_lens: ``[max_seqs + 1]`` int32 cumulative query lengths.
+      num_seqs: int32 scalar array, number of live sequences.
+    Returns:
+      ``[num_tokens, num_q_heads, head_dim]``; rows past ``cu_q_lens[num_seqs]`` are zero.
+    """
+    lay = layer_arg(k_cache, layer)
+    if q.shape[1] % k_cache.shape[-4]:
+        raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+    num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    if resolve_backend(backend) == "xla":
+        return ragged_paged_attention_ref(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
+            scale=float(scale),
+        )
+    return _ragged_pallas(
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
+        scale=float(scale), block_q=block_q, pages_per_chunk=pages_per_chunk,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret_mode(),
+    )

@@ -1,0 +1,53 @@
+"""Swap cache blocks between device memory and a host (numpy) pool.
+
+``swap_out`` gathers the requested blocks of every layer and head on device first, so the
+device-to-host transfer is one contiguous copy per cache rather than one per block.
+``swap_in`` sends the host blocks over once and scatters them with a donated, in-place
+update. Host arrays are ``[num_layers, Hkv, n, block_size, head_dim]`` (4-D caches give
+``[Hkv, n, block_size, head_dim]``), ready for ``host_pool[:, :, cpu_ids] = k_host``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.jit
+def _gather(k_cache, v_cache, block_ids):
+    axis = k_cache.ndim - 3
+    return jnp.take(k_cache, block_ids, axis=axis), jnp.take(v_cache, block_ids, axis=axis)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _scatter(k_cache, v_cache, k_blocks, v_blocks, block_ids):
+    idx = (slice(None),) * (k_cache.ndim - 3) + (block_ids,)
+    k_cache = k_cache.at[idx].set(k_blocks.astype(k_cache.dtype))
+    v_cache = v_cache.at[idx].set(v_blocks.astype(v_cache.dtype))
+    return k_cache, v_cache
+
+
+def swap_out(
+    k_cache: jax.Array, v_cache: jax.Array, block_ids: jax.Array | np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Copy blocks ``block_ids`` of both caches to host numpy arrays."""
+    ids = jnp.asarray(block_ids, jnp.int32)
+    k_blocks, v_blocks = _gather(k_cache, v_cache, ids)
+    k_host, v_host = jax.device_get((k_blocks, v_blocks))
+    return np.asarray(k_host), np.asarray(v_host)
+
+
+def swap_in(
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    k_host: np.ndarray,
+    v_host: np.ndarray,
+    block_ids: jax.Array | np.ndarray,
+) -> tuple[jax.Array, jax.Array]:
+    """Write host blocks back into device blocks ``block_ids``; the caches are donated."""
+    ids = jnp.asarray(block_ids, jnp.int32)
+    k_dev, v_dev = jax.device_put((k_host, v_host))
+    return _scatter(k_cache, v_cache, k_dev, v_dev, ids)
