@@ -1,0 +1,443 @@
+"""KV block manager: per-sequence block tables over a GPU pool and a CPU swap pool.
+
+Paper §4.2–4.5: logical blocks are filled left to right and mapped to
+physical blocks on demand; sharing (fork, prefix cache) is by ref count with
+copy-on-write on the block being written; preemption swaps whole groups to
+CPU or drops them for recomputation.
+
+Prefix caching: a full block is published under a chained key (parent entry,
+its tokens, extra keys) only by :meth:`BlockManager.mark_blocks_computed`,
+i.e. after the step that wrote its KV has finished, so no request can ever
+hit a block whose KV is still being computed.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedjax.core.block_pool import ROOT_SERIAL, BlockKey, BlockPool, CacheEntry
+from pagedjax.core.sequence import Sequence, SequenceGroup
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()  # fits now
+    LATER = enum.auto()  # fits once memory frees up
+    NEVER = enum.auto()  # larger than the whole cache: reject, never wait
+
+
+@dataclass
+class PrefixHandle:
+    """A registered (pinned) prefix; pins only blocks whose KV has been computed."""
+
+    handle_id: int
+    token_ids: tuple[int, ...]
+    extra: tuple
+    num_full_blocks: int
+    blocks: list[int] = field(default_factory=list)
+    chain: list[CacheEntry] = field(default_factory=list)
+    valid: bool = True
+
+    @property
+    def complete(self) -> bool:
+        """All full blocks of the prefix are pinned (its KV has been computed once)."""
+        return self.valid and len(self.blocks) == self.num_full_blocks
+
+
+class _SeqBlocks:
+    """Block-manager side state of one sequence."""
+
+    __slots__ = ("table", "on_cpu", "chain", "extra", "publish")
+
+    def __init__(self, table: list[int], chain: list[CacheEntry], extra: tuple) -> None:
+        self.table = table
+        self.on_cpu = False
+        self.chain = chain  # cache entries of the leading full blocks already published/found
+        self.extra = extra
+        self.publish = True  # False once the prefix cache was reset under this sequence
+
+
+class BlockManager:
+    """Owns all block tables; the scheduler asks it what fits and tells it what happened."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        block_size: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if num_gpu_blocks < 1:
+            raise ValueError("need at least one GPU block")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError("watermark must be in [0, 1)")
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        # Headroom kept free at admission so running decodes rarely preempt.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu = BlockPool(num_cpu_blocks, enable_caching=False)
+        self._seqs: dict[int, _SeqBlocks] = {}
+        self._handles: dict[int, PrefixHandle] = {}
+        self._pending_handles: set[int] = set()
+        self._pinned: Counter[int] = Counter()
+        self._handle_ids = itertools.count(1)
+
+    # -- helpers ----------------------------------------------------------
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _key(self, parent: CacheEntry | None, tokens: Iterable[int], extra: tuple) -> BlockKey:
+        if parent is None:
+            return BlockKey(ROOT_SERIAL, None, tuple(tokens), extra)
+        return BlockKey(parent.serial, parent.hash_value, tuple(tokens), extra)
+
+    def _lookup_prefix(self, seq: Sequence, extra: tuple) -> list[CacheEntry]:
+        """Longest chain of cached full blocks matching the sequence's tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[CacheEntry] = []
+        bs = self.block_size
+        parent = None
+        for i in range(seq.num_total_tokens // bs):
+            entry = self.gpu.lookup(
+                self._key(parent, seq.get_token_slice(i * bs, (i + 1) * bs), extra)
+            )
+            if entry is None:
+                break
+            hits.append(entry)
+            parent = entry
+        return hits
+
+    def _cached_len(self, seq: Sequence, num_hits: int) -> int:
+        # Leave at least one token to compute so the step yields logits.
+        return min(num_hits * self.block_size, seq.num_total_tokens - 1)
+
+    def _state(self, seq: Sequence) -> _SeqBlocks:
+        try:
+            return self._seqs[seq.seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq.seq_id} has no blocks") from None
+
+    # -- queries ----------------------------------------------------------
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self._seqs
+
+    def is_swapped(self, seq: Sequence) -> bool:
+        st = self._seqs.get(seq.seq_id)
+        return st is not None and st.on_cpu
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return list(self._state(seq).table)
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu.get_num_free()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu.get_num_free()
+
+    def usage(self) -> float:
+        """Fraction of GPU blocks referenced (evictable cached blocks count as free)."""
+        return self.gpu.get_num_used() / self.num_gpu_blocks
+
+    def get_num_cached_tokens(self, seq: Sequence, extra: tuple = (None, None)) -> int:
+        """Tokens of ``seq`` an allocation now would skip thanks to the prefix cache."""
+        hits = self._lookup_prefix(seq, extra)
+        return self._cached_len(seq, len(hits)) if hits else 0
+
+    # -- admission ----------------------------------------------------------
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        seqs = group.get_unfinished_seqs()
+        extra = group.extra_hash_keys
+        need = 0  # free-list blocks consumed (new blocks + revived cached blocks)
+        need_never = 0  # blocks needed ignoring transient sharing
+        for seq in seqs:
+            nblocks = self._num_blocks(seq.num_total_tokens)
+            hits = self._lookup_prefix(seq, extra)
+            revived = sum(1 for e in hits if self.gpu.ref_count(e.block_id) == 0)
+            pinned_hits = sum(1 for e in hits if self._pinned[e.block_id])
+            need += nblocks - len(hits) + revived
+            need_never += nblocks - pinned_hits
+        if len(seqs) == 1 and len(group.seqs) == 1 and group.n > 1:
+            # Children forked from this prompt each copy-on-write the last block.
+            need += group.n - 1
+            need_never += group.n - 1
+        capacity = self.num_gpu_blocks - self.watermark_blocks - len(self._pinned)
+        if need_never > capacity:
+            return AllocStatus.NEVER
+        if self.gpu.get_num_free() - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give every unfinished sequence blocks for all its tokens, reusing cached prefixes.
+
+        Sets ``num_computed_tokens`` to the cached length (Table 4.1).
+        """
+        extra = group.extra_hash_keys
+        for seq in group.get_unfinished_seqs():
+            if seq.seq_id in self._seqs:
+                raise ValueError(f"sequence {seq.seq_id} already has blocks")
+            hits = self._lookup_prefix(seq, extra)
+            table = []
+            for e in hits:  # take references first so allocation cannot evict a hit
+                self.gpu.incref(e.block_id)
+                table.append(e.block_id)
+            for _ in range(self._num_blocks(seq.num_total_tokens) - len(hits)):
+                table.append(self.gpu.allocate())
+            self._seqs[seq.seq_id] = _SeqBlocks(table, hits, extra)
+            seq.num_computed_tokens = self._cached_len(seq, len(hits)) if hits else 0
+
+    # -- growth -------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks ``append_slots(seq, num_new_tokens)`` would consume (new + CoW)."""
+        st = self._state(seq)
+        table = st.table
+        start = seq.num_computed_tokens
+        end_block = self._num_blocks(start + num_new_tokens)
+        need = max(0, end_block - len(table))
+        ref = self.gpu.ref_count
+        for i in range(start // self.block_size, min(end_block, len(table))):
+            if ref(table[i]) > 1:
+                need += 1
+        return need
+
+    def can_append_slots(self, group: SequenceGroup, num_tokens: int | None = None) -> bool:
+        """Whether every unfinished sequence can get ``num_tokens`` (default: its Δ) slots."""
+        need = 0
+        for seq in group.seqs:
+            if seq.status.is_finished:
+                continue
+            n = seq.num_uncomputed_tokens if num_tokens is None else num_tokens
+            need += self.blocks_needed(seq, n)
+        return need <= self.gpu.get_num_free()
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Ensure slots for the next ``num_new_tokens`` tokens; returns CoW (src, dst) copies."""
+        st = self._state(seq)
+        if st.on_cpu:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out")
+        table = st.table
+        gpu = self.gpu
+        start = seq.num_computed_tokens
+        end_block = self._num_blocks(start + num_new_tokens)
+        copies: list[tuple[int, int]] = []
+        for i in range(start // self.block_size, min(end_block, len(table))):
+            src = table[i]
+            if gpu.ref_count(src) > 1:  # shared: never write into it
+                dst = gpu.allocate()
+                gpu.decref(src)
+                table[i] = dst
+                copies.append((src, dst))
+        while len(table) < end_block:
+            table.append(gpu.allocate())
+        return copies
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """Child shares every block of the parent (paper §4.4 parallel sampling / beams)."""
+        st = self._state(parent_seq)
+        if st.on_cpu:
+            raise ValueError("cannot fork a swapped-out sequence")
+        if child_seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {child_seq.seq_id} already has blocks")
+        for b in st.table:
+            self.gpu.incref(b)
+        child = _SeqBlocks(list(st.table), list(st.chain), st.extra)
+        child.publish = st.publish
+        self._seqs[child_seq.seq_id] = child
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references, tail first so tail blocks are evicted first."""
+        st = self._seqs.pop(seq.seq_id, None)
+        if st is None:
+            return
+        pool = self.cpu if st.on_cpu else self.gpu
+        for b in reversed(st.table):
+            pool.decref(b)
+
+    # -- swapping -------------------------------------------------------------
+    def _group_states(self, group: SequenceGroup, on_cpu: bool) -> list[_SeqBlocks]:
+        out = []
+        for seq in group.seqs:
+            st = self._seqs.get(seq.seq_id)
+            if st is not None and st.on_cpu == on_cpu and not seq.status.is_finished:
+                out.append(st)
+        return out
+
+    @staticmethod
+    def _distinct_blocks(states: list[_SeqBlocks]) -> int:
+        return len({b for st in states for b in st.table})
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        """CPU room, and swapped blocks stay within the GPU pool size (paper §4.5 bound)."""
+        n = self._distinct_blocks(self._group_states(group, on_cpu=False))
+        return n <= self.cpu.get_num_free() and self.cpu.get_num_used() + n <= self.num_gpu_blocks
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's GPU blocks to CPU; a block shared inside the group is copied once."""
+        states = self._group_states(group, on_cpu=False)
+        if not self.can_swap_out(group):
+            raise RuntimeError("not enough CPU blocks to swap out")
+        mapping: dict[int, int] = {}
+        for st in states:
+            new_table = []
+            for b in st.table:
+                c = mapping.get(b)
+                if c is None:
+                    c = mapping[b] = self.cpu.allocate()
+                else:
+                    self.cpu.incref(c)
+                new_table.append(c)
+            for b in reversed(st.table):
+                self.gpu.decref(b)
+            st.table = new_table
+            st.on_cpu = True
+            st.chain = []  # blocks change on swap-in; republish from scratch
+        return list(mapping.items())
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        states = self._group_states(group, on_cpu=True)
+        # One spare block per sequence for the decode slot that follows.
+        need = self._distinct_blocks(states) + len(states)
+        return self.gpu.get_num_free() - need >= self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        states = self._group_states(group, on_cpu=True)
+        if self.gpu.get_num_free() < self._distinct_blocks(states):
+            raise RuntimeError("not enough GPU blocks to swap in")
+        mapping: dict[int, int] = {}
+        for st in states:
+            new_table = []
+            for c in st.table:
+                g = mapping.get(c)
+                if g is None:
+                    g = mapping[c] = self.gpu.allocate()
+                else:
+                    self.gpu.incref(g)
+                new_table.append(g)
+            for c in reversed(st.table):
+                self.cpu.decref(c)
+            st.table = new_table
+            st.on_cpu = False
+        return list(mapping.items())
+
+    # -- prefix cache -----------------------------------------------------------
+    def mark_blocks_computed(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Publish the sequence's full blocks whose KV is now written (call after the step)."""
+        if not self.enable_prefix_caching:
+            return
+        st = self._seqs.get(seq.seq_id)
+        if st is None or st.on_cpu or not st.publish:
+            return
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_computed_tokens
+        bs = self.block_size
+        n_full = min(num_computed_tokens // bs, len(st.table))
+        chain = st.chain
+        if len(chain) >= n_full:
+            return
+        parent = chain[-1] if chain else None
+        for i in range(len(chain), n_full):
+            if parent is not None and not parent.alive:
+                break  # children of an evicted entry would be unreachable
+            key = self._key(parent, seq.get_token_slice(i * bs, (i + 1) * bs), st.extra)
+            entry = self.gpu.register(st.table[i], key)
+            if entry is None:
+                break
+            chain.append(entry)
+            parent = entry
+        if self._pending_handles:
+            for hid in list(self._pending_handles):
+                self._try_pin(self._handles[hid])
+
+    def register_prefix(
+        self,
+        token_ids: Iterable[int],
+        *,
+        cache_salt: str | None = None,
+        model_id: str | None = None,
+    ) -> PrefixHandle:
+        """Pin the full blocks of a prefix so they are never evicted.
+
+        Only computed KV can be pinned: blocks already cached are pinned now and
+        the rest as soon as a request containing the prefix computes them
+        (``handle.complete`` tells). Release with :meth:`unpin`.
+        """
+        if not self.enable_prefix_caching:
+            raise ValueError("register_prefix requires enable_prefix_caching=True")
+        tokens = tuple(token_ids)
+        h = PrefixHandle(
+            next(self._handle_ids), tokens, (cache_salt, model_id), len(tokens) // self.block_size
+        )
+        self._handles[h.handle_id] = h
+        self._try_pin(h)
+        return h
+
+    def _try_pin(self, h: PrefixHandle) -> None:
+        bs = self.block_size
+        parent = h.chain[-1] if h.chain else None
+        while len(h.blocks) < h.num_full_blocks:
+            i = len(h.blocks)
+            entry = self.gpu.lookup(self._key(parent, h.token_ids[i * bs : (i + 1) * bs], h.extra))
+            if entry is None:
+                break
+            self.gpu.incref(entry.block_id)
+            self._pinned[entry.block_id] += 1
+            h.blocks.append(entry.block_id)
+            h.chain.append(entry)
+            parent = entry
+        if h.complete:
+            self._pending_handles.discard(h.handle_id)
+        else:
+            self._pending_handles.add(h.handle_id)
+
+    def unpin(self, handle: PrefixHandle) -> None:
+        h = self._handles.pop(handle.handle_id, None)
+        self._pending_handles.discard(handle.handle_id)
+        handle.valid = False
+        if h is None:
+            return
+        for b in reversed(h.blocks):
+            self._pinned[b] -= 1
+            if not self._pinned[b]:
+                del self._pinned[b]
+            self.gpu.decref(b)
+        h.blocks.clear()
+        h.chain.clear()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget all cached KV (e.g. new weights). Pinned prefixes are unpinned and invalidated.
+
+        Sequences holding blocks keep them but never publish them again, since
+        their KV may predate the reset; callers changing weights should also
+        preempt or abort running requests.
+        """
+        for h in list(self._handles.values()):
+            self.unpin(h)
+        self.gpu.reset_cache()
+        for st in self._seqs.values():
+            st.chain = []
+            st.publish = False
+
+    # -- checking -------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError if any accounting invariant is broken."""
+        gpu_refs: Counter[int] = Counter()
+        cpu_refs: Counter[int] = Counter()
+        for sid, st in self._seqs.items():
+            assert len(set(st.table)) == len(st.table), f"seq {sid}: block listed twice"
+            (cpu_refs if st.on_cpu else gpu_refs).update(st.table)
+        for h in self._handles.values():
+            gpu_refs.update(h.blocks)
+        assert sum(self._pinned.values()) == sum(len(h.blocks) for h in self._handles.values())
+        self.gpu.check_invariants(gpu_refs)
+        self.cpu.check_invariants(cpu_refs)
+        assert self.cpu.get_num_used() <= self.num_gpu_blocks, "swapped blocks exceed GPU pool"

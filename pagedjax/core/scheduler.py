@@ -1,0 +1,476 @@
+"""Iteration-level scheduler: every step schedules Δ tokens per sequence under a token budget.
+
+FCFS (paper §4.5, thesis Alg. 1): running groups first (decodes and unfinished
+prefill chunks), then swapped groups, then new admissions; new requests are
+not admitted while any group is swapped out or a preemption happened this
+step. SRTF (thesis Alg. 2 + §4.5.3): FIFO waiting -> staging queue (refilled in
+one batch only once empty) -> shortest-remaining-tokens over running+staging.
+
+When a running group cannot get blocks, the most recently arrived unscheduled
+group is preempted as a whole, by recomputation (KV dropped, back to the front
+of waiting) or by swapping to CPU (falling back to recompute when the CPU pool
+cannot take it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedjax.core.block_manager import AllocStatus, BlockManager
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+@dataclass(kw_only=True)
+class SchedulerConfig:
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = False
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    policy: str = "fcfs"  # "fcfs" | "srtf"
+    staging_size: int = 8  # thesis §4.5.3: 8 balances SRTF quality vs overhead
+
+    def __post_init__(self) -> None:
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
+        if self.policy not in ("fcfs", "srtf"):
+            raise ValueError(f"unknown policy {self.policy!r}")
+        if min(self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens) < 1:
+            raise ValueError("limits must be positive")
+        if self.staging_size < 1:
+            raise ValueError("staging_size must be >= 1")
+
+
+@dataclass
+class ScheduledSeq:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]  # the Δ tokens to compute this step
+    start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
+    block_table: list[int]  # full physical block table after allocation for this step
+    needs_logits: bool  # all known tokens computed after this step -> sample
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    scheduled_groups: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Runner order before the step: swap out, then swap in, then copies.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    rejected: list[SequenceGroup] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int  # waiting + staging
+    num_swapped: int
+    num_preemptions_total: int
+    num_rejected_total: int
+    kv_cache_usage: float
+    num_free_gpu_blocks: int
+
+
+class _Step:
+    """Mutable per-call state of ``schedule``."""
+
+    __slots__ = ("out", "budget", "num_seqs", "preempted")
+
+    def __init__(self, budget: int) -> None:
+        self.out = SchedulerOutput()
+        self.budget = budget
+        self.num_seqs = 0
+        self.preempted = False
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.staging: list[SequenceGroup] = []
+        self.running: list[SequenceGroup] = []
+        self.swapped: list[SequenceGroup] = []
+        self.num_preemptions_total = 0
+        self.num_rejected_total = 0
+        self._groups: dict[str, SequenceGroup] = {}
+        self._order: dict[str, int] = {}
+        self._counter = itertools.count()
+
+    # -- request lifecycle ---------------------------------------------------
+    def _priority(self, g: SequenceGroup) -> tuple[float, int]:
+        """Earlier arrival = higher priority; the largest key is preempted first."""
+        return (g.arrival_time, self._order[g.request_id])
+
+    def _why_impossible(self, group: SequenceGroup) -> str | None:
+        cfg = self.config
+        seqs = group.get_unfinished_seqs()
+        longest = max(s.num_total_tokens for s in seqs)
+        if longest > cfg.max_model_len:
+            return f"{longest} tokens exceed max_model_len={cfg.max_model_len}"
+        if not cfg.enable_chunked_prefill and longest > cfg.max_num_batched_tokens:
+            return (
+                f"prompt of {longest} tokens exceeds max_num_batched_tokens="
+                f"{cfg.max_num_batched_tokens} and chunked prefill is off"
+            )
+        if group.max_num_running_seqs() > cfg.max_num_seqs:
+            return f"needs {group.max_num_running_seqs()} sequences > max_num_seqs"
+        if self.bm.can_allocate(group) is AllocStatus.NEVER:
+            return "needs more KV blocks than the whole cache"
+        return None
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        """Queue a request; raises ValueError for one that could never be scheduled."""
+        if group.request_id in self._groups:
+            raise ValueError(f"duplicate request id {group.request_id!r}")
+        reason = self._why_impossible(group)
+        if reason is not None:
+            raise ValueError(f"request {group.request_id!r} rejected: {reason}")
+        for seq in group.get_unfinished_seqs():
+            seq.status = SequenceStatus.WAITING
+        self._groups[group.request_id] = group
+        self._order[group.request_id] = next(self._counter)
+        self.waiting.append(group)
+
+    def abort_seq_group(self, request_id: str) -> bool:
+        """Abort and free a request wherever it is queued; safe between steps."""
+        g = self._groups.pop(request_id, None)
+        if g is None:
+            return False
+        self._order.pop(request_id, None)
+        for seq in g.seqs:
+            if not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            self.bm.free(seq)
+        for q in (self.running, self.staging, self.swapped, self.waiting):
+            try:
+                q.remove(g)
+                break
+            except ValueError:
+                pass
+        return True
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.staging or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.staging) + len(self.running) + len(self.swapped)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        """Share the parent's blocks with a child the engine adds to the same group."""
+        self.bm.fork(parent, child)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.bm.free(seq)
+
+    def free_finished_seq_groups(self) -> list[SequenceGroup]:
+        """Release blocks of finished sequences; returns the groups that completed."""
+        done: list[SequenceGroup] = []
+        keep: list[SequenceGroup] = []
+        for g in self.running:
+            for seq in g.seqs:
+                if seq.status.is_finished:
+                    self.bm.free(seq)
+            if g.is_finished():
+                done.append(g)
+                self._groups.pop(g.request_id, None)
+                self._order.pop(g.request_id, None)
+            else:
+                keep.append(g)
+        self.running = keep
+        return done
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + len(self.staging),
+            num_swapped=len(self.swapped),
+            num_preemptions_total=self.num_preemptions_total,
+            num_rejected_total=self.num_rejected_total,
+            kv_cache_usage=self.bm.usage(),
+            num_free_gpu_blocks=self.bm.get_num_free_gpu_blocks(),
+        )
+
+    # -- step ----------------------------------------------------------------
+    def update_after_step(self, output: SchedulerOutput) -> None:
+        """The step ran: advance num_computed_tokens and publish newly full blocks."""
+        done = {s.seq_id: len(s.token_ids) for s in output.scheduled}
+        for g in output.scheduled_groups:
+            for seq in g.seqs:
+                n = done.get(seq.seq_id)
+                if n is None or seq.status.is_finished:  # e.g. aborted meanwhile
+                    continue
+                seq.num_computed_tokens += n
+                self.bm.mark_blocks_computed(seq, seq.num_computed_tokens)
+
+    def schedule(self) -> SchedulerOutput:
+        st = _Step(self.config.max_num_batched_tokens)
+        if self.config.policy == "fcfs":
+            self._schedule_running(st, sorted(self.running, key=self._priority), [])
+            self._schedule_swapped(st)
+            if not self.swapped and not st.preempted:
+                self._schedule_waiting_fcfs(st)
+        else:
+            self._schedule_srtf(st)
+        return st.out
+
+    # -- pieces ----------------------------------------------------------------
+    def _plan(
+        self, g: SequenceGroup, budget: int, allow_chunk: bool
+    ) -> list[tuple[Sequence, int]] | None:
+        """Per-sequence Δ within the budget; None if it must run whole and does not fit."""
+        plan: list[tuple[Sequence, int]] = []
+        for seq in g.seqs:
+            if seq.status.is_finished:
+                continue
+            d = seq.num_uncomputed_tokens
+            if d <= 0:
+                continue
+            if d > budget:
+                if not allow_chunk:
+                    return None
+                d = budget
+            if d == 0:
+                break
+            plan.append((seq, d))
+            budget -= d
+        return plan
+
+    def _emit(self, st: _Step, g: SequenceGroup, plan: list[tuple[Sequence, int]]) -> None:
+        out = st.out
+        bm = self.bm
+        for seq, d in plan:
+            out.blocks_to_copy.extend(bm.append_slots(seq, d))
+            start = seq.num_computed_tokens
+            end = start + d
+            out.scheduled.append(
+                ScheduledSeq(
+                    seq_id=seq.seq_id,
+                    request_id=g.request_id,
+                    token_ids=seq.get_token_slice(start, end),
+                    start_pos=start,
+                    block_table=bm.get_block_table(seq),
+                    needs_logits=end == seq.num_total_tokens,
+                )
+            )
+            st.budget -= d
+            out.num_batched_tokens += d
+        st.num_seqs += len(plan)
+        out.scheduled_groups.append(g)
+
+    def _fits_blocks(self, g: SequenceGroup, plan: list[tuple[Sequence, int]]) -> bool:
+        need = sum(self.bm.blocks_needed(seq, d) for seq, d in plan)
+        return need <= self.bm.get_num_free_gpu_blocks()
+
+    def _schedule_one_running(
+        self, st: _Step, g: SequenceGroup, victims: deque[SequenceGroup] | _VictimPool
+    ) -> bool | None:
+        """Schedule a running group, preempting from ``victims`` (tail = lowest priority).
+
+        Returns True if scheduled, False if left unscheduled this step, None if
+        the group itself was preempted.
+        """
+        if st.budget <= 0:
+            return False
+        plan = self._plan(g, st.budget, allow_chunk=True)
+        if not plan or st.num_seqs + len(plan) > self.config.max_num_seqs:
+            return False
+        while not self._fits_blocks(g, plan):
+            if victims:
+                self._preempt(st, victims.pop())
+            else:
+                self._preempt(st, g)
+                return None
+        self._emit(st, g, plan)
+        return True
+
+    def _schedule_running(
+        self, st: _Step, ordered: list[SequenceGroup], keep: list[SequenceGroup]
+    ) -> None:
+        """FCFS over running groups in priority order; the tail serves as the victim pool."""
+        queue = deque(ordered)  # popping from the right takes the latest unscheduled arrival
+        while queue:
+            g = queue.popleft()
+            res = self._schedule_one_running(st, g, queue)
+            if res is not None:
+                keep.append(g)
+        self.running = keep
+
+    def _preempt(self, st: _Step, g: SequenceGroup) -> None:
+        seqs = g.get_unfinished_seqs()
+        mode = self.config.preemption_mode
+        if len(seqs) > 1:
+            # Sequences of one group share blocks; recomputing them separately
+            # would duplicate the shared prefix, so prefer swapping.
+            mode = "swap"
+        if mode == "swap" and self.bm.can_swap_out(g):
+            st.out.blocks_to_swap_out.extend(self.bm.swap_out(g))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(g)
+        else:
+            for seq in seqs:
+                self.bm.free(seq)
+                seq.reset_for_recompute()
+            self.waiting.appendleft(g)
+        st.preempted = True
+        st.out.preempted.append(g.request_id)
+        self.num_preemptions_total += 1
+
+    def _schedule_swapped(self, st: _Step) -> None:
+        if not self.swapped or st.preempted:
+            return
+        self.swapped.sort(key=self._priority)
+        while self.swapped:
+            g = self.swapped[0]
+            plan_n = g.num_unfinished
+            if st.num_seqs + plan_n > self.config.max_num_seqs or st.budget < plan_n:
+                break
+            if not self.bm.can_swap_in(g):
+                break
+            self.swapped.pop(0)
+            st.out.blocks_to_swap_in.extend(self.bm.swap_in(g))
+            for seq in g.get_unfinished_seqs():
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(g)
+            plan = self._plan(g, st.budget, allow_chunk=True)
+            if plan:
+                self._emit(st, g, plan)
+
+    def _reject(self, st: _Step, g: SequenceGroup) -> None:
+        for seq in g.seqs:
+            if not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_IGNORED
+        self._groups.pop(g.request_id, None)
+        self._order.pop(g.request_id, None)
+        st.out.rejected.append(g)
+        self.num_rejected_total += 1
+
+    def _try_admit(self, st: _Step, g: SequenceGroup) -> str:
+        """Admit one waiting/staged group. Returns "ok", "reject", "later" or "skip"."""
+        cfg = self.config
+        if st.num_seqs + g.max_num_running_seqs() > cfg.max_num_seqs:
+            return "skip"
+        status = self.bm.can_allocate(g)
+        if status is AllocStatus.NEVER or any(
+            s.num_total_tokens > cfg.max_model_len for s in g.get_unfinished_seqs()
+        ):
+            return "reject"
+        if status is AllocStatus.LATER:
+            return "later"
+        if st.budget <= 0:
+            return "skip"
+        extra = g.extra_hash_keys
+        seqs = g.get_unfinished_seqs()
+        delta = sum(s.num_total_tokens - self.bm.get_num_cached_tokens(s, extra) for s in seqs)
+        # Without chunked prefill a prompt runs whole; a recompute longer than
+        # the whole budget (prompt + outputs) is the one exception, chunked so
+        # it cannot block forever.
+        allow_chunk = cfg.enable_chunked_prefill or delta > cfg.max_num_batched_tokens
+        if not allow_chunk and delta > st.budget:
+            return "skip"
+        self.bm.allocate(g)
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+        plan = self._plan(g, st.budget, allow_chunk=True)
+        if plan:
+            self._emit(st, g, plan)
+        return "ok"
+
+    def _schedule_waiting_fcfs(self, st: _Step) -> None:
+        while self.waiting:
+            g = self.waiting[0]
+            res = self._try_admit(st, g)
+            if res == "reject":
+                self.waiting.popleft()
+                self._reject(st, g)
+            elif res == "ok":
+                self.waiting.popleft()
+                self.running.append(g)
+            else:
+                break
+
+    def _schedule_srtf(self, st: _Step) -> None:
+        """Two-level scheduling (thesis Alg. 2 + §4.5.3).
+
+        Starvation-free: staging refills only once every staged request was
+        admitted, so later arrivals cannot overtake a staged request forever.
+        Prefix-cache hits of staged requests are refreshed once per step (not
+        after every pick as in Alg. 2): blocks become hittable only after the
+        step that computes them, so an in-step refresh could find nothing new.
+        """
+        if not self.staging:
+            while self.waiting and len(self.staging) < self.config.staging_size:
+                self.staging.append(self.waiting.popleft())
+        cands: list[tuple[tuple, int, SequenceGroup]] = []
+        for g in self.running:
+            key = (g.num_uncomputed_tokens(), g.remaining_output_estimate(), *self._priority(g))
+            cands.append((key, 0, g))
+        if not self.swapped:
+            for g in self.staging:
+                extra = g.extra_hash_keys
+                delta = sum(
+                    s.num_total_tokens - self.bm.get_num_cached_tokens(s, extra)
+                    for s in g.get_unfinished_seqs()
+                )
+                key = (delta, g.remaining_output_estimate(), *self._priority(g))
+                cands.append((key, 1, g))
+        cands.sort(key=lambda c: c[0])
+
+        pool = _VictimPool(sorted(self.running, key=self._priority))
+        keep: list[SequenceGroup] = []
+        for _, kind, g in cands:
+            if kind == 0:
+                if pool.taken(g):  # preempted earlier in this step
+                    continue
+                pool.take(g)
+                if self._schedule_one_running(st, g, pool) is not None:
+                    keep.append(g)
+            elif not st.preempted and not self.swapped:
+                res = self._try_admit(st, g)
+                if res == "ok":
+                    self.staging.remove(g)
+                    keep.append(g)
+                elif res == "reject":
+                    self.staging.remove(g)
+                    self._reject(st, g)
+        self.running = keep
+        self._schedule_swapped(st)
+
+
+class _VictimPool:
+    """Running groups by priority; ``pop`` yields the latest arrival not yet taken."""
+
+    def __init__(self, ordered: list[SequenceGroup]) -> None:
+        self._q = list(ordered)
+        self._taken: set[int] = set()
+
+    def take(self, g: SequenceGroup) -> None:
+        self._taken.add(id(g))
+
+    def taken(self, g: SequenceGroup) -> bool:
+        return id(g) in self._taken
+
+    def _trim(self) -> None:
+        while self._q and id(self._q[-1]) in self._taken:
+            self._q.pop()
+
+    def __bool__(self) -> bool:
+        self._trim()
+        return bool(self._q)
+
+    def pop(self) -> SequenceGroup:
+        self._trim()
+        g = self._q.pop()
+        self._taken.add(id(g))
+        return g

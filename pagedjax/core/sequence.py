@@ -1,0 +1,204 @@
+"""Request/sequence state for the host-side scheduler.
+
+Progress of every sequence is two integers (thesis §4.4, Table 4.1):
+``num_computed_tokens`` (tokens whose KV is in the cache) and
+``num_total_tokens`` (prompt + generated). The scheduler only ever moves
+``num_computed_tokens``; the engine grows ``num_total_tokens`` by appending
+sampled tokens.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+
+class SequenceStatus(enum.Enum):
+    """Lifecycle of one sequence; the FINISHED_* states are terminal."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # rejected by the scheduler (can never fit)
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        SequenceStatus.FINISHED_STOPPED,
+        SequenceStatus.FINISHED_LENGTH,
+        SequenceStatus.FINISHED_ABORTED,
+        SequenceStatus.FINISHED_IGNORED,
+    }
+)
+
+
+class Sequence:
+    """One token stream (a prompt plus its generated continuation)."""
+
+    __slots__ = (
+        "seq_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "output_logprobs",
+        "num_computed_tokens",
+        "cumulative_logprob",
+        "status",
+    )
+
+    def __init__(self, seq_id: int, prompt_token_ids: Iterable[int]) -> None:
+        self.seq_id = seq_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError("a sequence needs at least one prompt token")
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.cumulative_logprob = 0.0
+        self.status = SequenceStatus.WAITING
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_total_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Δ_max of thesis Alg. 1: what may be scheduled next."""
+        return self.num_total_tokens - self.num_computed_tokens
+
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) without materialising the whole list (decode hot path)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_token(self, token_id: int, logprob: float = 0.0) -> None:
+        self.output_token_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.cumulative_logprob += logprob
+
+    def fork(self, new_seq_id: int) -> Sequence:
+        """Child for n>1 sampling / beam search; shares history, KV shared via BlockManager.fork."""
+        child = Sequence(new_seq_id, self.prompt_token_ids)
+        child.output_token_ids = list(self.output_token_ids)
+        child.output_logprobs = list(self.output_logprobs)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.cumulative_logprob = self.cumulative_logprob
+        child.status = self.status
+        return child
+
+    def reset_for_recompute(self) -> None:
+        """Preemption by recomputation (Table 4.1): forget all KV."""
+        self.num_computed_tokens = 0
+        self.status = SequenceStatus.WAITING
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_total_tokens})"
+        )
+
+
+class SequenceGroup:
+    """Sequences of one request; scheduled, preempted and swapped all-or-nothing (paper §4.5).
+
+    ``max_tokens`` feeds SRTF remaining-work estimates; ``n`` (samples or beam
+    width) lets admission reserve room for the children that will be forked.
+    ``cache_salt``/``model_id`` isolate prefix-cache entries between tenants or
+    weights/adapters: they are part of every block hash.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        arrival_time: float,
+        *,
+        max_tokens: int | None = None,
+        n: int = 1,
+        cache_salt: str | None = None,
+        model_id: str | None = None,
+    ) -> None:
+        if not seqs:
+            raise ValueError("a sequence group needs at least one sequence")
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        self.request_id = request_id
+        self.seqs: list[Sequence] = list(seqs)
+        self.arrival_time = arrival_time
+        self.max_tokens = max_tokens
+        self.n = n
+        self.cache_salt = cache_salt
+        self.model_id = model_id
+
+    @property
+    def extra_hash_keys(self) -> tuple:
+        """Mixed into block hashes so different salts/models never share KV."""
+        return (self.cache_salt, self.model_id)
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [s for s in self.seqs if s.status is status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.is_finished]
+
+    def add(self, seq: Sequence) -> None:
+        self.seqs.append(seq)
+
+    def remove(self, seq_id: int) -> None:
+        self.seqs = [s for s in self.seqs if s.seq_id != seq_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return sum(1 for s in self.seqs if not s.status.is_finished)
+
+    def is_finished(self) -> bool:
+        return all(s.status.is_finished for s in self.seqs)
+
+    def max_num_running_seqs(self) -> int:
+        """Seq slots to reserve: a lone prompt will be forked into ``n`` children."""
+        unfinished = self.num_unfinished
+        if len(self.seqs) == 1 and unfinished == 1:
+            return self.n
+        return unfinished
+
+    def num_uncomputed_tokens(self) -> int:
+        return sum(s.num_uncomputed_tokens for s in self.seqs if not s.status.is_finished)
+
+    def remaining_output_estimate(self) -> int:
+        """Tokens still to generate (upper bound), used as the SRTF tie-breaker."""
+        if self.max_tokens is None:
+            return 0
+        outs = [s.num_output_tokens for s in self.seqs if not s.status.is_finished]
+        return max(0, self.max_tokens - max(outs, default=0))
+
+    def __repr__(self) -> str:
+        return f"SequenceGroup({self.request_id!r}, seqs={self.seqs})"
