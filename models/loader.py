@@ -1,0 +1,55 @@
+"""One entry point for every model source: demo alias, GGUF file, HF directory, checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from models.checkpoint import is_checkpoint, load_checkpoint
+from models.config import LlamaConfig
+from models.demo import DEMO_ALIASES, ensure_demo_model
+from models.gguf_loader import load_gguf
+from models.hf_loader import load_hf_dir
+
+DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "bfloat16": jnp.bfloat16,
+          "bf16": jnp.bfloat16, "float16": jnp.float16, "fp16": jnp.float16}
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    if dtype is None or dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} not supported; choose from {sorted(DTYPES)}")
+        return DTYPES[dtype]
+    return jnp.dtype(dtype)
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    """Demo aliases resolve to the cached (fetched if needed) demo GGUF."""
+    if str(model) in DEMO_ALIASES:
+        return ensure_demo_model()
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model {str(model)!r} is neither a path nor a known alias {DEMO_ALIASES}")
+    return path
+
+
+def load_model(model: str | Path, dtype=None) -> tuple[LlamaConfig, dict, Path]:
+    """Returns (config, params, resolved path)."""
+    path = resolve_model_path(model)
+    dt = resolve_dtype(dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        config, params = load_gguf(path, dt)
+    elif path.is_dir() and is_checkpoint(path):
+        config, params = load_checkpoint(path)
+        params = jax.tree.map(lambda x: x.astype(dt), params)
+    elif path.is_dir() and (path / "config.json").is_file():
+        config, params = load_hf_dir(path, dt)
+    else:
+        raise ValueError(f"don't know how to load {path}: expected a .gguf file, an HF directory "
+                         "with config.json, or a `pagedjax convert` checkpoint")
+    return config, params, path
