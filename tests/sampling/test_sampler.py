@@ -265,3 +265,24 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
             assert toks[0] == eos and toks[2] == eos
     meta = meta_for(params[:1], [st([5] * 3)], pad_to=1, eos_token_id=eos)
     assert meta.banned_token_ids.shape[1] == 0  # nothing banned once reached
+
+
+def test_unseeded_rows_follow_engine_seed_and_request_counter() -> None:
+    logits = np.zeros((4, V), np.float32)
+    params = [SamplingParams(temperature=1.0)] * 4
+    states = [st(counter=c) for c in (0, 0, 1, 2)]
+    a = np.asarray(sample(logits, meta_for(params, states, 4, engine_seed=5)).token_ids)
+    b = np.asarray(sample(logits, meta_for(params, states, 4, engine_seed=5)).token_ids)
+    c = np.asarray(sample(logits, meta_for(params, states, 4, engine_seed=6)).token_ids)
+    np.testing.assert_array_equal(a, b)
+    assert a[0] == a[1] and len(set(a[1:].tolist())) == 3 and not (a == c).all()
+
+
+def test_from_params_shapes_and_padding() -> None:
+    p = SamplingParams(temperature=0.5, top_k=V + 7, frequency_penalty=0.5)
+    meta = meta_for([p], [st(out=list(range(17)))], pad_to=3)
+    assert meta.top_k.tolist() == [V, V, V] and not meta.do_top_k_top_p
+    assert meta.output_token_ids.shape == (3, 32) and meta.prompt_token_ids.shape == (3, 0)
+    assert meta.temperature.tolist() == [0.5, 0.0, 0.0] and meta.step.tolist() == [17, 0, 0]
+    with pytest.raises(ValueError, match="pad_to"):
+        meta_for([p, p], [st(), st()], pad_to=1)
