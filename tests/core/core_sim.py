@@ -1,0 +1,131 @@
+"""Fake engine + fake KV store for scheduler tests.
+
+The fake runner stores, for every written KV slot, the exact token prefix that
+produced it, and before each step checks that every slot the sequence attends
+to holds its own prefix. Any bug in block tables, copy-on-write, swapping or
+prefix-cache reuse therefore shows up as a wrong "attention input".
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from pagedjax.core import (
+    BlockManager,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
+
+
+def next_token(tokens: list[int]) -> int:
+    """Deterministic in the content only, so preemption cannot change outputs."""
+    return (sum(tokens) * 7 + len(tokens) * 13) % 97 + 3
+
+
+class FakeEngine:
+    def __init__(
+        self,
+        *,
+        num_gpu_blocks: int = 64,
+        num_cpu_blocks: int = 64,
+        block_size: int = 4,
+        watermark: float = 0.0,
+        enable_prefix_caching: bool = False,
+        **cfg,
+    ) -> None:
+        cfg.setdefault("max_model_len", 1024)
+        self.bm = BlockManager(
+            num_gpu_blocks, num_cpu_blocks, block_size, watermark, enable_prefix_caching
+        )
+        self.sched = Scheduler(SchedulerConfig(**cfg), self.bm)
+        self.bs = block_size
+        self.gpu: dict[int, dict[int, tuple]] = {}
+        self.cpu: dict[int, dict[int, tuple]] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.groups: dict[str, SequenceGroup] = {}
+        self.ids = itertools.count()
+        self.clock = itertools.count()
+        self.steps = 0
+        self.finished_at: dict[str, int] = {}
+        self.first_token_at: dict[str, int] = {}
+        self.outputs: list[SchedulerOutput] = []
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, **kw):
+        seq = Sequence(next(self.ids), prompt)
+        g = SequenceGroup(
+            rid, [seq], arrival_time=float(next(self.clock)), max_tokens=max_tokens, n=n, **kw
+        )
+        self.sched.add_seq_group(g)
+        self.seqs[seq.seq_id] = seq
+        self.groups[rid] = g
+        return g
+
+    def _copy(self, src_store, dst_store, pairs) -> None:
+        snap = {s: dict(src_store.get(s, {})) for s, _ in pairs}
+        for s, d in pairs:
+            dst_store[d] = dict(snap[s])
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        self.outputs.append(out)
+        budget = self.sched.config.max_num_batched_tokens
+        assert out.num_batched_tokens <= budget
+        assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
+        assert len(out.scheduled) <= self.sched.config.max_num_seqs
+        self._copy(self.gpu, self.cpu, out.blocks_to_swap_out)
+        self._copy(self.cpu, self.gpu, out.blocks_to_swap_in)
+        self._copy(self.gpu, self.gpu, out.blocks_to_copy)
+        bs = self.bs
+        for s in out.scheduled:
+            seq = self.seqs[s.seq_id]
+            toks = seq.get_token_ids()
+            assert s.start_pos == seq.num_computed_tokens
+            assert s.token_ids == toks[s.start_pos : s.start_pos + len(s.token_ids)]
+            assert len(s.block_table) * bs >= s.start_pos + len(s.token_ids)
+            for p in range(s.start_pos):  # attention reads
+                got = self.gpu.get(s.block_table[p // bs], {}).get(p % bs)
+                assert got == tuple(toks[: p + 1]), f"seq {s.seq_id} pos {p}: bad KV"
+            for i in range(len(s.token_ids)):  # KV writes
+                p = s.start_pos + i
+                self.gpu.setdefault(s.block_table[p // bs], {})[p % bs] = tuple(toks[: p + 1])
+            assert s.needs_logits == (s.start_pos + len(s.token_ids) == len(toks))
+        self.sched.update_after_step(out)
+        for s in out.scheduled:
+            if not s.needs_logits:
+                continue
+            seq = self.seqs[s.seq_id]
+            g = self.groups[s.request_id]
+            seq.append_token(next_token(seq.get_token_ids()))
+            self.first_token_at.setdefault(s.request_id, self.steps)
+            if seq.num_output_tokens >= g.max_tokens:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+        for g in self.sched.free_finished_seq_groups():
+            self.finished_at[g.request_id] = self.steps
+        for g in out.rejected:
+            self.finished_at[g.request_id] = self.steps
+        self.bm.check_invariants()
+        self.steps += 1
+        return out
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.sched.has_unfinished_seqs():
+            self.step()
+            assert self.steps < max_steps, "did not finish"
+        self.bm.check_invariants()
+
+    def outputs_of(self, rid: str) -> list[list[int]]:
+        return [s.output_token_ids for s in self.groups[rid].seqs]
+
+
+def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
+    toks = list(prompt)
+    out = []
+    for _ in range(max_tokens):
+        t = next_token(toks)
+        toks.append(t)
+        out.append(t)
+    return out
