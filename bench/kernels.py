@@ -1,0 +1,244 @@
+"""Benchmark the paged-attention kernels.
+
+Decode: our paged kernel vs the same kernel on a contiguous cache (identity block table,
+so only the paging indirection differs) vs jax's upstream Pallas paged_attention vs the
+XLA reference, over batch x context x block size (bf16, head_dim 128, 8 KV / 32 Q heads).
+Each point reports the median time, bytes of K/V read, achieved GB/s and that as a % of a
+device-to-device copy measured in the same run. Ragged: one mixed launch (a prefill chunk
+plus decode rows) vs running the prefill and the decode batch separately.
+
+``--quick`` (and any CPU run) is a smoke sweep on tiny shapes with the XLA backend only:
+it checks the harness end to end and makes no performance claim. Outputs JSON + PNG under
+``bench/results/<device>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import paged_decode_attention, ragged_paged_attention
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_tag() -> str:
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return "cpu"
+    return re.sub(r"[^a-z0-9]+", "_", dev.device_kind.lower()).strip("_")
+
+
+def bench(fn: Callable[[], jax.Array], iters: int, warmup: int = 2) -> float:
+    """Median wall time in seconds of ``fn()`` (which must dispatch a jitted call)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    """Device-to-device copy GB/s (read + write) for an array of ``nbytes``."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t = bench(lambda: f(x), iters)
+    return 2 * nbytes / t / 1e9
+
+
+def make_decode_inputs(batch, ctx, bs, hkv, hq, d, dtype, contiguous, seed=0):
+    rng = np.random.default_rng(seed)
+    pages = ctx // bs
+    num_blocks = batch * pages
+    ids = np.arange(num_blocks) if contiguous else rng.permutation(num_blocks)
+    tables = jnp.asarray(ids.reshape(batch, pages), jnp.int32)
+    key = jax.random.key(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    shape = (1, hkv, num_blocks, bs, d)
+    k = jax.random.normal(k1, shape, dtype)
+    v = jax.random.normal(k2, shape, dtype)
+    q = jax.random.normal(k3, (batch, hq, d), dtype)
+    lens = jnp.full((batch,), ctx, jnp.int32)
+    return q, k, v, tables, lens
+
+
+def run_decode(args, variants, grid, hkv, hq, d, dtype, copy_gbps):
+    rows = []
+    scale = d**-0.5
+    for batch, ctx, bs in grid:
+        kv_bytes = 2 * batch * ctx * hkv * d * jnp.dtype(dtype).itemsize
+        for variant in variants:
+            contiguous = variant == "contiguous"
+            q, k, v, bt, lens = make_decode_inputs(batch, ctx, bs, hkv, hq, d, dtype, contiguous)
+            row = dict(kernel="decode", variant=variant, batch=batch, context=ctx,
+                       block_size=bs, bytes=kv_bytes)
+            try:
+                if variant in ("paged", "contiguous"):
+                    f = jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
+                        q, k, v, bt, lens, scale=scale, layer=0, backend=args.backend))
+                    call = lambda f=f, a=(q, k, v, bt, lens): f(*a)
+                elif variant == "xla_ref":
+                    f = jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
+                        q, k, v, bt, lens, scale=scale, layer=0, backend="xla"))
+                    call = lambda f=f, a=(q, k, v, bt, lens): f(*a)
+                else:  # jax upstream Pallas paged_attention (4-D [Hkv, NB, bs, D] pages)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", DeprecationWarning)
+                        from jax.experimental.pallas.ops.gpu import paged_attention as upstream
+                    pages = ctx // bs
+                    ppcb = max(1, min(pages, 64 // bs))
+                    splits = max(1, min(16, pages // ppcb))
+                    while pages % splits or (pages // splits) % ppcb:
+                        splits -= 1
+                    f = jax.jit(lambda q, k, v, bt, lens, ppcb=ppcb, splits=splits:
+                                upstream.paged_attention(
+                                    q * scale, k[0], v[0], bt, lens,
+                                    pages_per_compute_block=ppcb, k_splits=splits))
+                    call = lambda f=f, a=(q, k, v, bt, lens): f(*a)
+                t = bench(call, args.iters)
+                gbps = kv_bytes / t / 1e9
+                row.update(time_ms=t * 1e3, gbps=gbps, pct_of_copy=100 * gbps / copy_gbps)
+            except Exception as e:  # record and move on: one failing variant must not stop
+                row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+            print(json.dumps(row))
+            rows.append(row)
+            del q, k, v
+    return rows
+
+
+def run_ragged(args, hkv, hq, d, dtype, prefill_len, prefill_ctx, num_decode, decode_ctx, bs):
+    """One mixed ragged launch vs prefill-only ragged launch + a decode launch."""
+    rng = np.random.default_rng(1)
+    seqs = [(prefill_len, prefill_ctx)] + [(1, decode_ctx)] * num_decode
+    pages = [-(-kv // bs) for _, kv in seqs]
+    max_pages = max(pages)
+    num_blocks = sum(pages)
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(seqs), max_pages), np.int32)
+    off = 0
+    for s, n in enumerate(pages):
+        tables[s, :n] = perm[off : off + n]
+        off += n
+    key = jax.random.key(2)
+    shape = (1, hkv, num_blocks, bs, d)
+    k = jax.random.normal(key, shape, dtype)
+    v = jax.random.normal(jax.random.fold_in(key, 1), shape, dtype)
+    q_lens = np.array([ql for ql, _ in seqs])
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    kv_lens = np.array([kv for _, kv in seqs], np.int32)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (int(cu[-1]), hq, d), dtype)
+    scale = d**-0.5
+    be = args.backend
+    ragged = jax.jit(lambda q, k, v, kl, bt, cu, n: ragged_paged_attention(
+        q, k, v, kl, bt, cu, n, scale=scale, layer=0, backend=be))
+    decode = jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
+        q, k, v, bt, lens, scale=scale, layer=0, backend=be))
+    bt = jnp.asarray(tables)
+    mixed = lambda: ragged(q, k, v, jnp.asarray(kv_lens), bt, jnp.asarray(cu),
+                           jnp.int32(len(seqs)))
+    pre_q = q[:prefill_len]
+    pre = lambda: ragged(pre_q, k, v, jnp.asarray(kv_lens[:1]), bt[:1],
+                         jnp.asarray(cu[:2]), jnp.int32(1))
+    dec = lambda: decode(q[prefill_len:], k, v, bt[1:], jnp.asarray(kv_lens[1:]))
+    t_mixed = bench(mixed, args.iters)
+    t_pre = bench(pre, args.iters)
+    t_dec = bench(dec, args.iters)
+    row = dict(kernel="ragged", prefill_len=prefill_len, prefill_ctx=prefill_ctx,
+               num_decode=num_decode, decode_ctx=decode_ctx, block_size=bs,
+               mixed_ms=t_mixed * 1e3, prefill_ms=t_pre * 1e3, decode_ms=t_dec * 1e3,
+               separate_ms=(t_pre + t_dec) * 1e3)
+    print(json.dumps(row))
+    return row
+
+
+def plot(rows, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    decode = [r for r in rows if r["kernel"] == "decode" and "time_ms" in r]
+    batches = sorted({r["batch"] for r in decode})
+    bss = sorted({r["block_size"] for r in decode})
+    fig, axes = plt.subplots(len(bss), len(batches), squeeze=False,
+                             figsize=(4 * len(batches), 3 * len(bss)))
+    metric = "pct_of_copy"
+    for i, bs in enumerate(bss):
+        for j, b in enumerate(batches):
+            ax = axes[i][j]
+            for variant in sorted({r["variant"] for r in decode}):
+                pts = sorted((r["context"], r[metric]) for r in decode
+                             if r["variant"] == variant and r["batch"] == b
+                             and r["block_size"] == bs)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=variant)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"batch {b}, block {bs}", fontsize=9)
+            ax.set_xlabel("context")
+            ax.set_ylabel("% of d2d copy BW")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke sweep, no claims")
+    parser.add_argument("--backend", default=None, help="pallas | xla (default: auto)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    tag = device_tag()
+    smoke = args.quick or tag == "cpu"
+    hkv, hq = 8, 32
+    if smoke:
+        args.backend = "xla"
+        args.iters = min(args.iters, 3)
+        d, dtype = 64, jnp.float32
+        grid = [(b, c, bs) for b in (1, 4) for c in (64, 256) for bs in (16,)]
+        variants = ["paged", "contiguous", "xla_ref"]
+        ragged_cfg = dict(prefill_len=32, prefill_ctx=96, num_decode=3, decode_ctx=128, bs=16)
+        copy_bytes = 1 << 24
+    else:
+        d, dtype = 128, jnp.bfloat16
+        grid = [(b, c, bs) for b in (1, 8, 32, 128) for c in (512, 2048, 8192, 32768)
+                for bs in (8, 16, 32)]
+        variants = ["paged", "contiguous", "upstream", "xla_ref"]
+        ragged_cfg = dict(prefill_len=512, prefill_ctx=2048, num_decode=63, decode_ctx=2048,
+                          bs=16)
+        copy_bytes = 1 << 30
+    copy_gbps = copy_bandwidth(copy_bytes, args.iters)
+    label = ("SMOKE RUN (CPU / --quick, xla backend, tiny shapes): validates the harness; "
+             "timings are not performance claims" if smoke else f"{tag}, bf16, head_dim {d}")
+    print(f"# {label}; d2d copy {copy_gbps:.1f} GB/s")
+    rows = run_decode(args, variants, grid, hkv, hq, d, dtype, copy_gbps)
+    rows.append(run_ragged(args, hkv, hq, d, dtype, **ragged_cfg))
+
+    out_dir = args.out or RESULTS / tag
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = "kernels_quick" if smoke else "kernels"
+    meta = dict(label=label, smoke=smoke, device=str(jax.devices()[0].device_kind),
+                jax=jax.__version__, backend=args.backend or "auto", copy_gbps=copy_gbps,
+                head_dim=d, num_kv_heads=hkv, num_q_heads=hq, dtype=jnp.dtype(dtype).name)
+    (out_dir / f"{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    plot(rows, out_dir / f"{stem}.png", label)
+    print(f"wrote {out_dir / stem}.json/.png")
+
+
+if __name__ == "__main__":
+    main()
