@@ -18,6 +18,7 @@ import argparse
 import json
 import re
 import statistics
+import textwrap
 import time
 import warnings
 from collections.abc import Callable
@@ -190,7 +191,7 @@ def plot(rows, path: Path, title: str) -> None:
             ax.set_xlabel("context")
             ax.set_ylabel("% of d2d copy BW")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle("\n".join(textwrap.wrap(title, 70)), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
