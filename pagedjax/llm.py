@@ -1,80 +1,147 @@
-"""`LLM`: the offline Python API (vLLM-compatible in spirit)."""
+"""`LLM`: the offline Python API (vLLM-compatible in spirit), driving the paged `LLMEngine`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.config import EngineConfig
+from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
 PromptType = str | Sequence[int] | dict
 
 
 class LLM:
-    """Load a model and generate from prompts.
+    """Load a model and generate with the paged engine.
 
     `model` is a GGUF file, an HF directory, a `pagedjax convert` checkpoint, or the demo alias
-    `"smollm2"` (fetched into the cache on first use).
+    `"smollm2"` (fetched into the cache on first use). Keyword arguments are `EngineConfig`
+    fields (block_size, num_gpu_blocks, gpu_memory_utilization, max_num_seqs,
+    max_num_batched_tokens, max_model_len, preemption_mode, swap_space_gb, ...).
     """
 
     def __init__(self, model: str | Path = "smollm2", dtype: str | None = None, **engine_kwargs):
-        from models.loader import load_model
+        from models.loader import load_model, resolve_dtype
         from models.tokenizer import load_tokenizer
 
+        engine_config = EngineConfig(**engine_kwargs)  # bad options fail before loading weights
         config, params, path = load_model(model, dtype)
-        self._init(config, params, load_tokenizer(path), str(model), dtype, **engine_kwargs)
+        self._init(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
 
-    def _init(self, config, params, tokenizer, model_name: str, dtype, **engine_kwargs) -> None:
-        from models.loader import resolve_dtype
-        from pagedjax.reference import ReferenceGenerator
+    @classmethod
+    def from_params(cls, config, params, tokenizer, dtype=None, model_name: str = "in-memory",
+                    **engine_kwargs) -> LLM:
+        """Build from an in-memory params pytree (e.g. inside a training loop)."""
+        import jax
 
+        self = cls.__new__(cls)
+        dt = dtype or jax.tree.leaves(params)[0].dtype
+        self._init(config, params, tokenizer, EngineConfig(**engine_kwargs), dt, model_name)
+        return self
+
+    def _init(self, config, params, tokenizer, engine_config, dtype, model_name: str) -> None:
+        from pagedjax.engine import LLMEngine
+
+        self.engine = LLMEngine(config, params, tokenizer, engine_config, dtype, model_name)
         self.config = config
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self._ref = ReferenceGenerator(config, params, resolve_dtype(dtype))
-        self._counter = 0
+        self._ids = itertools.count()
 
-    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def update_params(self, params: dict) -> None:
+        """Swap in new weights without recompiling or reallocating the KV cache."""
+        self.engine.update_params(params)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+        rid = f"llm-{next(self._ids)}"
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            return prompt["prompt"], list(self.tokenizer(prompt["prompt"]).input_ids)
-        return None, [int(t) for t in prompt]
+            self.engine.add_request(rid, prompt, params)
+        elif isinstance(prompt, dict):
+            self.engine.add_request(rid, prompt.get("prompt"), params,
+                                    prompt_token_ids=prompt.get("prompt_token_ids"))
+        else:
+            self.engine.add_request(rid, None, params, prompt_token_ids=list(prompt))
+        return rid
+
+    @staticmethod
+    def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        sps = sampling_params or SamplingParams()
+        sps = [sps] * len(prompts) if isinstance(sps, SamplingParams) else list(sps)
+        if len(sps) != len(prompts):
+            raise ValueError("sampling_params: need one per prompt or a single one")
+        return prompts, sps
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        from pagedjax.reference import RefSampling
+        """Generate for every prompt; results come back in input order."""
+        prompts, sps = self._normalize(prompts, sampling_params)
+        rids: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, sps):
+                rids.append(self._add(prompt, sp))
+        except Exception:
+            self.engine.abort_request(rids)
+            self.engine.step()  # drain the abort outputs
+            raise
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(rids) > 8:
+            from tqdm import tqdm
 
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        sps = sampling_params or SamplingParams()
-        sps = [sps] * len(prompts) if isinstance(sps, SamplingParams) else list(sps)
-        results = []
-        for prompt, sp in zip(prompts, sps):
-            text, ids = self._prompt_ids(prompt)
-            samp = RefSampling(sp.temperature if not sp.is_greedy else 0.0, sp.top_k, sp.top_p,
-                               sp.seed or 0)
-            eos = () if sp.ignore_eos else tuple(self.config.eos_token_ids) + tuple(
-                sp.stop_token_ids or ())
-            out = self._ref.generate([ids], sp.max_tokens, samp, eos)[0]
-            finish = "stop" if out and out[-1] in eos else "length"
-            self._counter += 1
-            results.append(RequestOutput(
-                str(self._counter), text, ids,
-                [CompletionOutput(0, self.tokenizer.decode(out, skip_special_tokens=True), out,
-                                  finish_reason=finish)], finished=True))
-        return results
+            bar = tqdm(total=len(rids), desc="generate", unit="req")
+        wanted = set(rids)
+        try:
+            while len(finished) < len(rids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                if not self.engine.has_unfinished_requests() and len(finished) < len(rids):
+                    raise RuntimeError("engine stopped with requests unfinished")
+        except BaseException:
+            self.engine.abort_request([r for r in rids if r not in finished])
+            self.engine.step()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[r] for r in rids]
+
+    def generate_stream(self, prompts: PromptType | Sequence[PromptType],
+                        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        ) -> Iterator[RequestOutput]:
+        """Yield incremental `RequestOutput`s (cumulative text) as steps complete."""
+        prompts, sps = self._normalize(prompts, sampling_params)
+        rids = [self._add(p, sp) for p, sp in zip(prompts, sps)]
+        pending = set(rids)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
+        finally:
+            if pending:
+                self.engine.abort_request(list(pending))
+                self.engine.step()
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Apply the tokenizer's chat template, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                   for c in convs]
-        return self.generate([{"prompt": p, "prompt_token_ids": self.tokenizer(p).input_ids}
-                              for p in prompts], sampling_params, use_tqdm)
+        prompts = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer(text).input_ids})
+        return self.generate(prompts, sampling_params, use_tqdm)

@@ -1,0 +1,50 @@
+"""Engine configuration (validated before any weights are loaded)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """Knobs of the paged engine; names follow vLLM's `LLM(...)` arguments."""
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None  # None: size from gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: min(model context, 4096)
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+    swap_space_gb: float = 0.25
+    enable_prefix_caching: bool = False
+    enable_chunked_prefill: bool = False
+    scheduling_policy: str = "fcfs"  # "fcfs" | "srtf"
+    attention_backend: str | None = None  # "pallas" | "xla" | None (auto by platform)
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    # CPU has no device-memory budget to measure; this caps the automatic sizing there.
+    cpu_kv_cache_gb: float = 0.5
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, field: str, msg: str) -> None:
+            if not cond:
+                raise ValueError(f"{field} {msg}")
+
+        need(self.block_size in (8, 16, 32, 64, 128, 256), "block_size",
+             f"must be one of 8, 16, 32, 64, 128, 256; got {self.block_size}")
+        need(self.num_gpu_blocks is None or self.num_gpu_blocks > 0, "num_gpu_blocks",
+             f"must be positive; got {self.num_gpu_blocks}")
+        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+             f"must be in (0, 1]; got {self.gpu_memory_utilization}")
+        need(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1; got {self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+             f"must be >= 1; got {self.max_num_batched_tokens}")
+        need(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
+             f"must be 'recompute' or 'swap'; got {self.preemption_mode!r}")
+        need(self.swap_space_gb >= 0, "swap_space_gb", "must be >= 0")
+        need(self.scheduling_policy in ("fcfs", "srtf"), "scheduling_policy",
+             f"must be 'fcfs' or 'srtf'; got {self.scheduling_policy!r}")
+        need(self.attention_backend in (None, "pallas", "xla"), "attention_backend",
+             f"must be 'pallas', 'xla' or None; got {self.attention_backend!r}")
+        need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

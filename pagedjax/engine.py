@@ -1,0 +1,381 @@
+"""`LLMEngine`: request → scheduler → block manager → model runner → sampler → output.
+
+One `step()` is one iteration of continuous batching (paper §4.5, thesis §4.2): the
+scheduler picks Δ tokens per sequence, the runner executes them in one jitted call, the
+sampler picks next tokens, and this module applies them: stop checks, incremental
+detokenization, forking for n>1, finishing and freeing. Nothing here knows about networks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import LlamaConfig
+from pagedjax.config import EngineConfig
+from pagedjax.core import BlockManager, Scheduler, SchedulerConfig, Sequence, SequenceGroup
+from pagedjax.core.sequence import SequenceStatus
+from pagedjax.detokenizer import DetokState, detokenize_incrementally, flush
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampler import SamplingMetadata, SeqSamplingState, sample
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.model_runner import ModelRunner
+from pagedjax.worker.step_inputs import build_step_inputs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_gpu_blocks: int
+    num_free_gpu_blocks: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    num_steps: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    last_step_tokens: int
+    num_compiles: int
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group: SequenceGroup
+    counter: int
+    arrival_time: float
+    seq_index: dict[int, int] = dataclasses.field(default_factory=dict)
+    detok: dict[int, DetokState] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
+    stop_reason: dict[int, int | str | None] = dataclasses.field(default_factory=dict)
+    num_cached_tokens: int | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_samples(self) -> int:
+        return self.params.best_of or self.params.n
+
+
+FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class LLMEngine:
+    def __init__(self, config: LlamaConfig, params: dict, tokenizer, engine_config: EngineConfig | None = None,
+                 dtype=jnp.float32, model_name: str = "model"):
+        self.model_config = config
+        self.tokenizer = tokenizer
+        self.engine_config = ec = engine_config or EngineConfig()
+        self.model_name = model_name
+        self.dtype = dtype
+        self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 4096)
+        self.runner = ModelRunner(config, params, ec, dtype, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.num_gpu_blocks, self.runner.num_cpu_blocks,
+                                          ec.block_size, enable_prefix_caching=ec.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            enable_chunked_prefill=ec.enable_chunked_prefill, preemption_mode=ec.preemption_mode,
+            policy=ec.scheduling_policy), self.block_manager)
+        self.eos_token_ids = set(config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []
+        self._seq_ids = itertools.count()
+        self._request_counter = itertools.count()
+        self._weights_version = 0
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.last_step_tokens = 0
+
+    @classmethod
+    def from_model(cls, model: str = "smollm2", dtype=None, **kwargs) -> LLMEngine:
+        from models.loader import load_model, resolve_dtype
+        from models.tokenizer import load_tokenizer
+
+        engine_config = EngineConfig(**kwargs)  # validated before loading weights
+        config, params, path = load_model(model, dtype)
+        return cls(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
+
+    # ---- requests ----------------------------------------------------------
+    def _validate_prompt(self, prompt: str | None, prompt_token_ids) -> list[int]:
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError("prompt: expected text or token ids")
+            if not prompt:
+                raise ValueError("prompt: empty prompt")
+            prompt_token_ids = self.tokenizer(prompt).input_ids
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt: empty prompt")
+        vocab = self.model_config.vocab_size
+        for t in ids:
+            if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab:
+                raise ValueError(f"prompt_token_ids: token id {t!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens, must be shorter than max_model_len="
+                             f"{self.max_model_len}")
+        return [int(t) for t in ids]
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None,
+                    params: SamplingParams | dict | None = None,
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError naming the bad field; the engine is unaffected."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self._requests:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if isinstance(prompt, (list, tuple)) and prompt_token_ids is None:
+            prompt, prompt_token_ids = None, list(prompt)
+        if params is None:
+            params = SamplingParams()
+        elif isinstance(params, dict):
+            params = SamplingParams.from_dict(params)
+        elif not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params: expected SamplingParams or dict")
+        ids = self._validate_prompt(prompt, prompt_token_ids)
+        if params.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not supported by this engine build yet")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported by this engine build yet")
+        samples = params.best_of or params.n
+        if samples > self.engine_config.max_num_seqs:
+            raise ValueError(f"n: {samples} samples exceed max_num_seqs={self.engine_config.max_num_seqs}")
+        seq = Sequence(next(self._seq_ids), ids)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        group = SequenceGroup(request_id, [seq], arrival, max_tokens=params.max_tokens, n=samples,
+                              model_id=f"{self.model_name}@{self._weights_version}")
+        self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
+        req = _Request(request_id, prompt, ids, params, group, next(self._request_counter), arrival)
+        self._register_seq(req, seq, 0)
+        self._requests[request_id] = req
+
+    def _register_seq(self, req: _Request, seq: Sequence, index: int) -> None:
+        req.seq_index[seq.seq_id] = index
+        req.detok[seq.seq_id] = DetokState(prefix_offset=max(0, seq.num_prompt_tokens - 5),
+                                           read_offset=seq.num_prompt_tokens)
+        req.logprobs[seq.seq_id] = []
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Abort between steps: blocks are freed now, an 'abort' output comes from the next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.abort_seq_group(rid)
+            for seq in req.group.seqs:
+                if not seq.status.is_finished:
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+            self._pending.append(self._make_output(req, final=True))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- step --------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        for g in sched.rejected:
+            req = self._requests.pop(g.request_id, None)
+            if req is not None:
+                self.scheduler.abort_seq_group(g.request_id)
+                outputs.append(self._fail(req, "request can never be scheduled in this KV cache"))
+        if sched.is_empty:
+            return outputs
+        try:
+            self.runner.swap_out(sched.blocks_to_swap_out)
+            self.runner.swap_in(sched.blocks_to_swap_in)
+            self.runner.copy_blocks(sched.blocks_to_copy)
+            sampled = self._execute(sched) if sched.scheduled else None
+        except Exception as exc:  # one bad step fails its requests, never the engine
+            logger.exception("step failed")
+            for g in sched.scheduled_groups:
+                req = self._requests.pop(g.request_id, None)
+                if req is not None:
+                    self.scheduler.abort_seq_group(g.request_id)
+                    outputs.append(self._fail(req, f"internal error: {type(exc).__name__}: {exc}"))
+            return outputs
+        self.num_steps += 1
+        self.last_step_tokens = sched.num_batched_tokens
+        self.scheduler.update_after_step(sched)
+        touched = self._apply_samples(sched, sampled) if sampled else set()
+        self.scheduler.free_finished_seq_groups()
+        for rid in touched:
+            req = self._requests.get(rid)
+            if req is None:
+                continue
+            done = req.group.is_finished()
+            if done:
+                del self._requests[rid]
+            if done or not (req.params.best_of and req.params.best_of > req.params.n):
+                outputs.append(self._make_output(req, final=done))
+        return outputs
+
+    def _rows_for(self, sched) -> tuple[list[int], list[tuple]]:
+        """Rows to sample per scheduled sequence; a fresh prompt of an n>1 request fans out."""
+        rows_per_seq, row_info = [], []
+        for s in sched.scheduled:
+            if not s.needs_logits:
+                rows_per_seq.append(0)
+                continue
+            req = self._requests[s.request_id]
+            group = req.group
+            fan_out = len(group.seqs) == 1 and req.num_samples > 1 and not group.seqs[0].output_token_ids
+            n = req.num_samples if fan_out else 1
+            rows_per_seq.append(n)
+            seq = next(q for q in group.seqs if q.seq_id == s.seq_id)
+            for j in range(n):
+                row_info.append((req, seq, j if fan_out else req.seq_index[seq.seq_id], fan_out))
+        return rows_per_seq, row_info
+
+    def _execute(self, sched):
+        rows_per_seq, row_info = self._rows_for(sched)
+        inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
+                                   self.runner.max_blocks_per_seq, rows_per_seq)
+        logits = self.runner.execute(inputs)
+        if not row_info:
+            return None
+        rows = [(req.params, SeqSamplingState(seq.prompt_token_ids, seq.output_token_ids,
+                                              req.counter, index)) for req, seq, index, _ in row_info]
+        meta = SamplingMetadata.from_params(rows, pad_to=len(inputs.logits_indices),
+                                            vocab_size=self.model_config.vocab_size,
+                                            engine_seed=self.engine_config.seed)
+        k = max((req.params.logprobs or 0) for req, *_ in row_info)
+        out = jax.device_get(sample(logits, meta, num_logprobs=k))  # the step's one host sync
+        return row_info, out
+
+    def _apply_samples(self, sched, sampled) -> set[str]:
+        row_info, out = sampled
+        touched = {s.request_id for s in sched.scheduled}
+        for s in sched.scheduled:
+            req = self._requests.get(s.request_id)
+            if req is not None and req.num_cached_tokens is None:
+                req.num_cached_tokens = s.start_pos
+                self.prompt_tokens_total += len(req.prompt_token_ids)
+        children: dict[int, Sequence] = {}
+        for r, (req, seq, index, fan_out) in enumerate(row_info):
+            target = seq
+            if fan_out and index > 0:
+                target = seq.fork(next(self._seq_ids))
+                self.scheduler.fork_seq(seq, target)
+                req.group.add(target)
+                self._register_seq(req, target, index)
+                children[r] = target
+        for r, (req, seq, _index, _fan) in enumerate(row_info):
+            target = children.get(r, seq)
+            self._append_token(req, target, int(out.token_ids[r]), float(out.logprobs[r]),
+                               out.topk_ids[r], out.topk_logprobs[r])
+        return touched
+
+    def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float,
+                      topk_ids, topk_logprobs) -> None:
+        p = req.params
+        seq.append_token(token, logprob)
+        self.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if p.logprobs is not None:
+            entry = {int(i): float(v) for i, v in zip(topk_ids[: p.logprobs], topk_logprobs[: p.logprobs])}
+            entry[token] = logprob
+            req.logprobs[seq.seq_id].append(entry)
+        state = req.detok[seq.seq_id]
+        all_ids = seq.get_token_ids()
+        n_out = seq.num_output_tokens
+        status, reason = None, None
+        if token in self.eos_token_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif p.stop_token_ids and token in p.stop_token_ids and n_out > p.min_tokens - 1:
+            status, reason = SequenceStatus.FINISHED_STOPPED, token
+        detokenize_incrementally(self.tokenizer, all_ids, state, p.skip_special_tokens)
+        if status is None and p.stop_strings and n_out >= p.min_tokens:
+            hit = self._find_stop(state, p)
+            if hit is not None:
+                status, reason = SequenceStatus.FINISHED_STOPPED, hit
+        if status is None and (n_out >= p.max_tokens or seq.num_total_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            if reason is None or not isinstance(reason, str):
+                flush(self.tokenizer, all_ids, state, p.skip_special_tokens)
+            seq.status = status
+            req.stop_reason[seq.seq_id] = reason
+
+    @staticmethod
+    def _find_stop(state: DetokState, p: SamplingParams) -> str | None:
+        for stop in p.stop_strings:
+            idx = state.text.find(stop)
+            if idx >= 0:
+                state.text = state.text[: idx + len(stop)] if p.include_stop_str_in_output else state.text[:idx]
+                return stop
+        return None
+
+    # ---- outputs -----------------------------------------------------------
+    def _completion(self, req: _Request, seq: Sequence, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index, text=req.detok[seq.seq_id].text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(req.logprobs[seq.seq_id]) if req.params.logprobs is not None else None,
+            finish_reason=FINISH_REASON.get(seq.status), stop_reason=req.stop_reason.get(seq.seq_id))
+
+    def _make_output(self, req: _Request, final: bool) -> RequestOutput:
+        seqs = sorted(req.group.seqs, key=lambda s: req.seq_index[s.seq_id])
+        if final and req.params.best_of and req.params.best_of > req.params.n:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
+            comps = [self._completion(req, s, i) for i, s in enumerate(seqs)]
+        else:
+            comps = [self._completion(req, s, req.seq_index[s.seq_id]) for s in seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished=final,
+                             num_cached_tokens=req.num_cached_tokens or 0)
+
+    def _fail(self, req: _Request, error: str) -> RequestOutput:
+        for seq in req.group.seqs:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        out = self._make_output(req, final=True)
+        out.error = error
+        return out
+
+    # ---- weights and stats -------------------------------------------------
+    def update_params(self, new_params: dict) -> None:
+        """Swap weights in place: same shapes/dtypes, so no recompilation and the KV cache stays.
+
+        Cached prefixes were computed with the old weights: the prefix cache is reset and new
+        block hashes carry the new weights version, so old KV is never reused."""
+        old = jax.tree.map(lambda x: (x.shape, x.dtype), self.runner.params)
+        new = jax.tree.map(lambda x: (x.shape, x.dtype), new_params)
+        if jax.tree.structure(old) != jax.tree.structure(new) or old != new:
+            raise ValueError("params: new params must have the same structure, shapes and dtypes")
+        self.runner.params = jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new_params,
+                                          self.runner.params)
+        self._weights_version += 1
+        self.block_manager.reset_prefix_cache()
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.get_stats()
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
+            num_gpu_blocks=self.runner.num_gpu_blocks, num_free_gpu_blocks=s.num_free_gpu_blocks,
+            kv_cache_usage=s.kv_cache_usage, num_preemptions_total=s.num_preemptions_total,
+            num_steps=self.num_steps, prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            last_step_tokens=self.last_step_tokens, num_compiles=ModelRunner.num_compiles())

@@ -1,0 +1,1 @@
+"""Device side of the engine: paged attention adapter, step inputs, model runner."""

@@ -1,0 +1,150 @@
+"""Owns the device state (params, paged KV cache) and runs one jitted step.
+
+The step is `model(...)` with `PagedAttention`: K/V written into the cache in place (the
+cache arguments are donated and the kernels alias them), logits computed only for the rows
+that are sampled. Block copies (copy-on-write) and swaps run as separate small jitted
+calls before the step, also in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+from pagedjax.config import EngineConfig
+from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
+from pagedjax.worker.step_inputs import StepInputs, bucket
+from pallas_kernels import copy_blocks, swap_in, swap_out
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
+        dtype).itemsize
+
+
+class ModelRunner:
+    def __init__(self, config: LlamaConfig, params: dict, engine_config: EngineConfig, dtype,
+                 max_model_len: int):
+        self.config = config
+        self.params = params
+        self.engine_config = engine_config
+        self.dtype = dtype
+        self.block_size = engine_config.block_size
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        self.model = LlamaForCausalLM(config, PagedAttention(engine_config.attention_backend), dtype)
+        self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
+        self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
+                                  // kv_bytes_per_block(config, self.block_size, dtype))
+        self.num_cpu_blocks = min(self.num_cpu_blocks, self.num_gpu_blocks)
+        shape = (config.num_layers, config.num_kv_heads, self.num_gpu_blocks, self.block_size,
+                 config.head_dim)
+        self.k_cache = jnp.zeros(shape, dtype)
+        self.v_cache = jnp.zeros(shape, dtype)
+        self._host_k: np.ndarray | None = None
+        self._host_v: np.ndarray | None = None
+        self.compiled_shapes: set[tuple] = set()
+
+    # ---- sizing ------------------------------------------------------------
+    def _profile_num_blocks(self) -> int:
+        """Blocks that fit in `gpu_memory_utilization` of device memory after weights and
+        activations (measured with a max-size dummy step), like vLLM's profiling run."""
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        dev = jax.local_devices()[0]
+        stats = dev.memory_stats() if dev.platform != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            return max(16, int(self.engine_config.cpu_kv_cache_gb * (1 << 30) // per_block))
+        # Dummy step at the largest token bucket with a tiny cache to measure the peak.
+        self.k_cache = jnp.zeros((self.config.num_layers, self.config.num_kv_heads, 16,
+                                  self.block_size, self.config.head_dim), self.dtype)
+        self.v_cache = jnp.zeros_like(self.k_cache)
+        n = self.engine_config.max_num_batched_tokens
+        from pagedjax.core.scheduler import ScheduledSeq
+        from pagedjax.worker.step_inputs import build_step_inputs
+
+        fake = [ScheduledSeq(0, "profile", [0] * n, 0, [0] * math.ceil(n / self.block_size), True)]
+        inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq)
+        inputs.meta.slot_mapping[:] = -1  # write nothing
+        jax.block_until_ready(self.execute(inputs))
+        stats = dev.memory_stats()
+        budget = stats["bytes_limit"] * self.engine_config.gpu_memory_utilization
+        free = budget - stats.get("peak_bytes_in_use", stats["bytes_in_use"])
+        blocks = int(free // per_block)
+        if blocks < 1:
+            raise RuntimeError(f"no device memory left for the KV cache (free {free / 2**30:.2f} GiB)")
+        logger.info("profiled %d KV blocks (%.2f GiB)", blocks, blocks * per_block / 2**30)
+        return blocks
+
+    @staticmethod
+    def num_compiles() -> int:
+        """Compiled variants of the step function (all runners): steady state adds none."""
+        return ModelRunner._step._cache_size()
+
+    # ---- step --------------------------------------------------------------
+    @partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
+    def _step(self, params, k_cache, v_cache, input_ids, positions, meta: PagedMeta, logits_indices):
+        logits, (k_cache, v_cache) = self.model.apply(
+            {"params": params}, input_ids, positions, (k_cache, v_cache), meta,
+            logits_indices=logits_indices)
+        return logits, k_cache, v_cache
+
+    def execute(self, inputs: StepInputs) -> jax.Array:
+        """Run the model on one step; returns device logits [R, vocab] (no host sync)."""
+        if inputs.shape_key not in self.compiled_shapes:
+            self.compiled_shapes.add(inputs.shape_key)
+        logits, self.k_cache, self.v_cache = self._step(
+            self.params, self.k_cache, self.v_cache, inputs.input_ids, inputs.positions,
+            inputs.meta, inputs.logits_indices)
+        return logits
+
+    # ---- block operations --------------------------------------------------
+    @staticmethod
+    def _pad_pairs(pairs: list[tuple[int, int]]) -> np.ndarray:
+        arr = np.full((bucket(len(pairs), 8), 2), -1, np.int32)
+        arr[: len(pairs)] = pairs
+        return arr
+
+    @partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
+    def _copy(self, k_cache, v_cache, mapping):
+        return copy_blocks(k_cache, v_cache, mapping, backend=self.engine_config.attention_backend)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if pairs:
+            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, self._pad_pairs(pairs))
+
+    def _host_pool(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._host_k is None:
+            shape = (self.config.num_layers, self.config.num_kv_heads, max(self.num_cpu_blocks, 1),
+                     self.block_size, self.config.head_dim)
+            self._host_k = np.zeros(shape, self.k_cache.dtype)
+            self._host_v = np.zeros(shape, self.v_cache.dtype)
+        return self._host_k, self._host_v
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy GPU blocks to the host pool: pairs of (gpu_block, cpu_block)."""
+        if not pairs:
+            return
+        host_k, host_v = self._host_pool()
+        gpu = np.asarray([g for g, _ in pairs], np.int32)
+        cpu = np.asarray([c for _, c in pairs], np.int32)
+        k_blocks, v_blocks = swap_out(self.k_cache, self.v_cache, gpu)
+        host_k[:, :, cpu] = k_blocks
+        host_v[:, :, cpu] = v_blocks
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks back into the device cache: pairs of (cpu_block, gpu_block)."""
+        if not pairs:
+            return
+        host_k, host_v = self._host_pool()
+        cpu = np.asarray([c for c, _ in pairs], np.int32)
+        gpu = np.asarray([g for _, g in pairs], np.int32)
+        self.k_cache, self.v_cache = swap_in(self.k_cache, self.v_cache, host_k[:, :, cpu],
+                                             host_v[:, :, cpu], gpu)

@@ -1,0 +1,59 @@
+"""The model's `AttentionFn` for the paged cache: write this step's K/V, then attend.
+
+The cache is `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` (see
+`pallas_kernels`); the model scans over layers and passes the traced layer index through.
+Pure-decode steps use `paged_decode_attention` (one query per sequence, split-K over the
+context); steps with any prefill chunk use `ragged_paged_attention`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from pallas_kernels import paged_decode_attention, ragged_paged_attention, write_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedMeta:
+    """Per-step metadata, built on the host by `StepInputs` (all int32).
+
+    slot_mapping [T]: cache slot of each query token (-1: padding, not written).
+    kv_lens [S]: context length of each sequence including this step's tokens (0: padding).
+    block_tables [S, M]: physical block ids per sequence.
+    cu_q_lens [S+1]: cumulative query lengths (ragged layout of the T tokens).
+    num_seqs []: number of real sequences.
+    decode_only: static; True when every sequence has exactly one query token (T == S).
+    """
+
+    slot_mapping: jax.Array
+    kv_lens: jax.Array
+    block_tables: jax.Array
+    cu_q_lens: jax.Array
+    num_seqs: jax.Array
+    decode_only: bool = False
+
+
+jax.tree_util.register_dataclass(
+    PagedMeta, data_fields=["slot_mapping", "kv_lens", "block_tables", "cu_q_lens", "num_seqs"],
+    meta_fields=["decode_only"])
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    backend: str | None = None
+
+    def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta):
+        k_cache, v_cache = kv_cache
+        k_cache, v_cache = write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer=layer,
+                                    backend=self.backend)
+        scale = q.shape[-1] ** -0.5
+        if meta.decode_only:
+            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.kv_lens,
+                                         scale=scale, layer=layer, backend=self.backend)
+        else:
+            out = ragged_paged_attention(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
+                                         meta.cu_q_lens, meta.num_seqs, scale=scale, layer=layer,
+                                         backend=self.backend)
+        return out, (k_cache, v_cache)

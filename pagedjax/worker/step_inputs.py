@@ -1,0 +1,81 @@
+"""Host-side construction of one step's padded arrays from the scheduler's output.
+
+Shapes are padded to power-of-two buckets (tokens, sequences, blocks per sequence, sampled
+rows), so the jitted step compiles once per bucket and steady-state serving never
+recompiles. Everything here is numpy: the only device transfer is the final `device_put`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pagedjax.core.scheduler import ScheduledSeq
+from pagedjax.worker.paged_attention import PagedMeta
+
+
+def bucket(n: int, minimum: int) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+@dataclasses.dataclass
+class StepInputs:
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    meta: PagedMeta  # numpy leaves
+    logits_indices: np.ndarray  # [R]: flat token index of each sampled row
+    sample_seq_pos: list[int]  # for each real sampled row, the index into `scheduled`
+    shape_key: tuple[int, int, int, int, bool]
+
+
+def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks_per_seq: int,
+                      rows_per_seq: list[int] | None = None) -> StepInputs:
+    """Flatten scheduled sequences into a ragged token batch.
+
+    `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
+    n when a prompt fans out into n samples); default: 1 if `needs_logits` else 0.
+    """
+    num_seqs = len(scheduled)
+    q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)
+    total = int(q_lens.sum())
+    decode_only = bool((q_lens == 1).all())
+    s_pad = bucket(num_seqs, 8)
+    t_pad = s_pad if decode_only else bucket(total, 16)
+    max_blocks = max(len(s.block_table) for s in scheduled)
+    m_pad = min(bucket(max_blocks, 4), max(max_blocks_per_seq, max_blocks))
+
+    input_ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slot_mapping = np.full(t_pad, -1, np.int32)
+    kv_lens = np.zeros(s_pad, np.int32)
+    block_tables = np.zeros((s_pad, m_pad), np.int32)
+    cu_q_lens = np.zeros(s_pad + 1, np.int32)
+    cu_q_lens[1 : num_seqs + 1] = np.cumsum(q_lens)
+    cu_q_lens[num_seqs + 1 :] = total
+
+    if rows_per_seq is None:
+        rows_per_seq = [1 if s.needs_logits else 0 for s in scheduled]
+    logits_rows: list[int] = []
+    sample_seq_pos: list[int] = []
+    for i, s in enumerate(scheduled):
+        start, n = int(cu_q_lens[i]), len(s.token_ids)
+        pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
+        table = np.asarray(s.block_table, np.int32)
+        input_ids[start : start + n] = s.token_ids
+        positions[start : start + n] = pos
+        slot_mapping[start : start + n] = table[pos // block_size] * block_size + pos % block_size
+        kv_lens[i] = s.start_pos + n
+        block_tables[i, : len(table)] = table
+        for _ in range(rows_per_seq[i]):
+            logits_rows.append(start + n - 1)
+            sample_seq_pos.append(i)
+    r_pad = bucket(len(logits_rows), s_pad)
+    logits_indices = np.zeros(r_pad, np.int32)
+    logits_indices[: len(logits_rows)] = logits_rows
+    meta = PagedMeta(slot_mapping, kv_lens, block_tables, cu_q_lens, np.int32(num_seqs), decode_only)
+    return StepInputs(input_ids, positions, meta, logits_indices, sample_seq_pos,
+                      (t_pad, s_pad, m_pad, r_pad, decode_only))
