@@ -19,6 +19,16 @@ import numpy as np
 from models.config import LlamaConfig
 from models.llama import LlamaForCausalLM
 from pagedjax.config import EngineConfig
+from pagedjax.parallel import multihost
+from pagedjax.parallel.attention import ShardedPagedAttention, sharded_copy_blocks
+from pagedjax.parallel.mesh import (
+    cache_sharding,
+    make_mesh,
+    replicated,
+    shard_params,
+    sharded_config,
+    validate_tp,
+)
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
@@ -34,38 +44,67 @@ def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
 class ModelRunner:
     def __init__(self, config: LlamaConfig, params: dict, engine_config: EngineConfig, dtype,
                  max_model_len: int):
+        # Tensor parallelism (docs/tensor-parallel.md): params and KV heads split over a
+        # ("tp",) mesh; `self.config` is the config the sharded model runs with (KV heads
+        # counted after replication), `model_config` the checkpoint's.
+        self.tp = engine_config.tensor_parallel_size
+        self.model_config = config
+        self.mesh = None
+        attn = PagedAttention(engine_config.attention_backend)
+        if self.tp > 1:
+            validate_tp(config, self.tp)
+            if multihost.is_multiprocess() and engine_config.preemption_mode == "swap":
+                raise ValueError("preemption_mode: 'swap' is not supported across processes; "
+                                 "use 'recompute'")
+            self.mesh = make_mesh(self.tp)
+            params = shard_params(params, config, self.mesh)
+            config = sharded_config(config, self.tp)
+            attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend)
         self.config = config
         self.params = params
         self.engine_config = engine_config
         self.dtype = dtype
         self.block_size = engine_config.block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        self.model = LlamaForCausalLM(config, PagedAttention(engine_config.attention_backend), dtype)
+        self.model = LlamaForCausalLM(config, attn, dtype)
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
                                   // kv_bytes_per_block(config, self.block_size, dtype))
         self.num_cpu_blocks = min(self.num_cpu_blocks, self.num_gpu_blocks)
-        shape = (config.num_layers, config.num_kv_heads, self.num_gpu_blocks, self.block_size,
-                 config.head_dim)
-        self.k_cache = jnp.zeros(shape, dtype)
-        self.v_cache = jnp.zeros(shape, dtype)
+        self.k_cache = self._zeros_cache(self.num_gpu_blocks)
+        self.v_cache = self._zeros_cache(self.num_gpu_blocks)
         self._host_k: np.ndarray | None = None
         self._host_v: np.ndarray | None = None
         self.compiled_shapes: set[tuple] = set()
+
+    def _zeros_cache(self, num_blocks: int) -> jax.Array:
+        """A zero KV cache, split on the KV-head axis under tensor parallelism."""
+        c = self.config
+        shape = (c.num_layers, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
+        if self.mesh is None:
+            return jnp.zeros(shape, self.dtype)
+        return jnp.zeros(shape, self.dtype, device=cache_sharding(self.mesh))
+
+    def place_params(self, params: dict) -> dict:
+        """Put a checkpoint-layout params pytree where this runner keeps its params (for
+        `update_params`: under TP this shards it and replicates KV columns as needed)."""
+        if self.mesh is None:
+            return jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), params, self.params)
+        return shard_params(params, self.model_config, self.mesh)
 
     # ---- sizing ------------------------------------------------------------
     def _profile_num_blocks(self) -> int:
         """Blocks that fit in `gpu_memory_utilization` of device memory after weights and
         activations (measured with a max-size dummy step), like vLLM's profiling run."""
-        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        # Per device: under TP each device holds 1/N of every block's heads.
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype) // self.tp
         dev = jax.local_devices()[0]
         stats = dev.memory_stats() if dev.platform != "cpu" else None
         if not stats or "bytes_limit" not in stats:
             return max(16, int(self.engine_config.cpu_kv_cache_gb * (1 << 30) // per_block))
         # Dummy step at the largest token bucket with a tiny cache to measure the peak.
-        self.k_cache = jnp.zeros((self.config.num_layers, self.config.num_kv_heads, 16,
-                                  self.block_size, self.config.head_dim), self.dtype)
-        self.v_cache = jnp.zeros_like(self.k_cache)
+        self.k_cache = self._zeros_cache(16)
+        self.v_cache = self._zeros_cache(16)
         n = self.engine_config.max_num_batched_tokens
         from pagedjax.core.scheduler import ScheduledSeq
         from pagedjax.worker.step_inputs import build_step_inputs
@@ -73,11 +112,13 @@ class ModelRunner:
         fake = [ScheduledSeq(0, "profile", [0] * n, 0, [0] * math.ceil(n / self.block_size), True)]
         inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq)
         inputs.meta.slot_mapping[:] = -1  # write nothing
-        jax.block_until_ready(self.execute(inputs))
+        jax.block_until_ready(self._execute_local(inputs))  # every process runs it
         stats = dev.memory_stats()
         budget = stats["bytes_limit"] * self.engine_config.gpu_memory_utilization
         free = budget - stats.get("peak_bytes_in_use", stats["bytes_in_use"])
         blocks = int(free // per_block)
+        if multihost.is_multiprocess():  # one block manager: every host must fit its shard
+            blocks = multihost.min_over_processes(blocks)
         if blocks < 1:
             raise RuntimeError(f"no device memory left for the KV cache (free {free / 2**30:.2f} GiB)")
         logger.info("profiled %d KV blocks (%.2f GiB)", blocks, blocks * per_block / 2**30)
@@ -94,15 +135,31 @@ class ModelRunner:
         logits, (k_cache, v_cache) = self.model.apply(
             {"params": params}, input_ids, positions, (k_cache, v_cache), meta,
             logits_indices=logits_indices)
+        if self.mesh is not None:  # sampling sees full logits; caches stay split by head
+            logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
+            k_cache = jax.lax.with_sharding_constraint(k_cache, cache_sharding(self.mesh))
+            v_cache = jax.lax.with_sharding_constraint(v_cache, cache_sharding(self.mesh))
         return logits, k_cache, v_cache
 
     def execute(self, inputs: StepInputs) -> jax.Array:
-        """Run the model on one step; returns device logits [R, vocab] (no host sync)."""
+        """Run the model on one step; returns device logits [R, vocab] (no host sync).
+
+        In a multi-process run the leader (process 0) first broadcasts the step's arrays so
+        every process enters the same collective step (`pagedjax.parallel.multihost`)."""
+        if self.mesh is not None and multihost.is_leader_of_many():
+            multihost.send_step(inputs)
+        return self._execute_local(inputs)
+
+    def _execute_local(self, inputs: StepInputs) -> jax.Array:
         if inputs.shape_key not in self.compiled_shapes:
             self.compiled_shapes.add(inputs.shape_key)
         logits, self.k_cache, self.v_cache = self._step(
             self.params, self.k_cache, self.v_cache, inputs.input_ids, inputs.positions,
             inputs.meta, inputs.logits_indices)
+        if self.mesh is not None:
+            # Replicated: this process's first shard is the full [R, vocab] array, so sampling
+            # runs on one local device (and only on the leader in multi-process runs).
+            logits = logits.addressable_data(0)
         return logits
 
     # ---- block operations --------------------------------------------------
@@ -114,11 +171,20 @@ class ModelRunner:
 
     @partial(jax.jit, static_argnums=0, donate_argnums=(1, 2))
     def _copy(self, k_cache, v_cache, mapping):
-        return copy_blocks(k_cache, v_cache, mapping, backend=self.engine_config.attention_backend)
+        backend = self.engine_config.attention_backend
+        if self.mesh is not None:
+            return sharded_copy_blocks(self.mesh, k_cache, v_cache, mapping, backend)
+        return copy_blocks(k_cache, v_cache, mapping, backend=backend)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if pairs:
-            self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, self._pad_pairs(pairs))
+            mapping = self._pad_pairs(pairs)
+            if self.mesh is not None and multihost.is_leader_of_many():
+                multihost.send_copy(mapping)
+            self._copy_local(mapping)
+
+    def _copy_local(self, mapping: np.ndarray) -> None:
+        self.k_cache, self.v_cache = self._copy(self.k_cache, self.v_cache, mapping)
 
     def _host_pool(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host_k is None:
@@ -148,3 +214,6 @@ class ModelRunner:
         gpu = np.asarray([g for _, g in pairs], np.int32)
         self.k_cache, self.v_cache = swap_in(self.k_cache, self.v_cache, host_k[:, :, cpu],
                                              host_v[:, :, cpu], gpu)
+        if self.mesh is not None:  # keep the head split whatever the scatter's output layout
+            sh = cache_sharding(self.mesh)
+            self.k_cache, self.v_cache = jax.device_put((self.k_cache, self.v_cache), sh)

@@ -1,0 +1,181 @@
+"""Megatron-style tensor parallelism: the mesh, the sharding plan, and the KV-head rule.
+
+One mesh axis, ``"tp"``. Every projection is split so that each device computes whole heads
+(attention) or a contiguous slice of the MLP's intermediate features, and the only
+communication per layer is the two all-reduces XLA inserts after the row-parallel
+``o_proj`` and ``down_proj`` (paper §4.6). Nothing here is specific to one process: the same
+plan builds the mesh over ``jax.devices()`` after ``jax.distributed.initialize()``.
+
+KV-head rule (checked by `validate_tp` before any weight is loaded):
+
+* N must divide ``num_heads`` (each device owns ``num_heads / N`` query heads), and
+  ``intermediate_size`` (the MLP split);
+* either N divides ``num_kv_heads`` (each device owns ``num_kv_heads / N`` KV heads), or
+  ``num_kv_heads`` divides N, and then every KV head is replicated ``N / num_kv_heads`` times:
+  the k/v projection columns are repeated so that each device owns one copy, and the cache
+  holds N KV heads (one per device). Query head ``i`` still reads original KV head
+  ``i // (num_heads / num_kv_heads)``, because ``floor(floor(i/a)/b) == floor(i/(a*b))``.
+* N must not exceed the number of devices in the (global) mesh.
+
+Embedding / LM head: split on the vocabulary (``embed[V/N, H]``, ``lm_head[H, V/N]``) when N
+divides the vocabulary, else replicated. The split costs one all-reduce for the token lookup
+and one all-gather of the sampled rows' logits per step, and saves ``(N-1)/N`` of the largest
+single tensors of small models (28% of SmolLM2-135M's parameters); `bench/tensor_parallel.py`
+measures both (``docs/tensor-parallel.md`` records the numbers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import LlamaConfig
+
+AXIS = "tp"
+
+
+class TensorParallelError(ValueError):
+    """The tensor-parallel size does not fit the model or the available devices."""
+
+
+def validate_tp(config: LlamaConfig, n: int, num_devices: int | None = None) -> None:
+    """Raise `TensorParallelError` naming the offending quantity; cheap, call before loading."""
+    if not isinstance(n, int) or n < 1:
+        raise TensorParallelError(f"tensor_parallel_size must be a positive integer; got {n!r}")
+    if n == 1:
+        return
+    devices = jax.device_count() if num_devices is None else num_devices
+    if n > devices:
+        raise TensorParallelError(
+            f"tensor_parallel_size={n} exceeds the {devices} available device(s) "
+            f"({jax.default_backend()})")
+    if config.num_heads % n:
+        raise TensorParallelError(
+            f"tensor_parallel_size={n} must divide the number of attention heads "
+            f"({config.num_heads})")
+    kv = config.num_kv_heads
+    if kv % n and n % kv:
+        raise TensorParallelError(
+            f"tensor_parallel_size={n} must divide the number of KV heads ({kv}) or be a "
+            f"multiple of it (KV heads are then replicated)")
+    if config.intermediate_size % n:
+        raise TensorParallelError(
+            f"tensor_parallel_size={n} must divide intermediate_size ({config.intermediate_size})")
+
+
+def kv_replication(config: LlamaConfig, n: int) -> int:
+    """How many copies of each KV head the sharded model holds (1 unless N > num_kv_heads)."""
+    return n // config.num_kv_heads if n > config.num_kv_heads else 1
+
+
+def sharded_config(config: LlamaConfig, n: int) -> LlamaConfig:
+    """The config the sharded model runs with: KV heads counted after replication."""
+    r = kv_replication(config, n)
+    return config if r == 1 else dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
+
+
+def make_mesh(n: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 1-D ``("tp",)`` mesh over the first N devices (global devices in multi-process runs)."""
+    devs = list(devices if devices is not None else jax.devices())[:n]
+    if len(devs) < n:
+        raise TensorParallelError(f"need {n} devices for the mesh, have {len(devs)}")
+    return Mesh(np.asarray(devs), (AXIS,))
+
+
+def vocab_sharded(config: LlamaConfig, n: int, shard_vocab: bool = True) -> bool:
+    return shard_vocab and n > 1 and config.vocab_size % n == 0
+
+
+def param_specs(config: LlamaConfig, n: int, shard_vocab: bool = True) -> dict:
+    """PartitionSpecs matching the params pytree of `models.llama.LlamaForCausalLM`."""
+    col = P(None, None, AXIS)  # [L, in, out/N]: column-parallel
+    row = P(None, AXIS, None)  # [L, in/N, out]: row-parallel
+    vocab = vocab_sharded(config, n, shard_vocab)
+    specs = {
+        "embed": P(AXIS, None) if vocab else P(),
+        "layers": {
+            "attn_norm": P(), "mlp_norm": P(),
+            "q_proj": {"kernel": col}, "k_proj": {"kernel": col}, "v_proj": {"kernel": col},
+            "o_proj": {"kernel": row},
+            "gate_proj": {"kernel": col}, "up_proj": {"kernel": col},
+            "down_proj": {"kernel": row},
+        },
+        "final_norm": P(),
+    }
+    if not config.tie_word_embeddings:
+        specs["lm_head"] = P(None, AXIS) if vocab else P()
+    return specs
+
+
+def param_shardings(mesh: Mesh, config: LlamaConfig, shard_vocab: bool = True) -> dict:
+    n = mesh.shape[AXIS]
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, n, shard_vocab),
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+CACHE_SPEC = P(None, AXIS, None, None, None)  # [L, Hkv, blocks, block_size, D]: by KV head
+
+
+def cache_sharding(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, CACHE_SPEC)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def replicate_kv_columns(kernel: np.ndarray | jax.Array, head_dim: int, r: int):
+    """[..., in, Hkv*D] -> [..., in, Hkv*r*D]: each head's columns repeated r times, in place
+    order (head j becomes heads j*r .. j*r+r-1), so device d owns a copy of head d // r."""
+    if r == 1:
+        return kernel
+    xp = jnp if isinstance(kernel, jax.Array) else np
+    *lead, cols = kernel.shape
+    heads = cols // head_dim
+    k = kernel.reshape(*lead, heads, head_dim)
+    k = xp.repeat(k, r, axis=-2)
+    return k.reshape(*lead, heads * r * head_dim)
+
+
+def shard_params(params: dict, config: LlamaConfig, mesh: Mesh, shard_vocab: bool = True) -> dict:
+    """Place a params pytree on the mesh (replicating KV columns when N > num_kv_heads).
+
+    Arrays that already carry the target sharding (e.g. from the sharded safetensors loader)
+    are left alone; host or single-device arrays are split by `device_put`, which copies each
+    device only its slice.
+    """
+    n = mesh.shape[AXIS]
+    r = kv_replication(config, n)
+    layers = dict(params["layers"])
+    want_cols = config.num_kv_heads * r * config.head_dim
+    for key in ("k_proj", "v_proj"):
+        kernel = layers[key]["kernel"]
+        if kernel.shape[-1] != want_cols:
+            layers[key] = {"kernel": replicate_kv_columns(kernel, config.head_dim, r)}
+    params = {**params, "layers": layers}
+    shardings = param_shardings(mesh, config, shard_vocab)
+    return jax.tree.map(_place, params, shardings)
+
+
+def _place(x, sharding: NamedSharding):
+    if isinstance(x, jax.Array) and x.sharding == sharding:
+        return x
+    return jax.device_put(x, sharding)
+
+
+def sharded_param_bytes(params: dict) -> tuple[int, int]:
+    """(total bytes, largest per-device bytes) of a placed params pytree, from the shardings."""
+    total, per_device = 0, {}
+    for leaf in jax.tree.leaves(params):
+        total += leaf.size * leaf.dtype.itemsize
+        for dev, idx in leaf.sharding.devices_indices_map(leaf.shape).items():
+            shape = [len(range(*s.indices(d))) for s, d in zip(idx, leaf.shape)]
+            per_device[dev] = per_device.get(dev, 0) + math.prod(shape) * leaf.dtype.itemsize
+    return total, max(per_device.values())
