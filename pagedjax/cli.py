@@ -62,6 +62,81 @@ def cmd_fetch_demo(args) -> int:
     return 0
 
 
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every `EngineConfig` field as `--field-name` (defaults stay the config's own)."""
+    import dataclasses
+    import typing
+
+    from pagedjax.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        base = {bool: bool, int: int, float: float, str: str}
+        kind = next((t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t in base), str)
+        if kind is bool:
+            p.add_argument(flag, dest=f"engine_{f.name}", action=argparse.BooleanOptionalAction, default=None)
+        else:
+            p.add_argument(flag, dest=f"engine_{f.name}", type=kind, default=None,
+                           help=f"engine option (default {f.default!r})")
+
+
+def cmd_serve(args) -> int:
+    import asyncio
+    import logging
+
+    from pagedjax.serving.server import ServerOptions, run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine_kwargs = {k[len("engine_"):]: v for k, v in vars(args).items()
+                     if k.startswith("engine_") and v is not None}
+    opts = ServerOptions(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
+                         metrics_port=args.metrics_port, http_port=args.http_port,
+                         max_waiting_requests=args.max_waiting_requests, grace_s=args.grace,
+                         port_file=args.port_file, engine_kwargs=engine_kwargs)
+    return asyncio.run(run_server(opts))
+
+
+def cmd_client(args) -> int:
+    import grpc
+
+    from pagedjax.serving.client import Client
+
+    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
+              "top_k": args.top_k, "seed": args.seed}
+    with Client(args.target, timeout=args.timeout) as client:
+        try:
+            for resp in client.generate_stream(args.prompt, params):
+                for d in resp.outputs:
+                    print(d.text, end="", flush=True)
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print()
+    return 0
+
+
+def add_serving_parsers(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over gRPC (and optionally OpenAI HTTP)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=50051, help="gRPC port (0: ephemeral)")
+    s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: ephemeral)")
+    s.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0: ephemeral)")
+    s.add_argument("--max-waiting-requests", type=int, default=None)
+    s.add_argument("--grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--port-file", default=None, help="write the bound ports as JSON here")
+    _add_engine_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    c = sub.add_parser("client", help="stream a completion from a running server")
+    c.add_argument("prompt")
+    c.add_argument("--target", default="127.0.0.1:50051")
+    c.add_argument("--timeout", type=float, default=None)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_client)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedjax", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fetch-demo", help="fetch the demo model into the cache")
     f.set_defaults(func=cmd_fetch_demo)
+    add_serving_parsers(sub)
     return parser
 
 

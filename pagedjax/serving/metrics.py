@@ -1,0 +1,75 @@
+"""Prometheus metrics of one server, fed by `AsyncEngine` callbacks.
+
+Each server owns its own `CollectorRegistry` (no process-global state), so several servers or
+tests in one process never collide; gRPC and HTTP front doors export the same registry.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from pagedjax.serving.async_engine import AsyncEngine, RequestMetrics
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class ServingMetrics:
+    """Request counters and latency histograms plus engine gauges, all prefixed `pagedjax_`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = r = registry or CollectorRegistry()
+        self.requests = Counter("pagedjax_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("pagedjax_prompt_tokens", "Prompt tokens of finished requests",
+                                     registry=r)
+        self.generation_tokens = Counter("pagedjax_generation_tokens",
+                                         "Generated tokens of finished requests", registry=r)
+        self.ttft = Histogram("pagedjax_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pagedjax_time_per_output_token_seconds",
+                              "Mean time per output token after the first", buckets=_TOKEN_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("pagedjax_e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("pagedjax_num_requests_running", "Sequence groups running", registry=r)
+        self.waiting = Gauge("pagedjax_num_requests_waiting", "Sequence groups waiting", registry=r)
+        self.swapped = Gauge("pagedjax_num_requests_swapped", "Sequence groups swapped out", registry=r)
+        self.kv_usage = Gauge("pagedjax_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
+        self.preemptions = Gauge("pagedjax_num_preemptions_total", "Preemptions since start", registry=r)
+
+    def attach(self, engine: AsyncEngine) -> ServingMetrics:
+        engine.on_request_done(self.observe_request)
+        engine.on_stats(self.observe_stats)
+        self.observe_stats(engine.get_stats())
+        return self
+
+    def observe_request(self, m: RequestMetrics) -> None:
+        self.requests.labels(m.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.generation_tokens.inc(m.completion_tokens)
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+
+    def observe_stats(self, s) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting)
+        self.swapped.set(s.num_swapped)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.preemptions.set(s.num_preemptions_total)
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose `/metrics` over HTTP on a daemon thread; returns the bound port (0 → ephemeral)."""
+        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._httpd = httpd
+        return int(httpd.server_port)
+
+    def close(self) -> None:
+        httpd = getattr(self, "_httpd", None)
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()

@@ -1,0 +1,212 @@
+"""gRPC server (grpc.aio) over one `AsyncEngine`, with health, reflection and Prometheus metrics.
+
+Lifecycle: bind the port and report NOT_SERVING → load the model and warm up (compile the
+smallest shapes) → SERVING → on SIGTERM/SIGINT: NOT_SERVING, refuse new requests, let in-flight
+ones finish for `grace_s`, abort the rest, stop, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import uuid
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, to_params
+from pagedjax.serving.convert import delta_to_proto, params_from_proto
+from pagedjax.serving.errors import NotReadyError, ServingError, UnknownRequestError
+from pagedjax.serving.metrics import ServingMetrics
+from pagedjax.serving.proto import pagedjax_pb2 as pb
+from pagedjax.serving.proto import pagedjax_pb2_grpc as pb_grpc
+
+logger = logging.getLogger("pagedjax.serving")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
+GRPC_CODES = {
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+    "unimplemented": grpc.StatusCode.UNIMPLEMENTED,
+    "already_exists": grpc.StatusCode.ALREADY_EXISTS,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    model: str = "smollm2"
+    dtype: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: ephemeral
+    http_port: int | None = None  # OpenAI front door (issue 9); None: off
+    max_waiting_requests: int | None = None
+    grace_s: float = 30.0
+    port_file: str | None = None  # JSON with the bound ports, written once listening
+    engine_kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+class PagedJaxServicer(pb_grpc.PagedJaxServicer):
+    """RPC handlers; `aengine` stays None until the model is loaded (→ UNAVAILABLE)."""
+
+    def __init__(self):
+        self.aengine: AsyncEngine | None = None
+
+    async def _fail(self, context, err: ServingError):
+        await context.abort(GRPC_CODES.get(err.kind, grpc.StatusCode.INTERNAL), err.message)
+
+    async def _engine(self, context) -> AsyncEngine:
+        if self.aengine is None:
+            await self._fail(context, NotReadyError("model is loading"))
+        return self.aengine
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        aeng = await self._engine(context)
+        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        which = request.WhichOneof("input")
+        prompt = request.prompt if which == "prompt" else None
+        ids = list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None
+        try:
+            sp = to_params(params_from_proto(request.params))
+            stream = await aeng.add_request_async(rid, prompt, sp, ids)
+        except ServingError as err:
+            logger.info("request %s refused: %s: %s", rid, err.kind, err.message)
+            await self._fail(context, err)
+        tracker = DeltaTracker(sp)
+        try:
+            final = None
+            async for out in stream:
+                final = out
+                if request.stream:
+                    deltas = tracker.update(out)
+                    if deltas or out.finished:
+                        yield _response(rid, out, deltas)
+            if not request.stream and final is not None:
+                yield _response(rid, final, tracker.update(final))
+        except ServingError as err:
+            await self._fail(context, err)
+        finally:
+            if not stream.finished:  # client cancelled or deadline expired
+                logger.info("request %s cancelled by the client", rid)
+                aeng.abort(rid)
+
+    async def Abort(self, request: pb.AbortRequest, context):
+        aeng = await self._engine(context)
+        aborted, unknown = [], []
+        for rid in request.request_ids:
+            (aborted if aeng.abort(rid) else unknown).append(rid)
+        if unknown and not aborted:
+            await self._fail(context, UnknownRequestError(f"request_ids: not in flight: {unknown}",
+                                                          "request_ids"))
+        return pb.AbortResponse(aborted=aborted)
+
+    async def GetModelInfo(self, request, context):
+        eng = (await self._engine(context)).engine
+        ec = eng.engine_config
+        return pb.ModelInfo(model=eng.model_name, dtype=np.dtype(eng.dtype).name,
+                            max_model_len=eng.max_model_len, block_size=ec.block_size,
+                            num_gpu_blocks=eng.runner.num_gpu_blocks,
+                            tensor_parallel_size=ec.tensor_parallel_size,
+                            vocab_size=eng.model_config.vocab_size, max_num_seqs=ec.max_num_seqs)
+
+    async def GetStats(self, request, context):
+        aeng = await self._engine(context)
+        s = aeng.get_stats()
+        return pb.Stats(num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
+                        num_gpu_blocks=s.num_gpu_blocks, num_free_gpu_blocks=s.num_free_gpu_blocks,
+                        kv_cache_usage=s.kv_cache_usage, num_preemptions_total=s.num_preemptions_total,
+                        num_steps=s.num_steps, prompt_tokens_total=s.prompt_tokens_total,
+                        generation_tokens_total=s.generation_tokens_total,
+                        num_in_flight=aeng.num_in_flight())
+
+
+def _response(rid: str, out, deltas) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=rid, outputs=[delta_to_proto(d) for d in deltas],
+                               prompt_tokens=len(out.prompt_token_ids), cached_tokens=out.num_cached_tokens,
+                               finished=out.finished)
+
+
+def load_engine(opts: ServerOptions):
+    """Load the model and compile the smallest shapes so the first client does not pay for it."""
+    from pagedjax.engine import LLMEngine
+    from pagedjax.sampling_params import SamplingParams
+
+    eng = LLMEngine.from_model(opts.model, opts.dtype, **opts.engine_kwargs)
+    eng.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0))
+    while eng.has_unfinished_requests():
+        eng.step()
+    return eng
+
+
+async def _set_health(health: HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await health.set(name, status)
+
+
+async def run_server(opts: ServerOptions, engine=None) -> int:
+    """Serve until SIGTERM/SIGINT; `engine` skips loading (tests, embedding)."""
+    loop = asyncio.get_running_loop()
+    server = grpc.aio.server()
+    servicer = PagedJaxServicer()
+    health = HealthServicer()
+    pb_grpc.add_PagedJaxServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"]
+                                         .full_name, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    await _set_health(health, False)
+    await server.start()
+    metrics = ServingMetrics()
+    ports = {"port": port}
+    if opts.metrics_port is not None:
+        ports["metrics_port"] = metrics.serve(opts.metrics_port, opts.host)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    http = None
+    if opts.http_port is not None:
+        from pagedjax.serving.http import HttpFrontDoor
+
+        http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port)
+        ports["http_port"] = await http.start()
+    if opts.port_file:
+        Path(opts.port_file).write_text(json.dumps(ports))
+    logger.info("listening on %s:%d (%s); loading %s", opts.host, port, ports, opts.model)
+    try:
+        eng = engine if engine is not None else await loop.run_in_executor(None, load_engine, opts)
+    except Exception:
+        logger.exception("failed to load the model")
+        await server.stop(0)
+        return 1
+    aengine = AsyncEngine(eng, max_waiting_requests=opts.max_waiting_requests).start()
+    metrics.attach(aengine)
+    servicer.aengine = aengine
+    if http is not None:
+        http.set_engine(aengine)
+    await _set_health(health, True)
+    logger.info("serving %s", eng.model_name)
+    await stop.wait()
+    logger.info("shutting down: draining %d in-flight requests (grace %.1fs)", aengine.num_in_flight(),
+                opts.grace_s)
+    await _set_health(health, False)
+    if http is not None:
+        http.draining = True
+    aborted = await loop.run_in_executor(None, aengine.drain, opts.grace_s)
+    logger.info("drained; %d requests aborted", aborted)
+    await server.stop(1.0)
+    if http is not None:
+        await http.stop()
+    aengine.shutdown()
+    metrics.close()
+    return 0
