@@ -154,8 +154,10 @@ async def _set_health(health: HealthServicer, serving: bool) -> None:
         await health.set(name, status)
 
 
-async def run_server(opts: ServerOptions, engine=None) -> int:
-    """Serve until SIGTERM/SIGINT; `engine` skips loading (tests, embedding)."""
+async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or until `stop` is set, when given: no signal handlers then).
+
+    `engine` skips loading (tests, embedding)."""
     loop = asyncio.get_running_loop()
     server = grpc.aio.server()
     servicer = PagedJaxServicer()
@@ -171,9 +173,10 @@ async def run_server(opts: ServerOptions, engine=None) -> int:
     ports = {"port": port}
     if opts.metrics_port is not None:
         ports["metrics_port"] = metrics.serve(opts.metrics_port, opts.host)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     http = None
     if opts.http_port is not None:
         from pagedjax.serving.http import HttpFrontDoor

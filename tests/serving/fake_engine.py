@@ -1,0 +1,85 @@
+"""A JAX-free stand-in for `LLMEngine` so AsyncEngine and status-code tests run in milliseconds.
+
+Each request emits one token per step (text "w0 w1 ..."); prompt "boom" fails inside the engine
+(`RequestOutput.error`), and clearing `gate` stalls progress so requests pile up as waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+
+class FakeEngine:
+    model_name = "fake"
+    dtype = "float32"
+    max_model_len = 64
+
+    def __init__(self, step_s: float = 0.002):
+        self.step_s = step_s
+        self.gate = threading.Event()
+        self.gate.set()
+        self.engine_config = types.SimpleNamespace(block_size=16, max_num_seqs=8, tensor_parallel_size=1)
+        self.runner = types.SimpleNamespace(num_gpu_blocks=32)
+        self.model_config = types.SimpleNamespace(vocab_size=100)
+        self._reqs: dict[str, dict] = {}
+        self._pending: list[RequestOutput] = []
+        self.thread_ids: set[int] = set()
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, arrival_time=None):
+        self.thread_ids.add(threading.get_ident())
+        if request_id in self._reqs:
+            raise ValueError(f"request_id: {request_id!r} is already in flight")
+        if prompt_token_ids is None and not prompt:
+            raise ValueError("prompt: empty prompt")
+        ids = list(prompt_token_ids or [1, 2, 3])
+        if any(not 0 <= t < 100 for t in ids):
+            raise ValueError("prompt_token_ids: token id outside the vocabulary")
+        sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params or {})
+        self._reqs[request_id] = {"prompt": prompt, "ids": ids, "sp": sp, "out": []}
+
+    def _output(self, rid, r, finished, reason=None, error=None):
+        text = "".join(f"w{t} " for t in r["out"])
+        comp = CompletionOutput(0, text, list(r["out"]), finish_reason=reason)
+        return RequestOutput(rid, r["prompt"], r["ids"], [comp], finished=finished, error=error)
+
+    def abort_request(self, request_id):
+        self.thread_ids.add(threading.get_ident())
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            r = self._reqs.pop(rid, None)
+            if r is not None:
+                self._pending.append(self._output(rid, r, True, "abort"))
+
+    def has_unfinished_requests(self):
+        return bool(self._reqs) or bool(self._pending)
+
+    def step(self):
+        self.thread_ids.add(threading.get_ident())
+        outs, self._pending = self._pending, []
+        time.sleep(self.step_s)
+        if not self.gate.is_set():
+            return outs
+        self.steps += 1
+        for rid, r in list(self._reqs.items()):
+            if r["prompt"] == "boom":
+                del self._reqs[rid]
+                outs.append(self._output(rid, r, True, "abort", error="internal error: boom"))
+                continue
+            r["out"].append(len(r["out"]))
+            done = len(r["out"]) >= r["sp"].max_tokens
+            if done:
+                del self._reqs[rid]
+            outs.append(self._output(rid, r, done, "length" if done else None))
+        return outs
+
+    def get_stats(self):
+        used = 2 * len(self._reqs)
+        return types.SimpleNamespace(
+            num_running=len(self._reqs), num_waiting=0, num_swapped=0, num_gpu_blocks=32,
+            num_free_gpu_blocks=32 - used, kv_cache_usage=used / 32, num_preemptions_total=0,
+            num_steps=self.steps, prompt_tokens_total=0, generation_tokens_total=0)

@@ -1,0 +1,155 @@
+"""AsyncEngine semantics on a fake engine: threading, errors, queue limit, abort, drain, deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker
+from pagedjax.serving.errors import (
+    DuplicateRequestError,
+    InvalidRequestError,
+    NotReadyError,
+    QueueFullError,
+    RequestFailedError,
+    UnsupportedError,
+    field_of,
+)
+from tests.serving.fake_engine import FakeEngine
+
+
+@pytest.fixture
+def fake():
+    return FakeEngine()
+
+
+@pytest.fixture
+def aeng(fake):
+    a = AsyncEngine(fake).start()
+    yield a
+    a.shutdown()
+
+
+def _text(stream) -> tuple[str, str]:
+    outs = list(stream)
+    return outs[-1].outputs[0].text, outs[-1].outputs[0].finish_reason
+
+
+def test_concurrent_threads_share_one_engine_thread(fake, aeng):
+    results = {}
+
+    def run(i):
+        results[i] = _text(aeng.add_request(f"r{i}", "hi", {"max_tokens": 3 + i % 4}))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert {i: r[1] for i, r in results.items()} == {i: "length" for i in range(12)}
+    assert all(results[i][0].count("w") == 3 + i % 4 for i in range(12))
+    assert len(fake.thread_ids) == 1 and threading.get_ident() not in fake.thread_ids
+    assert aeng.num_in_flight() == 0
+
+
+def test_asyncio_streams():
+    async def main(a):
+        async def one(i):
+            stream = await a.add_request_async(f"a{i}", "hi", {"max_tokens": 4})
+            return [o.outputs[0].text async for o in stream]
+
+        return await asyncio.gather(*(one(i) for i in range(5)))
+
+    a = AsyncEngine(FakeEngine()).start()
+    try:
+        texts = asyncio.run(main(a))
+    finally:
+        a.shutdown()
+    assert [t[-1] for t in texts] == ["w0 w1 w2 w3 "] * 5
+    assert all(len(t) == 4 for t in texts)
+
+
+def test_validation_errors_name_the_field(aeng):
+    with pytest.raises(InvalidRequestError) as e:
+        aeng.add_request("x", "", {})
+    assert e.value.field == "prompt"
+    with pytest.raises(InvalidRequestError) as e:
+        aeng.add_request("x", "hi", {"temperature": -1.0})
+    assert e.value.field == "temperature"
+    with pytest.raises(InvalidRequestError) as e:
+        aeng.add_request("x", "hi", {"bogus": 1})
+    assert e.value.field == "bogus"
+    # refused requests leave nothing behind: the id is free again
+    assert _text(aeng.add_request("x", "hi", {"max_tokens": 2}))[1] == "length"
+
+
+def test_field_of_and_unsupported():
+    assert field_of("use_beam_search: not supported") == "use_beam_search"
+    assert field_of("Unknown sampling parameter(s): foo, bar.") == "foo"
+    from pagedjax.serving.errors import from_value_error
+
+    assert isinstance(from_value_error(ValueError("prompt_logprobs: no")), UnsupportedError)
+
+
+def test_duplicate_queue_full_and_abort(fake):
+    aeng = AsyncEngine(fake, max_waiting_requests=3).start()
+    fake.gate.clear()  # nothing progresses: every request stays waiting
+    streams = [aeng.add_request(f"q{i}", "hi", {"max_tokens": 50}) for i in range(3)]
+    with pytest.raises(DuplicateRequestError):
+        aeng.add_request("q0", "hi", {})
+    with pytest.raises(QueueFullError):
+        aeng.add_request("q3", "hi", {})
+    assert aeng.abort("q1") and not aeng.abort("nope")
+    assert _text(streams[1])[1] == "abort"
+    fake.gate.set()
+    assert [_text(s)[1] for s in (streams[0], streams[2])] == ["length", "length"]
+    aeng.shutdown()
+
+
+def test_internal_error_isolated(aeng):
+    bad = aeng.add_request("bad", "boom", {"max_tokens": 5})
+    good = aeng.add_request("good", "hi", {"max_tokens": 5})
+    with pytest.raises(RequestFailedError, match="boom"):
+        list(bad)
+    assert _text(good) == ("w0 w1 w2 w3 w4 ", "length")
+
+
+def test_drain_finishes_short_and_aborts_long(fake):
+    fake.step_s = 0.01
+    a = AsyncEngine(fake).start()
+    short = a.add_request("s", "hi", {"max_tokens": 3})
+    long = a.add_request("l", "hi", {"max_tokens": 10_000})
+    assert a.drain(grace_s=0.3) == 1
+    with pytest.raises(NotReadyError):
+        a.add_request("late", "hi", {})
+    assert _text(short)[1] == "length" and _text(long)[1] == "abort"
+    a.shutdown()
+
+
+def test_metrics_hooks(aeng):
+    seen = []
+    aeng.on_request_done(seen.append)
+    list(aeng.add_request("m", "hi", {"max_tokens": 4}))
+    m = seen[-1]
+    assert (m.request_id, m.completion_tokens, m.finish_reason, m.prompt_tokens) == ("m", 4, "length", 3)
+    assert 0 <= m.ttft <= m.e2e and m.tpot is not None and len(m.itls) == 3
+
+
+def _out(text: str, finished: bool = False, reason=None) -> RequestOutput:
+    return RequestOutput("r", "p", [1], [CompletionOutput(0, text, list(range(len(text))),
+                                                          finish_reason=reason)], finished=finished)
+
+
+def test_delta_tracker_holds_back_partial_stop_strings():
+    tr = DeltaTracker(SamplingParams(stop=["END"], max_tokens=50))
+    parts = [tr.update(_out("hello E")), tr.update(_out("hello EN")),
+             tr.update(_out("hello ", True, "stop"))]
+    texts = [d.text for p in parts for d in p]
+    # "E" and "EN" might start the stop string: they are never sent, so the deltas add up.
+    assert "".join(texts) == "hello "
+    assert texts[:2] == ["hello", " "]
+    assert parts[-1][-1].finish_reason == "stop"
