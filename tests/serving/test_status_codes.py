@@ -1,0 +1,59 @@
+"""Status-code mapping of the gRPC server, over a fake engine (fast and deterministic)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pagedjax.serving.client import Client
+from tests.serving.fake_engine import FakeEngine
+from tests.serving.inproc import InProcessServer
+
+
+@pytest.fixture(scope="module")
+def fake_server(tmp_path_factory):
+    fake = FakeEngine(step_s=0.005)
+    srv = InProcessServer(fake, tmp_path_factory.mktemp("fake"), max_waiting_requests=2).start()
+    client = Client(srv.target, timeout=10)
+    client.wait_ready(10)
+    yield fake, srv, client
+    client.close()
+    assert srv.close() == 0
+
+
+def _code(fn) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        fn()
+    return e.value.code(), e.value.details()
+
+
+def test_internal_error_is_per_request(fake_server):
+    _, _, client = fake_server
+    code, details = _code(lambda: client.generate("boom", {"max_tokens": 3}))
+    assert code == grpc.StatusCode.INTERNAL and "boom" in details
+    assert client.generate("fine", {"max_tokens": 3}).outputs[0].text == "w0 w1 w2 "
+
+
+def test_queue_full_is_resource_exhausted(fake_server):
+    fake, _, client = fake_server
+    fake.gate.clear()
+    try:
+        calls = [client.generate_stream("hi", {"max_tokens": 2}, request_id=f"w{i}") for i in range(2)]
+        # make sure both were accepted before the third arrives
+        for _ in range(200):
+            if client.stats().num_in_flight == 2:
+                break
+        code, details = _code(lambda: client.generate("hi", {"max_tokens": 2}))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_waiting_requests" in details
+    finally:
+        fake.gate.set()
+    assert [list(c)[-1].outputs[0].finish_reason for c in calls] == ["length", "length"]
+
+
+def test_not_found_and_unimplemented(fake_server):
+    _, _, client = fake_server
+    assert _code(lambda: client.abort("never-sent"))[0] == grpc.StatusCode.NOT_FOUND
+    code, details = _code(lambda: client.generate("hi", {"temperature": 0.0, "early_stopping": "maybe"}))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "early_stopping" in details
+    info = client.model_info()
+    assert (info.model, info.block_size, info.num_gpu_blocks) == ("fake", 16, 32)
