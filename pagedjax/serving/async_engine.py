@@ -224,6 +224,11 @@ class AsyncEngine:
         """Register a callback run on the engine thread with fresh `EngineStats`."""
         self._stats_listeners.append(fn)
 
+    def stop_accepting(self) -> None:
+        """Refuse new requests (`NotReadyError`) from now on; in-flight ones continue."""
+        with self._lock:
+            self._accepting = False
+
     def drain(self, grace_s: float) -> int:
         """Stop accepting, let in-flight requests finish for up to `grace_s`, abort the rest.
 
@@ -326,9 +331,9 @@ class AsyncEngine:
                 self._fail_all(f"internal error: {type(exc).__name__}: {exc}")
                 continue
             now = time.monotonic()
+            self._publish_stats()  # first, so a client that saw this step's output sees its stats
             for out in outs:
                 self._deliver(out, now)
-            self._publish_stats()
         self._fail_all("server stopped")
 
     def _apply_commands(self) -> None:
@@ -391,7 +396,6 @@ class AsyncEngine:
             self._live.pop(rid, None)
         m = live.metrics
         m.finished, m.finish_reason = now, reason
-        live.stream._put(last)
         logger.info("request %s finished=%s prompt_tokens=%d cached=%d completion_tokens=%d "
                     "ttft=%s e2e=%.3fs", rid, reason, m.prompt_tokens, m.cached_tokens,
                     m.completion_tokens, "-" if m.ttft is None else f"{m.ttft:.3f}s", m.e2e)
@@ -400,6 +404,7 @@ class AsyncEngine:
                 fn(m)
             except Exception:
                 logger.exception("request-done listener failed")
+        live.stream._put(last)  # after the listeners: a client that saw the end sees its metrics
 
     def _fail_all(self, message: str) -> None:
         with self._lock:

@@ -202,9 +202,8 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     await stop.wait()
     logger.info("shutting down: draining %d in-flight requests (grace %.1fs)", aengine.num_in_flight(),
                 opts.grace_s)
+    aengine.stop_accepting()
     await _set_health(health, False)
-    if http is not None:
-        http.draining = True
     aborted = await loop.run_in_executor(None, aengine.drain, opts.grace_s)
     logger.info("drained; %d requests aborted", aborted)
     await server.stop(1.0)

@@ -1,0 +1,199 @@
+"""The real server over the demo model: parity with offline generation, cancellation, errors, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.serving.client import AsyncClient
+from tests.serving.conftest import ENGINE_ARGS
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "Once upon a time", "def fibonacci(n):", "The quick brown fox",
+           "Explain photosynthesis in one sentence.", "My favourite colour is"]
+
+
+def _engine_kwargs() -> dict:
+    it = iter(ENGINE_ARGS)
+    return {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(it, it)}
+
+
+@pytest.fixture(scope="module")
+def offline(server, demo_gguf):
+    """The offline reference, loaded while the server process loads (server fixture launched first)."""
+    from pagedjax.llm import LLM
+
+    return LLM(str(demo_gguf), **_engine_kwargs())
+
+
+def _wait_blocks_free(client, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = client.stats()
+        if s.num_in_flight == 0 and s.num_free_gpu_blocks == s.num_gpu_blocks:
+            return s
+        assert time.monotonic() < deadline, f"blocks not freed: {s}"
+        time.sleep(0.1)
+
+
+def _mixed_params(i: int) -> SamplingParams:
+    kind = i % 4
+    if kind == 0:
+        return SamplingParams(temperature=0.0, max_tokens=4 + i % 13)
+    if kind == 1:
+        return SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=12)
+    if kind == 2:
+        return SamplingParams(temperature=0.0, max_tokens=16, stop=[".", "\n"], logprobs=2)
+    return SamplingParams(n=2, temperature=1.0, top_k=20, seed=7 * i, max_tokens=8)
+
+
+def test_32_concurrent_streams_match_offline(server, offline):
+    client = server.client
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    params = [_mixed_params(i) for i in range(32)]
+
+    async def run():
+        async with AsyncClient(server.target, timeout=300) as ac:
+            return await asyncio.gather(*(ac.generate(p, sp, request_id=f"c{i}", stream=True)
+                                          for i, (p, sp) in enumerate(zip(prompts, params))))
+
+    streamed = asyncio.run(run())
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    for i, (got, want) in enumerate(zip(streamed, expected)):
+        assert got.request_id == f"c{i}" and got.prompt_tokens == len(want.prompt_token_ids)
+        assert len(got.outputs) == len(want.outputs), i
+        for g, w in zip(got.outputs, want.outputs):
+            # the streamed deltas, concatenated by the client, equal the offline final text
+            assert (g.text, g.token_ids, g.finish_reason) == (w.text, w.token_ids, w.finish_reason), i
+            if w.logprobs is not None:
+                assert [sorted(e) for e in g.logprobs] == [sorted(e) for e in w.logprobs]
+                for ge, we in zip(g.logprobs, w.logprobs):
+                    assert [ge[k] for k in sorted(ge)] == pytest.approx([we[k] for k in sorted(we)], abs=1e-3)
+    assert max(r.num_messages for r in streamed) > 2  # really streamed, not one final message
+    assert client.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 4}).outputs[0].text == \
+        expected[0].outputs[0].text[: len(client.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 4})
+                                          .outputs[0].text)]
+    _wait_blocks_free(client)
+
+
+LONG = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
+
+
+def test_cancel_mid_stream_frees_blocks(server):
+    client = server.client
+    call = client.generate_stream(PROMPTS[1], LONG, request_id="cancel-me")
+    first = next(call)
+    assert first.request_id == "cancel-me"
+    busy = client.stats()
+    assert busy.num_in_flight == 1 and busy.num_free_gpu_blocks < busy.num_gpu_blocks
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    _wait_blocks_free(client)
+
+
+def test_deadline_frees_blocks(server):
+    client = server.client
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(PROMPTS[2], LONG, timeout=1.5)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    _wait_blocks_free(client)
+
+
+BAD = [
+    ("", {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ([1] * 256, {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    ([-1, 5], {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+    ([10**9], {}, grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids"),
+    ("hi", {"temperature": -1.0}, grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+    ("hi", {"top_p": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    ("hi", {"top_k": -5}, grpc.StatusCode.INVALID_ARGUMENT, "top_k"),
+    ("hi", {"min_p": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, "min_p"),
+    ("hi", {"max_tokens": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+    ("hi", {"min_tokens": 9, "max_tokens": 4}, grpc.StatusCode.INVALID_ARGUMENT, "min_tokens"),
+    ("hi", {"presence_penalty": 3.0}, grpc.StatusCode.INVALID_ARGUMENT, "presence_penalty"),
+    ("hi", {"frequency_penalty": -3.0}, grpc.StatusCode.INVALID_ARGUMENT, "frequency_penalty"),
+    ("hi", {"repetition_penalty": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty"),
+    ("hi", {"logprobs": 50}, grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
+    ("hi", {"stop": ["ok", ""]}, grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    ("hi", {"n": 0}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
+    ("hi", {"n": 3, "best_of": 2, "temperature": 1.0}, grpc.StatusCode.INVALID_ARGUMENT, "best_of"),
+    ("hi", {"n": 2, "temperature": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "best_of"),
+    ("hi", {"n": 1000, "temperature": 1.0}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
+    ("hi", {"length_penalty": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, "length_penalty"),
+    ("hi", {"use_beam_search": True, "best_of": 2, "temperature": 0.0}, grpc.StatusCode.UNIMPLEMENTED,
+     "use_beam_search"),
+    ("hi", {"prompt_logprobs": 1}, grpc.StatusCode.UNIMPLEMENTED, "prompt_logprobs"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,code,field", BAD, ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_inputs(server, prompt, params, code, field):
+    with pytest.raises(grpc.RpcError) as e:
+        server.client.generate(prompt, params)
+    assert e.value.code() == code
+    assert e.value.details().startswith(field), e.value.details()
+
+
+def test_abort_unknown_duplicate_then_good_request(server):
+    client = server.client
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("no-such-request")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    call = client.generate_stream(PROMPTS[3], LONG, request_id="dup")
+    next(call)
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate("hello", {"max_tokens": 2}, request_id="dup")
+    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert client.abort("dup") == ["dup"]
+    last = list(call)[-1]
+    assert last.finished and last.outputs[0].finish_reason == "abort"
+    _wait_blocks_free(client)
+    good = client.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 6})
+    assert good.outputs[0].finish_reason in ("length", "stop") and good.outputs[0].text
+
+
+def _scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + "".join(f"[{v}]" for v in s.labels.values() if v and s.labels.get("le") is None)
+            out[key] = s.value
+    return out
+
+
+def test_metrics_consistent_with_requests(server):
+    client = server.client
+    before = _scrape(server.ports["metrics_port"])
+    sent = [client.generate(p, {"temperature": 0.0, "max_tokens": k, "ignore_eos": True})
+            for p, k in zip(PROMPTS[:3], (3, 5, 7))]
+    after = _scrape(server.ports["metrics_port"])
+    d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
+    assert d("pagedjax_requests_total[length]") == 3
+    assert d("pagedjax_generation_tokens_total") == 15
+    assert d("pagedjax_prompt_tokens_total") == sum(r.prompt_tokens for r in sent)
+    for h in ("pagedjax_time_to_first_token_seconds", "pagedjax_e2e_request_latency_seconds",
+              "pagedjax_time_per_output_token_seconds"):
+        assert d(f"{h}_count") == 3 and d(f"{h}_sum") > 0
+    assert after["pagedjax_num_requests_running"] == 0 and after["pagedjax_kv_cache_usage_ratio"] == 0
+
+
+def test_model_info_and_reflection(server):
+    info = server.client.model_info()
+    assert (info.max_model_len, info.block_size, info.num_gpu_blocks, info.tensor_parallel_size) == \
+        (256, 16, 256, 1)
+    assert info.dtype and info.vocab_size > 0
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    services = ProtoReflectionDescriptorDatabase(server.client.channel).get_services()
+    assert "pagedjax.v1.PagedJax" in services and "grpc.health.v1.Health" in services
