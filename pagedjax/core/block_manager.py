@@ -108,9 +108,7 @@ class BlockManager:
         bs = self.block_size
         parent = None
         for i in range(seq.num_total_tokens // bs):
-            entry = self.gpu.lookup(
-                self._key(parent, seq.get_token_slice(i * bs, (i + 1) * bs), extra)
-            )
+            entry = self.gpu.lookup(self._key(parent, seq.get_token_slice(i * bs, (i + 1) * bs), extra))
             if entry is None:
                 break
             hits.append(entry)
@@ -304,10 +302,18 @@ class BlockManager:
         return list(mapping.items())
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
+        return self.swap_in_status(group) is AllocStatus.OK
+
+    def swap_in_status(self, group: SequenceGroup) -> AllocStatus:
+        """NEVER when the group has outgrown the whole cache and can never come back."""
         states = self._group_states(group, on_cpu=True)
         # One spare block per sequence for the decode slot that follows.
         need = self._distinct_blocks(states) + len(states)
-        return self.gpu.get_num_free() - need >= self.watermark_blocks
+        if need > self.num_gpu_blocks - self.watermark_blocks - len(self._pinned):
+            return AllocStatus.NEVER
+        if self.gpu.get_num_free() - need >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         states = self._group_states(group, on_cpu=True)

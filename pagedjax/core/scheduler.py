@@ -225,9 +225,7 @@ class Scheduler:
         return st.out
 
     # -- pieces ----------------------------------------------------------------
-    def _plan(
-        self, g: SequenceGroup, budget: int, allow_chunk: bool
-    ) -> list[tuple[Sequence, int]] | None:
+    def _plan(self, g: SequenceGroup, budget: int, allow_chunk: bool) -> list[tuple[Sequence, int]] | None:
         """Per-sequence Δ within the budget; None if it must run whole and does not fit."""
         plan: list[tuple[Sequence, int]] = []
         for seq in g.seqs:
@@ -294,9 +292,7 @@ class Scheduler:
         self._emit(st, g, plan)
         return True
 
-    def _schedule_running(
-        self, st: _Step, ordered: list[SequenceGroup], keep: list[SequenceGroup]
-    ) -> None:
+    def _schedule_running(self, st: _Step, ordered: list[SequenceGroup], keep: list[SequenceGroup]) -> None:
         """FCFS over running groups in priority order; the tail serves as the victim pool."""
         queue = deque(ordered)  # popping from the right takes the latest unscheduled arrival
         while queue:
@@ -336,7 +332,14 @@ class Scheduler:
             plan_n = g.num_unfinished
             if st.num_seqs + plan_n > self.config.max_num_seqs or st.budget < plan_n:
                 break
-            if not self.bm.can_swap_in(g):
+            status = self.bm.swap_in_status(g)
+            if status is AllocStatus.NEVER:  # outgrew the whole cache while running
+                self.swapped.pop(0)
+                for seq in g.seqs:
+                    self.bm.free(seq)
+                self._reject(st, g)
+                continue
+            if status is AllocStatus.LATER:
                 break
             self.swapped.pop(0)
             st.out.blocks_to_swap_in.extend(self.bm.swap_in(g))

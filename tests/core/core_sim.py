@@ -38,9 +38,7 @@ class FakeEngine:
         **cfg,
     ) -> None:
         cfg.setdefault("max_model_len", 1024)
-        self.bm = BlockManager(
-            num_gpu_blocks, num_cpu_blocks, block_size, watermark, enable_prefix_caching
-        )
+        self.bm = BlockManager(num_gpu_blocks, num_cpu_blocks, block_size, watermark, enable_prefix_caching)
         self.sched = Scheduler(SchedulerConfig(**cfg), self.bm)
         self.bs = block_size
         self.gpu: dict[int, dict[int, tuple]] = {}
@@ -56,9 +54,7 @@ class FakeEngine:
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, **kw):
         seq = Sequence(next(self.ids), prompt)
-        g = SequenceGroup(
-            rid, [seq], arrival_time=float(next(self.clock)), max_tokens=max_tokens, n=n, **kw
-        )
+        g = SequenceGroup(rid, [seq], arrival_time=float(next(self.clock)), max_tokens=max_tokens, n=n, **kw)
         self.sched.add_seq_group(g)
         self.seqs[seq.seq_id] = seq
         self.groups[rid] = g
