@@ -200,6 +200,11 @@ class BlockManager:
         st = self._state(seq)
         table = st.table
         start = seq.num_computed_tokens
+        if num_new_tokens == 1:  # decode fast path
+            idx = start // self.block_size
+            if idx >= len(table):
+                return 1
+            return 1 if self.gpu._ref[table[idx]] > 1 else 0
         end_block = self._num_blocks(start + num_new_tokens)
         need = max(0, end_block - len(table))
         ref = self.gpu.ref_count
@@ -226,6 +231,10 @@ class BlockManager:
         table = st.table
         gpu = self.gpu
         start = seq.num_computed_tokens
+        if num_new_tokens == 1:  # decode fast path: no CoW, room in the last block
+            idx = start // self.block_size
+            if idx < len(table) and gpu._ref[table[idx]] == 1:
+                return []
         end_block = self._num_blocks(start + num_new_tokens)
         copies: list[tuple[int, int]] = []
         for i in range(start // self.block_size, min(end_block, len(table))):
@@ -346,10 +355,11 @@ class BlockManager:
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
         bs = self.block_size
-        n_full = min(num_computed_tokens // bs, len(st.table))
         chain = st.chain
+        n_full = num_computed_tokens // bs
         if len(chain) >= n_full:
             return
+        n_full = min(n_full, len(st.table))
         parent = chain[-1] if chain else None
         for i in range(len(chain), n_full):
             if parent is not None and not parent.alive:

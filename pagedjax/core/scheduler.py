@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager
-from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.sequence import _FINISHED, Sequence, SequenceGroup, SequenceStatus
 
 
 @dataclass(kw_only=True)
@@ -43,7 +43,7 @@ class SchedulerConfig:
             raise ValueError("staging_size must be >= 1")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSeq:
     seq_id: int
     request_id: str
@@ -104,13 +104,13 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_rejected_total = 0
         self._groups: dict[str, SequenceGroup] = {}
-        self._order: dict[str, int] = {}
         self._counter = itertools.count()
 
     # -- request lifecycle ---------------------------------------------------
-    def _priority(self, g: SequenceGroup) -> tuple[float, int]:
+    @staticmethod
+    def _priority(g: SequenceGroup) -> tuple[float, int]:
         """Earlier arrival = higher priority; the largest key is preempted first."""
-        return (g.arrival_time, self._order[g.request_id])
+        return g.priority
 
     def _why_impossible(self, group: SequenceGroup) -> str | None:
         cfg = self.config
@@ -139,7 +139,7 @@ class Scheduler:
         for seq in group.get_unfinished_seqs():
             seq.status = SequenceStatus.WAITING
         self._groups[group.request_id] = group
-        self._order[group.request_id] = next(self._counter)
+        group.priority = (group.arrival_time, next(self._counter))
         self.waiting.append(group)
 
     def abort_seq_group(self, request_id: str) -> bool:
@@ -147,7 +147,6 @@ class Scheduler:
         g = self._groups.pop(request_id, None)
         if g is None:
             return False
-        self._order.pop(request_id, None)
         for seq in g.seqs:
             if not seq.status.is_finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
@@ -184,7 +183,6 @@ class Scheduler:
             if g.is_finished():
                 done.append(g)
                 self._groups.pop(g.request_id, None)
-                self._order.pop(g.request_id, None)
             else:
                 keep.append(g)
         self.running = keep
@@ -205,13 +203,14 @@ class Scheduler:
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The step ran: advance num_computed_tokens and publish newly full blocks."""
         done = {s.seq_id: len(s.token_ids) for s in output.scheduled}
+        mark = self.bm.mark_blocks_computed
         for g in output.scheduled_groups:
             for seq in g.seqs:
                 n = done.get(seq.seq_id)
-                if n is None or seq.status.is_finished:  # e.g. aborted meanwhile
+                if n is None or seq.status in _FINISHED:  # e.g. aborted meanwhile
                     continue
                 seq.num_computed_tokens += n
-                self.bm.mark_blocks_computed(seq, seq.num_computed_tokens)
+                mark(seq, seq.num_computed_tokens)
 
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.config.max_num_batched_tokens)
@@ -227,9 +226,22 @@ class Scheduler:
     # -- pieces ----------------------------------------------------------------
     def _plan(self, g: SequenceGroup, budget: int, allow_chunk: bool) -> list[tuple[Sequence, int]] | None:
         """Per-sequence Δ within the budget; None if it must run whole and does not fit."""
+        seqs = g.seqs
+        if len(seqs) == 1:  # fast path: single sequence
+            seq = seqs[0]
+            if seq.status in _FINISHED:
+                return []
+            d = seq.num_uncomputed_tokens
+            if d <= 0:
+                return []
+            if d > budget:
+                if not allow_chunk:
+                    return None
+                d = budget
+            return [(seq, d)] if d > 0 else []
         plan: list[tuple[Sequence, int]] = []
-        for seq in g.seqs:
-            if seq.status.is_finished:
+        for seq in seqs:
+            if seq.status in _FINISHED:
                 continue
             d = seq.num_uncomputed_tokens
             if d <= 0:
@@ -267,7 +279,10 @@ class Scheduler:
         out.scheduled_groups.append(g)
 
     def _fits_blocks(self, g: SequenceGroup, plan: list[tuple[Sequence, int]]) -> bool:
-        need = sum(self.bm.blocks_needed(seq, d) for seq, d in plan)
+        needed = self.bm.blocks_needed
+        need = 0
+        for seq, d in plan:
+            need += needed(seq, d)
         return need <= self.bm.get_num_free_gpu_blocks()
 
     def _schedule_one_running(
@@ -355,7 +370,6 @@ class Scheduler:
             if not seq.status.is_finished:
                 seq.status = SequenceStatus.FINISHED_IGNORED
         self._groups.pop(g.request_id, None)
-        self._order.pop(g.request_id, None)
         st.out.rejected.append(g)
         self.num_rejected_total += 1
 

@@ -156,6 +156,8 @@ class SequenceGroup:
         self.n = n
         self.cache_salt = cache_salt
         self.model_id = model_id
+        # (arrival_time, admission counter), set by the scheduler; smaller = higher priority.
+        self.priority: tuple[float, int] = (arrival_time, 0)
 
     @property
     def extra_hash_keys(self) -> tuple:
