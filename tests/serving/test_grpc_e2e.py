@@ -76,9 +76,6 @@ def test_32_concurrent_streams_match_offline(server, offline):
                 for ge, we in zip(g.logprobs, w.logprobs):
                     assert [ge[k] for k in sorted(ge)] == pytest.approx([we[k] for k in sorted(we)], abs=1e-3)
     assert max(r.num_messages for r in streamed) > 2  # really streamed, not one final message
-    assert client.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 4}).outputs[0].text == \
-        expected[0].outputs[0].text[: len(client.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 4})
-                                          .outputs[0].text)]
     _wait_blocks_free(client)
 
 
