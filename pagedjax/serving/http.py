@@ -1,0 +1,314 @@
+"""OpenAI-compatible HTTP front door (FastAPI + uvicorn) over the same `AsyncEngine` as gRPC.
+
+Validation, queue limits, deltas and metrics all come from `AsyncEngine`/`ServingMetrics`; this
+module only maps the OpenAI schema onto them and errors onto OpenAI's error JSON (never a stack
+trace). Streaming uses server-sent events ending in `data: [DONE]`; a client that disconnects
+mid-stream has its request aborted (blocks freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, RequestStream, to_params
+from pagedjax.serving.errors import InvalidRequestError, NotReadyError, ServingError
+from pagedjax.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("pagedjax.serving.http")
+
+HTTP_STATUS = {"invalid_argument": 400, "unimplemented": 400, "already_exists": 409, "not_found": 404,
+               "resource_exhausted": 429, "unavailable": 503, "internal": 500}
+
+
+class ModelNotFound(ServingError):
+    kind = "not_found"
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": status}},
+                        status_code=status)
+
+
+def _serving_error(err: ServingError) -> JSONResponse:
+    status = HTTP_STATUS.get(err.kind, 500)
+    return error_response(status, err.message, err.kind, err.field)
+
+
+@dataclasses.dataclass
+class _Job:
+    """One engine request behind an OpenAI request (a list of prompts gives several)."""
+
+    rid: str
+    stream: RequestStream
+    tracker: DeltaTracker
+    offset: int  # choice index of this prompt's first sample
+
+
+def build_app(front: HttpFrontDoor) -> FastAPI:
+    app = FastAPI(title="pagedjax OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, exc: RequestValidationError):
+        err = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = loc[0] if loc else None
+        return error_response(400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}",
+                              "invalid_request_error", param)
+
+    @app.exception_handler(ServingError)
+    async def _serving(_request, exc: ServingError):
+        return _serving_error(exc)
+
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc: Exception):
+        logger.exception("unhandled error")
+        return error_response(500, "internal server error", "internal")
+
+    @app.get("/health")
+    async def health():
+        ok = front.aengine is not None and front.aengine.accepting
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(front.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        eng = front.engine()
+        return {"object": "list", "data": [{"id": eng.model_name, "object": "model", "created": front.created,
+                                            "owned_by": "pagedjax", "max_model_len": eng.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        front.check_model(body.model)
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise InvalidRequestError("prompt: empty prompt list", "prompt")
+        if body.echo or body.suffix:
+            raise NotImplementedErrorHttp("echo" if body.echo else "suffix")
+        return await front.run(body, [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompts],
+                               body.sampling_params(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest):
+        front.check_model(body.model)
+        tok = front.engine().tokenizer
+        try:
+            text = tok.apply_chat_template(body.conversation(), tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            msg = f"messages: cannot apply the chat template: {exc}"
+            raise InvalidRequestError(msg, "messages") from None
+        ids = tok(text).input_ids
+        params = body.sampling_params()
+        params.setdefault("max_tokens", max(1, front.engine().max_model_len - len(ids)))
+        return await front.run(body, [(text, ids)], params, chat=True)
+
+    return app
+
+
+class NotImplementedErrorHttp(ServingError):
+    kind = "unimplemented"
+
+    def __init__(self, field: str):
+        super().__init__(f"{field}: not supported by this server", field)
+
+
+class HttpFrontDoor:
+    """Owns the uvicorn server; `set_engine` makes it ready once the model is loaded."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+        self.registry = registry
+        self.host, self.port = host, port
+        self.aengine: AsyncEngine | None = None
+        self.created = int(time.time())
+        self.app = build_app(self)
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    def set_engine(self, aengine: AsyncEngine) -> None:
+        self.aengine = aengine
+
+    def engine(self):
+        if self.aengine is None:
+            raise NotReadyError("model is loading")
+        return self.aengine.engine
+
+    def check_model(self, model: str | None) -> None:
+        name = self.engine().model_name
+        if model and model not in (name, Path(name).name, Path(name).stem):
+            raise ModelNotFound(f"model: {model!r} is not served here (serving {name!r})", "model")
+
+    async def start(self) -> int:
+        """Bind now (so the port is known), serve in a task; returns the bound port."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(128)
+        sock.setblocking(False)
+        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
+        self._server = _QuietServer(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        return sock.getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._task, 10)
+
+    # ---- request handling ----------------------------------------------------
+    async def run(self, body, prompts: list[tuple[str | None, list[int] | None]], params: dict, chat: bool):
+        if self.aengine is None:
+            raise NotReadyError("model is loading")
+        sp = to_params(params)
+        base = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        jobs: list[_Job] = []
+        try:
+            for i, (text, ids) in enumerate(prompts):
+                rid = base if len(prompts) == 1 else f"{base}-{i}"
+                stream = await self.aengine.add_request_async(rid, text, sp, ids)
+                jobs.append(_Job(rid, stream, DeltaTracker(sp), i * sp.n))
+        except BaseException:
+            self._abort(jobs)
+            raise
+        meta = {"id": base, "created": int(time.time()), "model": self.engine().model_name}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return StreamingResponse(self._sse(jobs, meta, chat, sp, include_usage),
+                                     media_type="text/event-stream")
+        try:
+            finals = await asyncio.gather(*(self._final(j) for j in jobs))
+        finally:
+            self._abort(jobs)
+        return self._full_response(jobs, finals, meta, chat, sp)
+
+    def _abort(self, jobs: list[_Job]) -> None:
+        for j in jobs:
+            if not j.stream.finished:
+                self.aengine.abort(j.rid)
+
+    async def _final(self, job: _Job):
+        last = None
+        async for out in job.stream:
+            last = out
+        return last
+
+    def _full_response(self, jobs, finals, meta, chat: bool, sp) -> dict:
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for job, out in zip(jobs, finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                idx = job.offset + c.index
+                lp = (self._logprobs(c.token_ids, c.logprobs, chat, sp.logprobs)
+                      if sp.logprobs is not None else None)
+                if chat:
+                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": lp, "finish_reason": c.finish_reason})
+                else:
+                    choices.append({"index": idx, "text": c.text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason})
+        choices.sort(key=lambda c: c["index"])
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    async def _sse(self, jobs: list[_Job], meta: dict, chat: bool, sp, include_usage: bool
+                   ) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(job: _Job) -> None:
+            try:
+                async for out in job.stream:
+                    await queue.put((job, out, None))
+            except ServingError as err:
+                await queue.put((job, None, err))
+            finally:
+                await queue.put((job, None, None))
+
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        tasks = [asyncio.create_task(pump(j)) for j in jobs]
+        started: set[int] = set()
+        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        counted: set[str] = set()
+        done = 0
+        try:
+            while done < len(jobs):
+                job, out, err = await queue.get()
+                if err is not None:
+                    body = {"error": {"message": err.message, "type": err.kind, "param": err.field,
+                                      "code": HTTP_STATUS.get(err.kind, 500)}}
+                    yield f"data: {json.dumps(body)}\n\n"
+                    continue
+                if out is None:
+                    done += 1
+                    continue
+                if out.finished and job.rid not in counted:
+                    counted.add(job.rid)
+                    usage["prompt_tokens"] += len(out.prompt_token_ids)
+                    usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+                for d in job.tracker.update(out):
+                    idx = job.offset + d.index
+                    lp = (self._logprobs(d.token_ids, d.logprobs, chat, sp.logprobs)
+                          if sp.logprobs is not None and d.logprobs is not None else None)
+                    if chat:
+                        delta: dict[str, Any] = {"content": d.text}
+                        if idx not in started:
+                            started.add(idx)
+                            delta["role"] = "assistant"
+                        choice = {"index": idx, "delta": delta}
+                    else:
+                        choice = {"index": idx, "text": d.text}
+                    choice.update(logprobs=lp, finish_reason=d.finish_reason)
+                    yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+            if include_usage:
+                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # normal end, or the client went away (the generator is closed/cancelled)
+            for t in tasks:
+                t.cancel()
+            self._abort(jobs)
+
+    def _logprobs(self, token_ids: list[int], entries, chat: bool, k: int) -> dict | None:
+        """OpenAI logprobs: the sampled token's logprob plus the `k` most likely alternatives."""
+        if entries is None:
+            return None
+        tok = self.engine().tokenizer
+        dec = lambda t: tok.decode([t])
+        tops = [sorted(e.items(), key=lambda kv: -kv[1])[:k] for e in entries]
+        if chat:
+            item = lambda t, v: {"token": dec(t), "logprob": v, "bytes": list(dec(t).encode())}
+            return {"content": [{**item(t, e.get(t, 0.0)), "top_logprobs": [item(a, v) for a, v in top]}
+                                for t, e, top in zip(token_ids, entries, tops)]}
+        tokens = [dec(t) for t in token_ids]
+        offsets = [sum(len(x) for x in tokens[:i]) for i in range(len(tokens))]
+        return {"tokens": tokens, "token_logprobs": [e.get(t, 0.0) for t, e in zip(token_ids, entries)],
+                "top_logprobs": [{dec(a): v for a, v in top} for top in tops], "text_offset": offsets}
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its own signal handling: `run_server` owns SIGTERM for both front doors."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield

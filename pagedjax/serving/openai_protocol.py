@@ -1,0 +1,106 @@
+"""Pydantic schemas of the OpenAI-compatible API (the subset we serve) and their sampling params.
+
+Unknown fields are ignored (as OpenAI-compatible servers commonly do) so clients that send extra
+options keep working; every value we do use is validated by `SamplingParams`, whose errors name
+the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    include_usage: bool = False
+
+
+class _Sampling(_Base):
+    """Fields shared by completions and chat, including vLLM's extra sampling options."""
+
+    model: str | None = None
+    n: int = 1
+    best_of: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
+    include_stop_str_in_output: bool | None = None
+    prompt_logprobs: int | None = None
+    request_id: str | None = None
+
+    def common_params(self) -> dict[str, Any]:
+        keys = ("n", "best_of", "temperature", "top_p", "seed", "stop", "presence_penalty",
+                "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
+                "stop_token_ids", "skip_special_tokens", "use_beam_search", "length_penalty",
+                "early_stopping", "include_stop_str_in_output", "prompt_logprobs")
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def sampling_params(self) -> dict[str, Any]:
+        d = self.common_params()
+        if self.max_tokens is not None:
+            d["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            d["logprobs"] = self.logprobs
+        return d
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def sampling_params(self) -> dict[str, Any]:
+        d = self.common_params()
+        mt = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        if mt is not None:
+            d["max_tokens"] = mt
+        if self.logprobs:
+            d["logprobs"] = self.top_logprobs or 0
+        return d
+
+    def conversation(self) -> list[dict[str, Any]]:
+        out = []
+        for m in self.messages:
+            content = m.content
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+            out.append({"role": m.role, "content": content or ""})
+        return out
