@@ -47,7 +47,8 @@ def error_response(status: int, message: str, type_: str, param: str | None = No
 
 def _serving_error(err: ServingError) -> JSONResponse:
     status = HTTP_STATUS.get(err.kind, 500)
-    return error_response(status, err.message, err.kind, err.field)
+    type_ = "invalid_request_error" if status == 400 else err.kind
+    return error_response(status, err.message, type_, err.field)
 
 
 @dataclasses.dataclass

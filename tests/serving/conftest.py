@@ -67,8 +67,22 @@ class ServerProcess:
             self._log.close()
 
 
-@pytest.fixture(scope="module")
+def engine_kwargs() -> dict:
+    it = iter(ENGINE_ARGS)
+    return {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(it, it)}
+
+
+@pytest.fixture(scope="session")
 def server(demo_gguf, tmp_path_factory):
-    srv = ServerProcess(demo_gguf, tmp_path_factory.mktemp("server"))
+    """One server (gRPC + HTTP over one engine) shared by the e2e modules: startup is the slow part."""
+    srv = ServerProcess(demo_gguf, tmp_path_factory.mktemp("server"), "--http-port", "0")
     yield srv
     assert srv.terminate() == 0, srv.log()
+
+
+@pytest.fixture(scope="session")
+def offline(server, demo_gguf):
+    """The offline reference `LLM`, loaded while the server process loads (server launched first)."""
+    from pagedjax.llm import LLM
+
+    return LLM(str(demo_gguf), **engine_kwargs())

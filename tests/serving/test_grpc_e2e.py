@@ -12,27 +12,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.serving.client import AsyncClient
-from tests.serving.conftest import ENGINE_ARGS
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "Once upon a time", "def fibonacci(n):", "The quick brown fox",
            "Explain photosynthesis in one sentence.", "My favourite colour is"]
 
 
-def _engine_kwargs() -> dict:
-    it = iter(ENGINE_ARGS)
-    return {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(it, it)}
-
-
-@pytest.fixture(scope="module")
-def offline(server, demo_gguf):
-    """The offline reference, loaded while the server process loads (server fixture launched first)."""
-    from pagedjax.llm import LLM
-
-    return LLM(str(demo_gguf), **_engine_kwargs())
-
-
-def _wait_blocks_free(client, timeout: float = 30.0):
+def wait_blocks_free(client, timeout: float = 30.0):
     deadline = time.monotonic() + timeout
     while True:
         s = client.stats()
@@ -76,7 +62,7 @@ def test_32_concurrent_streams_match_offline(server, offline):
                 for ge, we in zip(g.logprobs, w.logprobs):
                     assert [ge[k] for k in sorted(ge)] == pytest.approx([we[k] for k in sorted(we)], abs=1e-3)
     assert max(r.num_messages for r in streamed) > 2  # really streamed, not one final message
-    _wait_blocks_free(client)
+    wait_blocks_free(client)
 
 
 LONG = {"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}
@@ -93,7 +79,7 @@ def test_cancel_mid_stream_frees_blocks(server):
     with pytest.raises(grpc.RpcError) as e:
         list(call)
     assert e.value.code() == grpc.StatusCode.CANCELLED
-    _wait_blocks_free(client)
+    wait_blocks_free(client)
 
 
 def test_deadline_frees_blocks(server):
@@ -101,7 +87,7 @@ def test_deadline_frees_blocks(server):
     with pytest.raises(grpc.RpcError) as e:
         client.generate(PROMPTS[2], LONG, timeout=1.5)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    _wait_blocks_free(client)
+    wait_blocks_free(client)
 
 
 BAD = [
@@ -152,7 +138,7 @@ def test_abort_unknown_duplicate_then_good_request(server):
     assert client.abort("dup") == ["dup"]
     last = list(call)[-1]
     assert last.finished and last.outputs[0].finish_reason == "abort"
-    _wait_blocks_free(client)
+    wait_blocks_free(client)
     good = client.generate(PROMPTS[0], {"temperature": 0.0, "max_tokens": 6})
     assert good.outputs[0].finish_reason in ("length", "stop") and good.outputs[0].text
 

@@ -13,7 +13,7 @@ from tests.serving.inproc import InProcessServer
 @pytest.fixture(scope="module")
 def fake_server(tmp_path_factory):
     fake = FakeEngine(step_s=0.005)
-    srv = InProcessServer(fake, tmp_path_factory.mktemp("fake"), max_waiting_requests=2).start()
+    srv = InProcessServer(fake, tmp_path_factory.mktemp("fake"), max_waiting_requests=2, http_port=0).start()
     client = Client(srv.target, timeout=10)
     client.wait_ready(10)
     yield fake, srv, client
@@ -57,3 +57,27 @@ def test_not_found_and_unimplemented(fake_server):
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "early_stopping" in details
     info = client.model_info()
     assert (info.model, info.block_size, info.num_gpu_blocks) == ("fake", 16, 32)
+
+
+def test_http_status_codes(fake_server):
+    import httpx
+
+    fake, srv, client = fake_server
+    url = f"http://127.0.0.1:{srv.ports['http_port']}/v1/completions"
+    ok = httpx.post(url, json={"prompt": "hi", "max_tokens": 3})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "w0 w1 w2 "
+    boom = httpx.post(url, json={"prompt": "boom", "max_tokens": 3})
+    assert boom.status_code == 500 and "boom" in boom.json()["error"]["message"]
+    fake.gate.clear()
+    try:
+        waiting = [client.generate_stream("hi", {"max_tokens": 2}) for _ in range(2)]
+        for _ in range(200):
+            if client.stats().num_in_flight == 2:
+                break
+        full = httpx.post(url, json={"prompt": "hi", "max_tokens": 2})
+        assert full.status_code == 429 and full.json()["error"]["type"] == "resource_exhausted"
+    finally:
+        fake.gate.set()
+    assert all(list(w)[-1].finished for w in waiting)
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and "error" in bad_json.json()

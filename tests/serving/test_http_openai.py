@@ -1,0 +1,130 @@
+"""The OpenAI HTTP front door, driven by the official `openai` client, on the shared real server."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+import pytest
+
+from pagedjax.sampling_params import SamplingParams
+from tests.serving.test_grpc_e2e import PROMPTS, wait_blocks_free
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    server.client  # noqa: B018 - waits until SERVING
+    base = f"http://127.0.0.1:{server.ports['http_port']}/v1"
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(oai) -> str:
+    return oai.models.list().data[0].id
+
+
+def test_models_and_health(server, oai):
+    assert [m.id for m in oai.models.list().data] == [server.client.model_info().model]
+    assert httpx.get(f"http://127.0.0.1:{server.ports['http_port']}/health").status_code == 200
+
+
+def test_completions_match_offline(oai, model, offline):
+    cases = [
+        (PROMPTS[0], dict(max_tokens=12, temperature=0.0), SamplingParams(max_tokens=12, temperature=0.0)),
+        (PROMPTS[4], dict(max_tokens=10, temperature=1.0, n=2, seed=11, extra_body={"top_k": 30}),
+         SamplingParams(max_tokens=10, temperature=1.0, n=2, seed=11, top_k=30)),
+        (PROMPTS[6], dict(max_tokens=16, temperature=0.0, stop=[".", "\n"]),
+         SamplingParams(max_tokens=16, temperature=0.0, stop=[".", "\n"])),
+    ]
+    for prompt, kw, sp in cases:
+        want = offline.generate(prompt, sp, use_tqdm=False)[0]
+        got = oai.completions.create(model=model, prompt=prompt, **kw)
+        assert [c.text for c in got.choices] == [o.text for o in want.outputs]
+        assert [c.finish_reason for c in got.choices] == [o.finish_reason for o in want.outputs]
+        assert got.usage.completion_tokens == sum(len(o.token_ids) for o in want.outputs)
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        chunks = list(oai.completions.create(model=model, prompt=prompt, stream=True,
+                                             stream_options={"include_usage": True}, **kw))
+        for o in want.outputs:
+            assert "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == o.index) \
+                == o.text
+        assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
+
+
+def test_completion_logprobs(oai, model, offline):
+    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    want = offline.generate(PROMPTS[2], sp, use_tqdm=False)[0].outputs[0]
+    got = oai.completions.create(model=model, prompt=PROMPTS[2], max_tokens=6, temperature=0.0,
+                                 logprobs=3).choices[0].logprobs
+    expected = [e[t] for t, e in zip(want.token_ids, want.logprobs)]
+    assert got.token_logprobs == pytest.approx(expected, abs=1e-3)
+    assert all(len(top) == 3 for top in got.top_logprobs)
+    assert "".join(got.tokens) == want.text
+
+
+def test_chat_matches_offline(oai, model, offline):
+    messages = [{"role": "user", "content": "Name a primary colour."}]
+    want = offline.chat(messages, SamplingParams(max_tokens=12, temperature=0.0), use_tqdm=False)[0]
+    got = oai.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0.0,
+                                      logprobs=True, top_logprobs=2)
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].message.role == "assistant"
+    assert len(got.choices[0].logprobs.content) == len(want.outputs[0].token_ids)
+    stream = oai.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0.0,
+                                         stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == want.outputs[0].finish_reason
+
+
+@pytest.mark.parametrize("kw,status,param", [
+    (dict(temperature=-1.0), 400, "temperature"),
+    (dict(max_tokens=0), 400, "max_tokens"),
+    (dict(extra_body={"top_k": -5}), 400, "top_k"),
+    (dict(extra_body={"use_beam_search": True, "best_of": 2}, temperature=0.0), 400, "use_beam_search"),
+    (dict(model="gpt-4"), 404, "model"),
+    (dict(prompt=""), 400, "prompt"),
+    (dict(extra_body={"max_tokens": "many"}), 400, "max_tokens"),
+])
+def test_bad_requests(oai, model, kw, status, param):
+    kw = {"model": model, "prompt": "hi", "max_tokens": 4, **kw}
+    with pytest.raises(openai.APIStatusError) as e:
+        oai.completions.create(**kw)
+    assert e.value.status_code == status
+    assert e.value.body["param"] == param and "Traceback" not in e.value.body["message"]
+    assert oai.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    client = server.client
+    url = f"http://127.0.0.1:{server.ports['http_port']}/v1/completions"
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0.0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=60) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        assert client.stats().num_in_flight == 1
+    wait_blocks_free(client)
+
+
+def test_http_and_grpc_concurrently(server, oai, model, offline):
+    prompts = PROMPTS[:6]
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    want = [o.outputs[0].text for o in offline.generate(prompts, sp, use_tqdm=False)]
+    got: dict[int, str] = {}
+
+    def run(i: int) -> None:
+        if i % 2:
+            got[i] = oai.completions.create(model=model, prompt=prompts[i], max_tokens=8,
+                                            temperature=0.0).choices[0].text
+        else:
+            got[i] = server.client.generate(prompts[i], {"max_tokens": 8, "temperature": 0.0}).outputs[0].text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(prompts))] == want
