@@ -1,7 +1,8 @@
-"""Serving load generator: Poisson arrivals over the gRPC front door vs the engine in-process.
+"""Serving load generator: Poisson arrivals over the gRPC / HTTP front doors vs the engine in-process.
 
 For each request rate the same synthetic workload (bench/workloads.py) is driven twice in one run:
-through a `pagedjax serve` subprocess with the asyncio gRPC client, and through an `AsyncEngine`
+through a `pagedjax serve` subprocess with the asyncio gRPC client (and, with `--protocols`
+including `http`, its OpenAI front door over SSE), and through an `AsyncEngine`
 in this process (same engine options), so the difference is the serving path's overhead (issue 7
 target: gRPC adds <= 5% to normalized latency). Both are measured from the client side: TTFT,
 TPOT, inter-token latency (between streamed messages), end-to-end and normalized latency
@@ -86,6 +87,23 @@ async def run_grpc(target: str, reqs: list[Request]) -> tuple[list[Record], floa
         return await _drive(reqs, one)
 
 
+async def run_http(base_url: str, reqs: list[Request]) -> tuple[list[Record], float]:
+    """The OpenAI front door: SSE streaming of /v1/completions with token-id prompts."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    async with httpx.AsyncClient(base_url=base_url, timeout=3600, limits=limits) as client:
+        async def one(r: Request, rec: Record) -> None:
+            body = {"prompt": r.prompt_token_ids, "stream": True, **_params(r)}
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        rec.token(1)  # one chunk per new token (the server sends per step)
+
+        return await _drive(reqs, one)
+
+
 async def run_inprocess(aeng, reqs: list[Request]) -> tuple[list[Record], float]:
     async def one(r: Request, rec: Record) -> None:
         stream = await aeng.add_request_async(f"b-{uuid.uuid4().hex}", None, _params(r), r.prompt_token_ids)
@@ -126,10 +144,10 @@ def engine_kwargs(args) -> dict:
             "max_num_seqs": args.max_num_seqs, "block_size": args.block_size}
 
 
-def start_server(args, tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_server(args, tmp: Path) -> tuple[subprocess.Popen, dict]:
     port_file = tmp / "ports.json"
     cmd = [sys.executable, "-m", "pagedjax.cli", "serve", "--model", args.model, "--port", "0",
-           "--port-file", str(port_file)]
+           "--http-port", "0", "--port-file", str(port_file)]
     for k, v in engine_kwargs(args).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     log = open(tmp / "server.log", "w")
@@ -139,12 +157,12 @@ def start_server(args, tmp: Path) -> tuple[subprocess.Popen, str]:
         if proc.poll() is not None:
             raise RuntimeError((tmp / "server.log").read_text())
         time.sleep(0.1)
-    target = f"127.0.0.1:{json.loads(port_file.read_text())['port']}"
+    ports = json.loads(port_file.read_text())
     from pagedjax.serving.client import Client
 
-    with Client(target) as c:
+    with Client(f"127.0.0.1:{ports['port']}") as c:
         c.wait_ready(600)
-    return proc, target
+    return proc, ports
 
 
 def plot(result: dict, path: Path) -> None:
@@ -183,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--protocols", default="grpc,inprocess")
+    ap.add_argument("--protocols", default="grpc,inprocess", help="any of grpc, http, inprocess")
     ap.add_argument("--tag", default=None, help="results file suffix (default: workload)")
     args = ap.parse_args(argv)
 
@@ -199,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = eng.model_config.vocab_size
     aeng = AsyncEngine(eng).start() if "inprocess" in protocols else None
     tmp = Path(tempfile.mkdtemp(prefix="pagedjax-bench-"))
-    proc, target = start_server(args, tmp) if "grpc" in protocols else (None, "")
-    runners = {"grpc": lambda reqs: run_grpc(target, reqs),
+    remote = {"grpc", "http"} & set(protocols)
+    proc, ports = start_server(args, tmp) if remote else (None, {})
+    runners = {"grpc": lambda reqs: run_grpc(f"127.0.0.1:{ports['port']}", reqs),
+               "http": lambda reqs: run_http(f"http://127.0.0.1:{ports.get('http_port')}", reqs),
                "inprocess": lambda reqs: run_inprocess(aeng, reqs)}
     points = []
     try:
@@ -219,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                 nl = point[proto]["normalized_latency_s_per_tok"]["mean"]
                 print(f"rate {rate:g} {proto}: {point[proto]['completed']} done, "
                       f"{point[proto]['throughput_tok_s']:.1f} tok/s, norm latency {nl}", flush=True)
-            if {"grpc", "inprocess"} <= set(protocols):
-                g = point["grpc"]["normalized_latency_s_per_tok"]["mean"]
-                i = point["inprocess"]["normalized_latency_s_per_tok"]["mean"]
-                point["grpc_overhead_pct"] = None if not g or not i else 100.0 * (g / i - 1.0)
+            base = point.get("inprocess", {}).get("normalized_latency_s_per_tok", {}).get("mean")
+            for proto in remote:
+                g = point[proto]["normalized_latency_s_per_tok"]["mean"]
+                point[f"{proto}_overhead_pct"] = None if not g or not base else 100.0 * (g / base - 1.0)
             points.append(point)
     finally:
         if proc is not None:
