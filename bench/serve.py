@@ -10,8 +10,9 @@ TPOT, inter-token latency (between streamed messages), end-to-end and normalized
 bench/results/<device>/.
 
 Each path first runs a short warm-up burst so compile time (large on CPU) is not measured; shapes
-first seen later still compile inside the run. The two paths run one after the other, never at
-once, so they do not compete for the device or CPU cores.
+first seen later still compile inside the run unless `--warmup-passes` replays each rate's requests
+untimed first (the JSON records the compilations that happened during each measured run). The
+paths run one after the other, never at once, so they do not compete for the device or CPU cores.
 """
 
 from __future__ import annotations
@@ -165,6 +166,13 @@ def start_server(args, tmp: Path) -> tuple[subprocess.Popen, dict]:
     return proc, ports
 
 
+def _remote_compiles(ports: dict) -> int:
+    from pagedjax.serving.client import Client
+
+    with Client(f"127.0.0.1:{ports['port']}") as c:
+        return c.stats().num_compiles
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -199,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=4, help="requests in the initial untimed burst")
+    ap.add_argument("--warmup-passes", type=int, default=0,
+                    help="run each rate's requests this many times untimed before measuring")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--protocols", default="grpc,inprocess", help="any of grpc, http, inprocess")
     ap.add_argument("--tag", default=None, help="results file suffix (default: workload)")
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"grpc": lambda reqs: run_grpc(f"127.0.0.1:{ports['port']}", reqs),
                "http": lambda reqs: run_http(f"http://127.0.0.1:{ports.get('http_port')}", reqs),
                "inprocess": lambda reqs: run_inprocess(aeng, reqs)}
+    compiles = {"grpc": lambda: _remote_compiles(ports), "http": lambda: _remote_compiles(ports),
+                "inprocess": lambda: eng.get_stats().num_compiles}
     points = []
     try:
         warm = make_requests(args.workload, args.warmup, math.inf, vocab_size=vocab,
@@ -235,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
                 reqs = [r for r in reqs if r.arrival <= args.duration] or reqs[:1]
             point = {"rate": rate, "workload_stats": describe(reqs)}
             for proto in protocols:
+                for _ in range(args.warmup_passes):  # same requests, untimed: compile their shapes
+                    asyncio.run(runners[proto](reqs))
+                c0 = compiles[proto]()
                 point[proto] = summarize(*asyncio.run(runners[proto](reqs)))
+                point[proto]["num_compiles_during_run"] = compiles[proto]() - c0
                 nl = point[proto]["normalized_latency_s_per_tok"]["mean"]
                 print(f"rate {rate:g} {proto}: {point[proto]['completed']} done, "
                       f"{point[proto]['throughput_tok_s']:.1f} tok/s, norm latency {nl}", flush=True)

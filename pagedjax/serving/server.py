@@ -127,7 +127,7 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                         kv_cache_usage=s.kv_cache_usage, num_preemptions_total=s.num_preemptions_total,
                         num_steps=s.num_steps, prompt_tokens_total=s.prompt_tokens_total,
                         generation_tokens_total=s.generation_tokens_total,
-                        num_in_flight=aeng.num_in_flight())
+                        num_in_flight=aeng.num_in_flight(), num_compiles=getattr(s, "num_compiles", 0))
 
 
 def _response(rid: str, out, deltas) -> pb.GenerateResponse:
