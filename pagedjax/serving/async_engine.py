@@ -297,7 +297,11 @@ class AsyncEngine:
     async def add_request_async(self, request_id: str, prompt: str | None, params=None,
                                 prompt_token_ids: list[int] | None = None) -> RequestStream:
         fut = self.submit(request_id, prompt, params, prompt_token_ids, asyncio.get_running_loop())
-        return await asyncio.wrap_future(fut)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:  # the caller went away before the engine took the request
+            self.abort(request_id)
+            raise
 
     def abort(self, request_id: str) -> bool:
         """Abort from any thread; blocks are freed at the next step boundary.
@@ -350,6 +354,10 @@ class AsyncEngine:
                 live = self._live.get(rid)
             if live is None:
                 continue
+            if not live.accepted.set_running_or_notify_cancel():  # the submitter gave up already
+                with self._lock:
+                    self._live.pop(rid, None)
+                continue
             try:
                 self.engine.add_request(rid, prompt, sp, prompt_token_ids=ids,
                                         arrival_time=live.metrics.arrival)
@@ -364,7 +372,8 @@ class AsyncEngine:
     def _refuse(self, rid: str, live: _Live, err: ServingError) -> None:
         with self._lock:
             self._live.pop(rid, None)
-        live.accepted.set_exception(err)
+        if not live.accepted.cancelled():
+            live.accepted.set_exception(err)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
         with self._lock:

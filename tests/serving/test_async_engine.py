@@ -153,3 +153,28 @@ def test_delta_tracker_holds_back_partial_stop_strings():
     assert "".join(texts) == "hello "
     assert texts[:2] == ["hello", " "]
     assert parts[-1][-1].finish_reason == "stop"
+
+
+def test_cancelled_before_acceptance_never_runs(fake):
+    """A caller cancelled while its request was still queued leaves nothing running."""
+    a = AsyncEngine(fake).start()
+
+    async def main():
+        fake.gate.clear()
+        blocker = a.submit("blocker", "hi", {"max_tokens": 1})  # keeps the engine busy stepping
+        blocker.result(5)
+        task = asyncio.ensure_future(a.add_request_async("gone", "hi", {"max_tokens": 3}))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        fake.gate.set()
+
+    try:
+        asyncio.run(main())
+        for _ in range(200):
+            if a.num_in_flight() == 0 and not fake.has_unfinished_requests():
+                break
+            threading.Event().wait(0.01)
+        assert a.num_in_flight() == 0 and "gone" not in fake._reqs
+    finally:
+        a.shutdown()
