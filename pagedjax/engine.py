@@ -26,6 +26,7 @@ from pagedjax.detokenizer import DetokState, detokenize_incrementally, flush
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampler import SamplingMetadata, SeqSamplingState, sample
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.model_runner import ModelRunner
 from pagedjax.worker.step_inputs import build_step_inputs
 
@@ -45,7 +46,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     last_step_tokens: int
-    num_compiles: int
+    num_compiles: int  # XLA compilations in this process so far
 
 
 @dataclasses.dataclass
@@ -85,6 +86,7 @@ class LLMEngine:
         self.model_name = model_name
         self.dtype = dtype
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 4096)
+        self._param_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.runner = ModelRunner(config, params, ec, dtype, self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_gpu_blocks, self.runner.num_cpu_blocks,
                                           ec.block_size, enable_prefix_caching=ec.enable_prefix_caching)
@@ -361,12 +363,11 @@ class LLMEngine:
 
         Cached prefixes were computed with the old weights: the prefix cache is reset and new
         block hashes carry the new weights version, so old KV is never reused."""
-        old = jax.tree.map(lambda x: (x.shape, x.dtype), self.runner.params)
+        old = jax.tree.map(lambda x: (x.shape, x.dtype), self._param_spec)
         new = jax.tree.map(lambda x: (x.shape, x.dtype), new_params)
         if jax.tree.structure(old) != jax.tree.structure(new) or old != new:
             raise ValueError("params: new params must have the same structure, shapes and dtypes")
-        self.runner.params = jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), new_params,
-                                          self.runner.params)
+        self.runner.params = self.runner.place_params(new_params)
         self._weights_version += 1
         self.block_manager.reset_prefix_cache()
 
@@ -378,4 +379,4 @@ class LLMEngine:
             kv_cache_usage=s.kv_cache_usage, num_preemptions_total=s.num_preemptions_total,
             num_steps=self.num_steps, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            last_step_tokens=self.last_step_tokens, num_compiles=ModelRunner.num_compiles())
+            last_step_tokens=self.last_step_tokens, num_compiles=num_backend_compiles())

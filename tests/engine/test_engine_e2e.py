@@ -1,0 +1,205 @@
+"""The paged engine end to end on the demo model, checked against the reference generator."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from pagedjax import LLM, SamplingParams
+from pagedjax.reference import ReferenceGenerator, RefSampling
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == llm.engine.runner.num_gpu_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def reference(demo_model):
+    config, params = demo_model
+    return ReferenceGenerator(config, params)
+
+
+def _workload(seed: int, n: int, vocab: int):
+    rng = np.random.default_rng(seed)
+    prompts = [list(rng.integers(3, vocab, rng.integers(3, 60))) for _ in range(n)]
+    max_tokens = [int(m) for m in rng.integers(4, 24, n)]
+    return [[int(t) for t in p] for p in prompts], max_tokens
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equals_reference_under_preemption(demo_model, demo_tokenizer, reference, mode):
+    config, params = demo_model
+    prompts, max_tokens = _workload(1, 40, config.vocab_size)
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=40, block_size=16,
+                          max_num_seqs=16, max_num_batched_tokens=512, preemption_mode=mode)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=m) for m in max_tokens])
+    want = reference.generate(prompts, max_tokens, eos_token_ids=config.eos_token_ids)
+    for out, w, p in zip(outs, want, prompts):
+        assert out.prompt_token_ids == p
+        assert out.outputs[0].token_ids == w
+    assert llm.engine.get_stats().num_preemptions_total > 0, "workload was meant to force preemption"
+    assert_pool_whole(llm)
+
+
+def test_seeded_sampling_independent_of_batch(demo_model, demo_tokenizer):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8)
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=12)
+    prompt = {"prompt_token_ids": [1, 504, 3458, 282, 4649, 314]}
+    alone = llm.generate(prompt, sp)[0].outputs[0].token_ids
+    others, _ = _workload(5, 6, config.vocab_size)
+    mixed = llm.generate([{"prompt_token_ids": o} for o in others[:3]] + [prompt]
+                         + [{"prompt_token_ids": o} for o in others[3:]],
+                         [SamplingParams(temperature=1.0, max_tokens=8)] * 3 + [sp]
+                         + [SamplingParams(temperature=0.5, max_tokens=5)] * 3)
+    assert mixed[3].outputs[0].token_ids == alone
+    unseeded = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=99, max_tokens=12)
+    assert llm.generate(prompt, unseeded)[0].outputs[0].token_ids != alone
+    assert_pool_whole(llm)
+
+
+def test_abort_mid_generation_frees_blocks(demo_model, demo_tokenizer):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8)
+    eng = llm.engine
+    for i in range(3):
+        eng.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                        prompt_token_ids=list(range(10 + i, 40 + i)))
+    for _ in range(4):
+        eng.step()
+    assert eng.block_manager.get_num_free_gpu_blocks() < eng.runner.num_gpu_blocks
+    eng.abort_request("r1")
+    finals = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+    assert finals["r1"].outputs[0].finish_reason == "abort"
+    assert 0 < len(finals["r1"].outputs[0].token_ids) < 40
+    assert finals["r0"].outputs[0].finish_reason == "length"
+    assert len(finals["r2"].outputs[0].token_ids) == 40
+    assert_pool_whole(llm)
+
+
+def test_update_params_uses_new_weights_without_recompiling(demo_model, demo_tokenizer):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8,
+                          enable_prefix_caching=True)
+    prompts, _ = _workload(9, 4, config.vocab_size)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    new_params = jax.tree.unflatten(tree, [
+        x + 0.02 * jax.numpy.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+    jax.block_until_ready(new_params)
+    llm.update_params(new_params)
+    compiles = llm.engine.get_stats().num_compiles
+    after = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert llm.engine.get_stats().num_compiles == compiles, "weight swap must not recompile"
+    want = ReferenceGenerator(config, new_params).generate(prompts, 10)
+    assert after == want
+    assert after != before
+    assert llm.engine.runner.num_gpu_blocks == 64
+    assert_pool_whole(llm)
+
+
+def test_bad_inputs_rejected_by_field(demo_model, demo_tokenizer):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=32, max_model_len=256)
+    eng = llm.engine
+    cases = [
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=None, prompt_token_ids=[]), "prompt"),
+        (dict(prompt=None, prompt_token_ids=list(range(300))), "max_model_len"),
+        (dict(prompt=None, prompt_token_ids=[1, config.vocab_size]), "prompt_token_ids"),
+        (dict(prompt=None, prompt_token_ids=[1, -3]), "prompt_token_ids"),
+        (dict(prompt="hi", params={"temperature": -1.0}), "temperature"),
+        (dict(prompt="hi", params={"top_p": 0.0}), "top_p"),
+        (dict(prompt="hi", params={"top_k": -2}), "top_k"),
+        (dict(prompt="hi", params={"max_tokens": 0}), "max_tokens"),
+        (dict(prompt="hi", params={"bogus_field": 1}), "bogus_field"),
+    ]
+    for kwargs, field in cases:
+        with pytest.raises(ValueError, match=field):
+            eng.add_request("bad", kwargs.pop("prompt"), kwargs.pop("params", None), **kwargs)
+    eng.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        eng.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="preemption_mode"):
+        LLM.from_params(config, params, demo_tokenizer, preemption_mode="drop")
+    while eng.has_unfinished_requests():
+        eng.step()
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    assert_pool_whole(llm)
+
+
+def test_request_larger_than_cache_rejected(demo_model, demo_tokenizer):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="KV blocks|cache"):
+        llm.generate({"prompt_token_ids": list(range(5, 100))}, SamplingParams(max_tokens=4))
+    assert_pool_whole(llm)
+
+
+def test_step_failure_isolated_and_blocks_freed(demo_model, demo_tokenizer, monkeypatch):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64)
+    eng = llm.engine
+    eng.add_request("a", "Hello there", SamplingParams(temperature=0, max_tokens=3))
+    real = eng.runner.execute
+    calls = {"n": 0}
+
+    def flaky(inputs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device fell over")
+        return real(inputs)
+
+    monkeypatch.setattr(eng.runner, "execute", flaky)
+    outs = eng.step()
+    assert outs[0].request_id == "a" and outs[0].finished and "device fell over" in outs[0].error
+    assert eng.block_manager.get_num_free_gpu_blocks() == eng.runner.num_gpu_blocks
+    good = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(good.outputs[0].token_ids) == 3 and good.error is None
+    assert_pool_whole(llm)
+
+
+def test_stops_logprobs_and_streaming(demo_model, demo_tokenizer):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64)
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    base = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+    assert "Paris" in base.text and base.finish_reason == "stop"
+    cut = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24, stop=["Paris"]))[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == "Paris"
+    assert cut.text == base.text[: base.text.index("Paris")]
+    first = base.token_ids[2]
+    st = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first]))[0].outputs[0]
+    assert st.token_ids == base.token_ids[:3] and st.stop_reason == first
+    mt = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24, min_tokens=20, ignore_eos=False))
+    assert len(mt[0].outputs[0].token_ids) >= 20
+    lp = llm.chat(chat, SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0].outputs[0]
+    assert len(lp.logprobs) == 5
+    for tok, entry in zip(lp.token_ids, lp.logprobs):
+        assert tok in entry and len(entry) == 3  # greedy token is the top-1
+        assert max(entry.values()) == entry[tok] <= 0.0
+    # Streaming: cumulative text grows monotonically and ends at the full text.
+    prompt = demo_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    texts = [o.outputs[0].text for o in llm.generate_stream(prompt, SamplingParams(temperature=0, max_tokens=24))]
+    assert len(texts) > 3 and texts[-1] == base.text
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert_pool_whole(llm)
+
+
+def test_seeded_reference_sampling_agrees_on_greedy(reference, demo_model):
+    """Sanity of the oracle itself: temperature 0 in RefSampling is argmax."""
+    out = reference.generate([[1, 2, 3]], 3, RefSampling(temperature=0.0))
+    logits = reference.prompt_logits([1, 2, 3])
+    assert out[0][0] == int(np.argmax(logits[-1]))
