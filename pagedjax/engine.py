@@ -78,7 +78,8 @@ FINISH_REASON = {
 
 
 class LLMEngine:
-    def __init__(self, config: LlamaConfig, params: dict, tokenizer, engine_config: EngineConfig | None = None,
+    def __init__(self, config: LlamaConfig, params: dict, tokenizer,
+                 engine_config: EngineConfig | None = None,
                  dtype=jnp.float32, model_name: str = "model"):
         self.model_config = config
         self.tokenizer = tokenizer
@@ -328,7 +329,8 @@ class LLMEngine:
         for stop in p.stop_strings:
             idx = state.text.find(stop)
             if idx >= 0:
-                state.text = state.text[: idx + len(stop)] if p.include_stop_str_in_output else state.text[:idx]
+                end = idx + len(stop) if p.include_stop_str_in_output else idx
+                state.text = state.text[:end]
                 return stop
         return None
 

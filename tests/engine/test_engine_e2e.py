@@ -192,7 +192,8 @@ def test_stops_logprobs_and_streaming(demo_model, demo_tokenizer):
         assert max(entry.values()) == entry[tok] <= 0.0
     # Streaming: cumulative text grows monotonically and ends at the full text.
     prompt = demo_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-    texts = [o.outputs[0].text for o in llm.generate_stream(prompt, SamplingParams(temperature=0, max_tokens=24))]
+    stream = llm.generate_stream(prompt, SamplingParams(temperature=0, max_tokens=24))
+    texts = [o.outputs[0].text for o in stream]
     assert len(texts) > 3 and texts[-1] == base.text
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
     assert_pool_whole(llm)
