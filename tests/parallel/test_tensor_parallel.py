@@ -1,0 +1,155 @@
+"""Tensor parallelism on forced host devices: TP=N must reproduce TP=1.
+
+Every TP run happens in a subprocess with `--xla_force_host_platform_device_count=8` (this
+process keeps its single CPU device). Tolerance: greedy tokens identical; logits and top-k
+logprobs within 1e-4 absolute (tiny model) / 1e-3 (demo model): sharded matmuls only
+reorder fp32 sums (all-reduce of per-shard partial products).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.config import LlamaConfig
+from pagedjax.parallel import TensorParallelError, validate_tp
+from tests.model.helpers import TINY_HF_CONFIG
+
+ROOT = Path(__file__).resolve().parents[2]
+# Compile-time savings (most of these tests' time is XLA:CPU compiling each shape bucket).
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _run_script(module: str, *args: str, devices: int = 8, timeout: int = 600) -> None:
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _scenario(tmp_path_factory, mode: str) -> dict:
+    out = tmp_path_factory.mktemp(mode) / "out.json"
+    _run_script("tests.parallel.tp_script", mode, str(out))
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    return _scenario(tmp_path_factory, "tiny")
+
+
+def _assert_matches(ref: dict, got: dict, atol: float) -> None:
+    n = len(got["tokens"][0])
+    assert [t[:n] for t in ref["tokens"][: len(got["tokens"])]] == got["tokens"]
+    np.testing.assert_allclose(got["logits"], ref["logits"], atol=atol, rtol=0)
+    for lp_ref, lp in zip(ref["logprobs"], got["logprobs"]):
+        np.testing.assert_allclose(lp, lp_ref[:n], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_tiny_model_matches_tp1(tiny, tp):
+    _assert_matches(tiny["tp1"], tiny[f"tp{tp}"], atol=1e-4)
+    assert tiny[f"tp{tp}"]["free_blocks_ok"]
+
+
+def test_preemption_and_prefix_caching_were_exercised(tiny):
+    for tp in (1, 2, 4):
+        assert tiny[f"tp{tp}"]["preemptions"] > 0, tp  # TP=2 swapped, TP=1/4 recomputed
+        assert tiny[f"tp{tp}"]["cached_tokens"] >= 16, tp  # the shared 16-token prefix
+
+
+def test_kv_cache_split_by_head_with_replication(tiny):
+    assert tiny["tp2"]["cache_spec"] == "P(None, 'tp')"
+    assert tiny["tp2"]["cache_heads"] == 2  # 2 KV heads, one per device
+    assert tiny["tp4"]["cache_heads"] == 4  # each of 2 KV heads replicated twice
+    assert tiny["tp8"]["cache_heads"] == 8
+
+
+def test_per_device_param_bytes(tiny):
+    """Every tensor except the two norms is split: per device ≈ total / N."""
+    for tp in (2, 4, 8):
+        total, per_device = tiny[f"tp{tp}"]["param_bytes"]
+        assert total / tp <= per_device <= total / tp * 1.05, (tp, total, per_device)
+
+
+def test_demo_model_tp3_matches_tp1(tmp_path_factory):
+    """SmolLM2-135M: 9 query / 3 KV heads, TP=3 splits without replication."""
+    demo = _scenario(tmp_path_factory, "demo")
+    _assert_matches(demo["tp1"], demo["tp3"], atol=1e-3)
+    assert demo["tp3"]["preemptions"] > 0 and demo["tp3"]["cached_tokens"] >= 16
+    total, per_device = demo["tp3"]["param_bytes"]
+    assert per_device <= total / 3 * 1.01
+
+
+def test_pallas_backend_tp2_matches_tp1(tiny):
+    """The Pallas kernels (interpret mode) inside shard_map, on per-shard views."""
+    _assert_matches(tiny["tp1"], tiny["tp2_pallas"], atol=1e-4)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_two_devices_each(tmp_path):
+    """jax.distributed on localhost (gloo CPU collectives): TP=4 over 2 processes == TP=1."""
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.parallel.multihost_script", str(i),
+                               port, str(tmp_path / f"p{i}.json")], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    leader = json.loads((tmp_path / "p0.json").read_text())
+    worker = json.loads((tmp_path / "p1.json").read_text())
+    assert leader["tp4"] == leader["tp1"]
+    assert worker["worker_steps"] == leader["leader_steps"] > 0
+
+
+# ---- configuration errors (no devices needed: validated from the config alone) ------------
+
+DEMO_LIKE = LlamaConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 9,
+                                 "num_key_value_heads": 3, "intermediate_size": 144})
+
+
+@pytest.mark.parametrize("n, match", [
+    (2, "must divide the number of attention heads"),
+    (4, "must divide the number of attention heads"),
+    (16, "exceeds the 8 available"),
+])
+def test_bad_tp_size_is_rejected(n, match):
+    with pytest.raises(TensorParallelError, match=match):
+        validate_tp(DEMO_LIKE, n, num_devices=8)
+
+
+def test_kv_heads_neither_dividing_nor_multiple():
+    cfg = LlamaConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 12,
+                               "num_key_value_heads": 4, "intermediate_size": 96})
+    with pytest.raises(TensorParallelError, match="KV heads"):
+        validate_tp(cfg, 6, num_devices=8)
+    validate_tp(cfg, 2, num_devices=8)  # divides 4 KV heads
+    validate_tp(DEMO_LIKE, 9, num_devices=16)  # 3 KV heads replicated 3 times
+
+
+def test_engine_rejects_more_devices_than_available():
+    """In this process there is one CPU device: the runner fails before placing anything."""
+    from pagedjax import LLM
+
+    with pytest.raises(TensorParallelError, match="exceeds the 1 available"):
+        LLM.from_params(DEMO_LIKE, {}, None, dtype=np.float32, tensor_parallel_size=3)
