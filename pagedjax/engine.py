@@ -4,6 +4,17 @@ One `step()` is one iteration of continuous batching (paper §4.5, thesis §4.2)
 scheduler picks Δ tokens per sequence, the runner executes them in one jitted call, the
 sampler picks next tokens, and this module applies them: stop checks, incremental
 detokenization, forking for n>1, finishing and freeing. Nothing here knows about networks.
+
+Memory sharing (paper §4.4): an n>1 / best_of request computes its prompt once and forks the
+samples from it (`Sequence.fork` + `Scheduler.fork_seq`), so they share the prompt's blocks
+and copy-on-write only the partially filled last block. Beam search
+(`SamplingParams(use_beam_search=True, best_of=W)`) gathers the logits rows of every live beam
+of every beam request into `[G, W, V]` and picks candidates on device with one
+`beam_candidates` call per step; the host forks surviving parents into children (sharing all
+blocks) and frees dropped beams, so copies happen only for a shared partially filled block.
+Beam EOS ids are the model's EOS plus the request's `stop_token_ids` (min_tokens and stop
+strings do not apply to beams); the n best finished beams by length-penalised score are
+returned, live beams joining the finished ones when `max_tokens` is reached.
 """
 
 from __future__ import annotations
@@ -19,8 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import LlamaConfig
+from pagedjax.beam_search import beam_candidates, length_penalized_score, should_stop, split_candidates
 from pagedjax.config import EngineConfig
 from pagedjax.core import BlockManager, Scheduler, SchedulerConfig, Sequence, SequenceGroup
+from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.sequence import SequenceStatus
 from pagedjax.detokenizer import DetokState, detokenize_incrementally, flush
 from pagedjax.outputs import CompletionOutput, RequestOutput
@@ -64,6 +77,14 @@ class _Request:
     stop_reason: dict[int, int | str | None] = dataclasses.field(default_factory=dict)
     num_cached_tokens: int | None = None
     first_token_time: float | None = None
+    # Beam search: finished hypotheses (score, seq) and logits rows of beams whose siblings
+    # were not all computed in the same step (e.g. a token budget split the group).
+    beam_finished: list[tuple[float, Sequence]] = dataclasses.field(default_factory=list)
+    beam_pending: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_beam(self) -> bool:
+        return self.params.use_beam_search
 
     @property
     def num_samples(self) -> int:
@@ -155,8 +176,6 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected SamplingParams or dict")
         ids = self._validate_prompt(prompt, prompt_token_ids)
-        if params.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported by this engine build yet")
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not supported by this engine build yet")
         samples = params.best_of or params.n
@@ -165,11 +184,23 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=params.max_tokens, n=samples,
-                              model_id=f"{self.model_name}@{self._weights_version}")
+                              model_id=self.model_id)
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = _Request(request_id, prompt, ids, params, group, next(self._request_counter), arrival)
         self._register_seq(req, seq, 0)
         self._requests[request_id] = req
+
+    @property
+    def model_id(self) -> str:
+        """Part of every prefix-cache key: KV computed with other weights is never reused."""
+        return f"{self.model_name}@{self._weights_version}"
+
+    def register_prefix(self, token_ids: list[int]) -> PrefixHandle:
+        """Pin the cached full blocks of a prefix (see `LLM.register_prefix`, which runs it first)."""
+        return self.block_manager.register_prefix(token_ids, model_id=self.model_id)
+
+    def unpin_prefix(self, handle: PrefixHandle) -> None:
+        self.block_manager.unpin(handle)
 
     def _register_seq(self, req: _Request, seq: Sequence, index: int) -> None:
         req.seq_index[seq.seq_id] = index
@@ -232,7 +263,7 @@ class LLMEngine:
             done = req.group.is_finished()
             if done:
                 del self._requests[rid]
-            if done or not (req.params.best_of and req.params.best_of > req.params.n):
+            if done or not (req.is_beam or (req.params.best_of and req.params.best_of > req.params.n)):
                 outputs.append(self._make_output(req, final=done))
         return outputs
 
@@ -245,7 +276,8 @@ class LLMEngine:
                 continue
             req = self._requests[s.request_id]
             group = req.group
-            fan_out = len(group.seqs) == 1 and req.num_samples > 1 and not group.seqs[0].output_token_ids
+            fan_out = (not req.is_beam and len(group.seqs) == 1 and req.num_samples > 1
+                       and not group.seqs[0].output_token_ids)
             n = req.num_samples if fan_out else 1
             rows_per_seq.append(n)
             seq = next(q for q in group.seqs if q.seq_id == s.seq_id)
@@ -266,11 +298,59 @@ class LLMEngine:
                                             vocab_size=self.model_config.vocab_size,
                                             engine_seed=self.engine_config.seed)
         k = max((req.params.logprobs or 0) for req, *_ in row_info)
-        out = jax.device_get(sample(logits, meta, num_logprobs=k))  # the step's one host sync
-        return row_info, out
+        beams = self._beam_candidates(logits, row_info)
+        # The step's one host sync (sampled tokens and beam candidates together).
+        out, cands = jax.device_get((sample(logits, meta, num_logprobs=k), beams[1] if beams else None))
+        return row_info, out, (beams[0], cands) if beams else None
+
+    def _beam_candidates(self, logits: jax.Array, row_info: list[tuple]):
+        """Launch on-device candidate selection for every beam group whose live beams all have logits.
+
+        Returns ``(groups, candidates)`` with ``groups[g] = (req, live beams in column order)``,
+        or None when no beam group is ready this step.
+        """
+        rows: dict[str, dict[int, int]] = {}
+        for r, (req, seq, _index, _fan) in enumerate(row_info):
+            if req.is_beam:
+                rows.setdefault(req.request_id, {})[seq.seq_id] = r
+        if not rows:
+            return None
+        ready: list[tuple[_Request, list[Sequence]]] = []
+        extra: list[jax.Array] = []
+        cols: list[list[int]] = []
+        n_rows = logits.shape[0]
+        for rid, by_seq in rows.items():
+            req = self._requests[rid]
+            live = req.group.get_unfinished_seqs()
+            if not all(s.seq_id in by_seq or s.seq_id in req.beam_pending for s in live):
+                for sid, r in by_seq.items():  # wait for the siblings' logits
+                    req.beam_pending[sid] = logits[r]
+                continue
+            col = []
+            for s in live:
+                if s.seq_id in by_seq:
+                    col.append(by_seq[s.seq_id])
+                else:
+                    col.append(n_rows + len(extra))
+                    extra.append(req.beam_pending.pop(s.seq_id))
+            ready.append((req, live))
+            cols.append(col)
+        if not ready:
+            return None
+        width = max(req.params.beam_width for req, _ in ready)
+        g_pad = 1 << (len(ready) - 1).bit_length()
+        idx = np.zeros((g_pad, width), np.int32)
+        live_mask = np.zeros((g_pad, width), bool)
+        cum = np.zeros((g_pad, width), np.float32)
+        for g, ((_req, live), col) in enumerate(zip(ready, cols)):
+            idx[g, : len(col)] = col
+            live_mask[g, : len(col)] = True
+            cum[g, : len(col)] = [s.cumulative_logprob for s in live]
+        source = jnp.concatenate([logits, jnp.stack(extra)]) if extra else logits
+        return ready, beam_candidates(source[idx], cum, live_mask)
 
     def _apply_samples(self, sched, sampled) -> set[str]:
-        row_info, out = sampled
+        row_info, out, beams = sampled
         touched = {s.request_id for s in sched.scheduled}
         for s in sched.scheduled:
             req = self._requests.get(s.request_id)
@@ -287,10 +367,74 @@ class LLMEngine:
                 self._register_seq(req, target, index)
                 children[r] = target
         for r, (req, seq, _index, _fan) in enumerate(row_info):
+            if req.is_beam:
+                continue
             target = children.get(r, seq)
             self._append_token(req, target, int(out.token_ids[r]), float(out.logprobs[r]),
                                out.topk_ids[r], out.topk_logprobs[r])
+        if beams is not None:
+            groups, cands = beams
+            for g, (req, live) in enumerate(groups):
+                self._advance_beams(req, live, cands.parent[g], cands.token_ids[g],
+                                    cands.cum_logprobs[g], cands.valid[g])
         return touched
+
+    def _advance_beams(self, req: _Request, live: list[Sequence], parents, tokens, cums, valid) -> None:
+        """One beam step on the host: finish EOS hypotheses, fork survivors, free dropped beams."""
+        p = req.params
+        width = p.beam_width
+        eos = set() if p.ignore_eos else self.eos_token_ids | set(p.stop_token_ids)
+        new_live, new_fin = split_candidates(parents, tokens, cums, width, eos, valid)
+        for c in new_fin:
+            parent = live[c.parent]
+            done = parent.fork(next(self._seq_ids))  # history only: a finished beam holds no blocks
+            done.append_token(c.token_id, c.cum_logprob - parent.cumulative_logprob)
+            done.cumulative_logprob = c.cum_logprob
+            done.status = SequenceStatus.FINISHED_STOPPED
+            score = length_penalized_score(c.cum_logprob, parent.num_total_tokens, p.length_penalty)
+            req.beam_finished.append((score, done))
+        used: set[int] = set()
+        assigned: list[tuple[Sequence, float, int]] = []
+        for c in new_live:  # fork before any append: children copy the parent's pre-step state
+            parent = live[c.parent]
+            if parent.seq_id in used:
+                target = parent.fork(next(self._seq_ids))
+                self.scheduler.fork_seq(parent, target)  # shares every block, CoW on next write
+                req.group.add(target)
+                self._register_seq(req, target, len(req.seq_index))
+            else:
+                used.add(parent.seq_id)
+                target = parent
+            assigned.append((target, c.cum_logprob, c.token_id))
+        for s in live:
+            if s.seq_id not in used:  # no surviving candidate: drop the beam and its blocks
+                self.scheduler.free_seq(s)
+                s.status = SequenceStatus.FINISHED_ABORTED
+                req.group.remove(s.seq_id)
+                for d in (req.seq_index, req.detok, req.logprobs):
+                    d.pop(s.seq_id, None)
+        for target, cum, token in assigned:
+            target.append_token(token, cum - target.cumulative_logprob)
+            target.cumulative_logprob = cum
+            self.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        survivors = [t for t, _, _ in assigned]
+        if not survivors:
+            return
+        best = survivors[0]  # candidates are sorted best-first
+        at_limit = (best.num_output_tokens >= p.max_tokens
+                    or best.num_total_tokens >= self.max_model_len)
+        if at_limit:  # the live beams are hypotheses too
+            for s in survivors:
+                s.status = SequenceStatus.FINISHED_LENGTH
+                score = length_penalized_score(s.cumulative_logprob, s.num_total_tokens, p.length_penalty)
+                req.beam_finished.append((score, s))
+        elif should_stop([sc for sc, _ in req.beam_finished], best.cumulative_logprob,
+                         best.num_total_tokens, width, p.length_penalty, p.early_stopping,
+                         min(best.num_prompt_tokens + p.max_tokens, self.max_model_len)):
+            for s in survivors:
+                s.status = SequenceStatus.FINISHED_ABORTED  # not returned: cannot beat the finished
 
     def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float,
                       topk_ids, topk_logprobs) -> None:
@@ -342,7 +486,28 @@ class LLMEngine:
             logprobs=list(req.logprobs[seq.seq_id]) if req.params.logprobs is not None else None,
             finish_reason=FINISH_REASON.get(seq.status), stop_reason=req.stop_reason.get(seq.seq_id))
 
+    def _beam_completions(self, req: _Request) -> list[CompletionOutput]:
+        """The n best hypotheses by length-penalised score (live beams if none finished, e.g. abort)."""
+        p = req.params
+        pool = req.beam_finished or [
+            (length_penalized_score(s.cumulative_logprob, s.num_total_tokens, p.length_penalty), s)
+            for s in req.group.seqs]
+        best = sorted(pool, key=lambda x: -x[0])[: p.n]
+        comps = []
+        for i, (_score, s) in enumerate(best):
+            ids = list(s.output_token_ids)
+            comps.append(CompletionOutput(
+                index=i, text=self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+                if self.tokenizer is not None else "", token_ids=ids,
+                cumulative_logprob=s.cumulative_logprob,
+                finish_reason=FINISH_REASON.get(s.status, "abort")))
+        return comps
+
     def _make_output(self, req: _Request, final: bool) -> RequestOutput:
+        if req.is_beam:
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                 self._beam_completions(req), finished=final,
+                                 num_cached_tokens=req.num_cached_tokens or 0)
         seqs = sorted(req.group.seqs, key=lambda s: req.seq_index[s.seq_id])
         if final and req.params.best_of and req.params.best_of > req.params.n:
             seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pagedjax.config import EngineConfig
+from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -52,6 +53,31 @@ class LLM:
     def update_params(self, params: dict) -> None:
         """Swap in new weights without recompiling or reallocating the KV cache."""
         self.engine.update_params(params)
+
+    def register_prefix(self, prefix: str | Sequence[int]) -> PrefixHandle:
+        """Explicit shared prefix (paper §4.4): compute its KV once and pin its full blocks.
+
+        Runs the prefix as a one-token request so its blocks are computed and published in the
+        prefix cache, then pins them so they are never evicted; later prompts starting with the
+        same tokens reuse them. A trailing partial block is not pinned (only full blocks are
+        shareable). Needs `enable_prefix_caching=True`. Release with `unpin_prefix`; a weight
+        swap (`update_params`) invalidates every handle.
+        """
+        if not self.engine.engine_config.enable_prefix_caching:
+            raise ValueError("register_prefix requires enable_prefix_caching=True")
+        ids = self.tokenizer(prefix).input_ids if isinstance(prefix, str) else [int(t) for t in prefix]
+        handle = self.engine.register_prefix(ids)  # pins blocks as soon as they are computed
+        if not handle.complete:
+            self.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1),
+                          use_tqdm=False)
+        if not handle.complete:
+            self.engine.unpin_prefix(handle)
+            raise RuntimeError("register_prefix: the prefix's blocks could not be cached")
+        return handle
+
+    def unpin_prefix(self, handle: PrefixHandle) -> None:
+        """Let a registered prefix's blocks become evictable again."""
+        self.engine.unpin_prefix(handle)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -22,10 +22,13 @@ requests and is what cumulative logprobs for ``best_of`` ranking use.
 
 Randomness: each row's key is ``fold_in(key(seed), step)`` where ``step`` is
 the number of tokens the sequence has generated so far, so a seeded request
-reproduces its tokens whatever batch it lands in (sequence ``j > 0`` of an
-``n > 1`` request additionally folds in ``j`` so the samples differ). Unseeded
-rows use ``fold_in(fold_in(key(engine_seed), request_counter), step)``. Seeds
-are taken modulo 2**32 (keys are derived on device from uint32 seeds).
+reproduces its tokens whatever batch it lands in. Seed rule for ``n > 1``:
+sample ``j`` of a request with seed ``s`` draws exactly the stream of a
+single-sample request with seed ``s + j``, so the n samples equal n separate
+requests seeded ``s .. s+n-1`` (testable, and the samples differ). Unseeded
+rows use ``fold_in(fold_in(key(engine_seed), request_counter), step)``, with
+sample ``j > 0`` additionally folding in ``j``. Seeds are taken modulo 2**32
+(keys are derived on device from uint32 seeds).
 """
 
 from __future__ import annotations
@@ -144,10 +147,11 @@ class SamplingMetadata:
             n_out = len(s.output_token_ids)
             step[i] = n_out
             counter[i] = s.request_counter % (1 << 32)
-            seq_index[i] = s.seq_index
-            if p.seed is not None:
-                seed[i] = p.seed % (1 << 32)
+            if p.seed is not None:  # sample j == a lone request seeded seed + j
+                seed[i] = (p.seed + s.seq_index) % (1 << 32)
                 is_seeded[i] = True
+            else:
+                seq_index[i] = s.seq_index
             if not p.is_greedy:
                 all_greedy = False
                 temperature[i] = p.temperature
