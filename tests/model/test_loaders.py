@@ -42,7 +42,18 @@ def test_hf_dir_single_and_sharded_agree(tmp_path, tiny):
     np.testing.assert_array_equal(np.asarray(p1["lm_head"]), tensors["lm_head.weight"].T)
 
 
-@pytest.mark.parametrize("quant,tol", [("F32", 0.0), ("F16", 2e-4), ("Q8_0", 4e-3),
+def test_hf_dir_bf16_weights(tmp_path, tiny):
+    """Real HF checkpoints are usually bf16; safetensors hands them to numpy via ml_dtypes."""
+    import ml_dtypes
+
+    config, tensors = tiny
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    _, p16 = load_hf_dir(write_hf_dir(tmp_path / "bf16", TINY_HF_CONFIG, bf16))
+    _, p32 = load_hf_dir(write_hf_dir(tmp_path / "fp32", TINY_HF_CONFIG, tensors))
+    assert 0.0 < _max_diff(p16, p32) <= 4e-3  # bf16 rounding of values ~0.1-1.3
+
+
+@pytest.mark.parametrize("quant,tol", [("F32", 0.0), ("F16", 2e-4), ("BF16", 4e-3), ("Q8_0", 4e-3),
                                        ("Q4_0", 6e-2), ("Q4_1", 4e-2)])
 def test_gguf_matches_hf(tmp_path, tiny, quant, tol):
     config, tensors = tiny
