@@ -8,6 +8,7 @@ calls before the step, also in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from functools import partial
@@ -15,6 +16,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.config import LlamaConfig
 from models.llama import LlamaForCausalLM
@@ -22,12 +25,14 @@ from pagedjax.config import EngineConfig
 from pagedjax.parallel import multihost
 from pagedjax.parallel.attention import ShardedPagedAttention, sharded_copy_blocks
 from pagedjax.parallel.mesh import (
+    AXIS,
     cache_sharding,
     make_mesh,
     replicated,
     shard_params,
     sharded_config,
     validate_tp,
+    vocab_sharded,
 )
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pagedjax.worker.step_inputs import StepInputs, bucket
@@ -41,15 +46,36 @@ def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
         dtype).itemsize
 
 
+@functools.cache
+def _step_fn(config: LlamaConfig, backend: str | None, dtype):
+    """One jitted step per (model shape, backend, dtype), shared by every runner in the
+    process, so a second engine on the same model reuses the compiled buckets."""
+    model = LlamaForCausalLM(config, PagedAttention(backend), dtype)
+
+    def step(params, k_cache, v_cache, input_ids, positions, meta: PagedMeta, logits_indices):
+        logits, (k_cache, v_cache) = model.apply(
+            {"params": params}, input_ids, positions, (k_cache, v_cache), meta,
+            logits_indices=logits_indices)
+        return logits, k_cache, v_cache
+
+    return jax.jit(step, donate_argnums=(1, 2))
+
+
+@functools.cache
+def _copy_fn(backend: str | None):
+    return jax.jit(partial(copy_blocks, backend=backend), donate_argnums=(0, 1))
+
+
 class ModelRunner:
     def __init__(self, config: LlamaConfig, params: dict, engine_config: EngineConfig, dtype,
-                 max_model_len: int):
+                 max_model_len: int, shard_vocab: bool = True):
         # Tensor parallelism (docs/tensor-parallel.md): params and KV heads split over a
         # ("tp",) mesh; `self.config` is the config the sharded model runs with (KV heads
         # counted after replication), `model_config` the checkpoint's.
         self.tp = engine_config.tensor_parallel_size
         self.model_config = config
         self.mesh = None
+        self.shard_vocab = shard_vocab  # embeddings/lm_head split on vocab (else replicated)
         attn = PagedAttention(engine_config.attention_backend)
         if self.tp > 1:
             validate_tp(config, self.tp)
@@ -57,11 +83,13 @@ class ModelRunner:
                 raise ValueError("preemption_mode: 'swap' is not supported across processes; "
                                  "use 'recompute'")
             self.mesh = make_mesh(self.tp)
-            params = shard_params(params, config, self.mesh)
+            params = shard_params(params, config, self.mesh, shard_vocab)
             config = sharded_config(config, self.tp)
             attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend)
         self.config = config
-        self.params = params
+        # Committed placement: `update_params` keeps shardings, so the step sees arguments of
+        # identical type before and after a weight swap (no retrace, no recompile).
+        self.params = params if self.mesh is not None else jax.device_put(params, jax.local_devices()[0])
         self.engine_config = engine_config
         self.dtype = dtype
         self.block_size = engine_config.block_size
@@ -82,7 +110,7 @@ class ModelRunner:
         c = self.config
         shape = (c.num_layers, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
         if self.mesh is None:
-            return jnp.zeros(shape, self.dtype)
+            return jax.device_put(jnp.zeros(shape, self.dtype), jax.local_devices()[0])  # committed
         return jnp.zeros(shape, self.dtype, device=cache_sharding(self.mesh))
 
     def place_params(self, params: dict) -> dict:
@@ -90,7 +118,7 @@ class ModelRunner:
         `update_params`: under TP this shards it and replicates KV columns as needed)."""
         if self.mesh is None:
             return jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), params, self.params)
-        return shard_params(params, self.model_config, self.mesh)
+        return shard_params(params, self.model_config, self.mesh, self.shard_vocab)
 
     # ---- sizing ------------------------------------------------------------
     def _profile_num_blocks(self) -> int:
@@ -136,6 +164,11 @@ class ModelRunner:
             {"params": params}, input_ids, positions, (k_cache, v_cache), meta,
             logits_indices=logits_indices)
         if self.mesh is not None:  # sampling sees full logits; caches stay split by head
+            if vocab_sharded(self.model_config, self.tp, self.shard_vocab):
+                # Pin the vocab-split result first, so XLA all-gathers the [R, V] logits
+                # rather than the [H, V] LM head (which it otherwise picks to meet P()).
+                logits = jax.lax.with_sharding_constraint(
+                    logits, NamedSharding(self.mesh, P(None, AXIS)))
             logits = jax.lax.with_sharding_constraint(logits, replicated(self.mesh))
             k_cache = jax.lax.with_sharding_constraint(k_cache, cache_sharding(self.mesh))
             v_cache = jax.lax.with_sharding_constraint(v_cache, cache_sharding(self.mesh))

@@ -80,6 +80,14 @@ def test_per_device_param_bytes(tiny):
         assert total / tp <= per_device <= total / tp * 1.05, (tp, total, per_device)
 
 
+def test_communication_is_two_all_reduces_per_layer(tiny):
+    """Megatron: all-reduce after o_proj and down_proj; once per step, the vocab-split
+    embedding lookup's all-reduce and the [R, V] logits all-gather (never the LM head)."""
+    coll = tiny["tp2"]["collectives"]
+    assert coll["per_layer"] == {"all-reduce": 2}
+    assert coll["outside_layers"] == {"all-reduce": 1, "all-gather": 1}
+
+
 def test_demo_model_tp3_matches_tp1(tmp_path_factory):
     """SmolLM2-135M: 9 query / 3 KV heads, TP=3 splits without replication."""
     demo = _scenario(tmp_path_factory, "demo")

@@ -17,6 +17,7 @@ from models.config import LlamaConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.core.scheduler import ScheduledSeq
+from pagedjax.parallel.hlo import count_collectives
 from pagedjax.parallel.mesh import sharded_param_bytes
 from pagedjax.worker.step_inputs import build_step_inputs
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
@@ -51,6 +52,17 @@ def one_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     return np.asarray(jax.device_get(runner.execute(inputs)))[0]
 
 
+def decode_collectives(llm: LLM) -> dict:
+    """Collectives in the compiled decode step, per layer and outside the layer scan."""
+    runner = llm.engine.runner
+    seq = ScheduledSeq(0, "hlo", [5], 3, [0], True)
+    inputs = build_step_inputs([seq], runner.block_size, runner.max_blocks_per_seq)
+    hlo = runner._step.lower(runner, runner.params, runner.k_cache, runner.v_cache,
+                             inputs.input_ids, inputs.positions, inputs.meta,
+                             inputs.logits_indices).compile().as_text()
+    return count_collectives(hlo)
+
+
 def run(cfg: LlamaConfig, params: dict, tp: int, prompts, max_tokens: int, **kw) -> dict:
     llm = LLM.from_params(cfg, params, NoTokenizer(), tensor_parallel_size=tp, block_size=8,
                           max_num_seqs=4, max_num_batched_tokens=64, **kw)
@@ -70,6 +82,7 @@ def run(cfg: LlamaConfig, params: dict, tp: int, prompts, max_tokens: int, **kw)
         "param_bytes": [total, per_device],
         "cache_spec": str(llm.engine.runner.k_cache.sharding.spec) if tp > 1 else "",
         "cache_heads": llm.engine.runner.k_cache.shape[1],
+        "collectives": decode_collectives(llm) if tp == 2 else None,
     }
 
 
