@@ -166,9 +166,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     axes[2].set(xlabel="TP size", ylabel="param MiB per device", xscale="log", xticks=tps)
     axes[2].set_xticklabels(tps)
     axes[2].legend()
+    for ax in axes:
+        ax.minorticks_off()
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def title(meta: dict, tag: str) -> str:
+    shared = f" (forced host devices sharing {meta['cpu_count']} cores)" if tag == "cpu" else ""
+    return f"pagedjax TP on {meta['device']} x{meta['num_devices']}{shared}"
 
 
 def main() -> None:
@@ -178,9 +185,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--plot-only", action="store_true",
+                    help="redraw the PNG from the saved JSON")
     ap.add_argument("--no-force-devices", action="store_true",
                     help="use the real devices (GPUs) instead of forced host devices")
     args = ap.parse_args()
+    tag = device_tag()
+    out_dir = RESULTS / tag
+    if args.plot_only:
+        saved = json.loads((out_dir / "tensor_parallel.json").read_text())
+        plot(saved["rows"], out_dir / "tensor_parallel.png", title(saved["meta"], tag))
+        return
 
     config = bench_config(args.layers)
     params = random_params(config)
@@ -197,8 +212,6 @@ def main() -> None:
                 row["tokens_match_tp1"] = tokens == ref_tokens
             rows.append(row)
             print(json.dumps(row), flush=True)
-    tag = device_tag()
-    out_dir = RESULTS / tag
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {"device": str(jax.devices()[0].device_kind), "num_devices": jax.device_count(),
             "forced_host_devices": "xla_force_host_platform_device_count" in
@@ -209,9 +222,7 @@ def main() -> None:
             "jax": jax.__version__, "args": vars(args)}
     (out_dir / "tensor_parallel.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                              indent=1))
-    plot(rows, out_dir / "tensor_parallel.png",
-         f"pagedjax TP on {meta['device']} x{meta['num_devices']}"
-         f"{' (forced host devices sharing ' + str(os.cpu_count()) + ' cores)' if tag == 'cpu' else ''}")
+    plot(rows, out_dir / "tensor_parallel.png", title(meta, tag))
     print(f"wrote {out_dir / 'tensor_parallel.json'}")
 
 
