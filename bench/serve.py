@@ -246,12 +246,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.duration is not None:
                 reqs = [r for r in reqs if r.arrival <= args.duration] or reqs[:1]
             point = {"rate": rate, "workload_stats": describe(reqs)}
-            for proto in protocols:
+            order = protocols[k % len(protocols):] + protocols[: k % len(protocols)]  # rotate: no fixed bias
+            for proto in order:
                 for _ in range(args.warmup_passes):  # same requests, untimed: compile their shapes
                     asyncio.run(runners[proto](reqs))
                 c0 = compiles[proto]()
                 point[proto] = summarize(*asyncio.run(runners[proto](reqs)))
                 point[proto]["num_compiles_during_run"] = compiles[proto]() - c0
+                point[proto]["load_avg_1m_after"] = os.getloadavg()[0]  # other jobs on the host skew CPU runs
                 nl = point[proto]["normalized_latency_s_per_tok"]["mean"]
                 print(f"rate {rate:g} {proto}: {point[proto]['completed']} done, "
                       f"{point[proto]['throughput_tok_s']:.1f} tok/s, norm latency {nl}", flush=True)
@@ -269,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"workload": args.workload, "workload_source": WORKLOADS[args.workload].source,
               "model": args.model, "device": device, "scale": args.scale, "engine": engine_kwargs(args),
               "protocols": protocols, "cpu_count": os.cpu_count(), "points": points,
-              "note": "CPU runs are smoke tests of the harness; the server and the in-process engine "
-                      "share the same cores, so they are not a serving-performance claim."
+              "note": "CPU runs are smoke tests of the harness, not a serving-performance claim: the "
+                      "server and the in-process engine share a few CPU cores with whatever else runs on the "
+                      "host (see load_avg_1m_after), and shapes not seen in warm-up still compile mid-run."
               if device == "cpu" else ""}
     out = RESULTS / device
     out.mkdir(parents=True, exist_ok=True)
