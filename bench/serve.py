@@ -180,11 +180,11 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for proto in result["protocols"]:
+    for j, proto in enumerate(result["protocols"]):
         rates = [p["rate"] for p in result["points"]]
         for stat, style in (("mean", "-o"), ("p90", "--x")):
             ys = [p[proto]["normalized_latency_s_per_tok"][stat] for p in result["points"]]
-            ax.plot(rates, ys, style, label=f"{proto} {stat}")
+            ax.plot(rates, ys, style, color=f"C{j}", label=f"{proto} {stat}")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("normalized latency (s/token)")
     ax.set_title(f"{result['workload']} on {result['device']} ({result['model']})", fontsize=9)
