@@ -1,0 +1,1 @@
+"""Paper-reproduction benchmarks (vLLM SOSP'23 §6–7) against contiguous-KV baselines."""

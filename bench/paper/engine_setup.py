@@ -1,0 +1,52 @@
+"""Build the demo-model engine and swap in a KV policy (until EngineConfig carries one).
+
+The engine builds a paged ``BlockManager`` + ``Scheduler``; we replace both with the
+policy's pair from :mod:`pagedjax.core.policies` before any request is added. The model
+runner and its KV tensors are untouched, so every policy runs the same jitted kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from pagedjax.core import SchedulerConfig
+from pagedjax.core.policies import make_kv_manager, make_scheduler
+
+
+@functools.lru_cache(maxsize=1)
+def demo_model():
+    """(config, params, tokenizer) of SmolLM2-135M (cached locally)."""
+    from models.demo import ensure_demo_model
+    from models.gguf_loader import load_gguf
+    from models.tokenizer import load_tokenizer
+
+    path = ensure_demo_model()
+    config, params = load_gguf(path)
+    return config, params, load_tokenizer(path)
+
+
+def build_llm(*, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
+              max_num_batched_tokens: int, preemption_mode: str = "recompute"):
+    from pagedjax import LLM
+
+    config, params, tok = demo_model()
+    return LLM.from_params(config, params, tok, num_gpu_blocks=num_blocks, block_size=block_size,
+                           max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_num_batched_tokens,
+                           preemption_mode=preemption_mode)
+
+
+def set_policy(engine, policy: str) -> None:
+    """Replace the engine's block manager and scheduler (idle engine only)."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("set_policy on a busy engine")
+    old = engine.scheduler.config
+    cfg = SchedulerConfig(max_model_len=old.max_model_len, max_num_seqs=old.max_num_seqs,
+                          max_num_batched_tokens=old.max_num_batched_tokens,
+                          enable_chunked_prefill=old.enable_chunked_prefill,
+                          preemption_mode=old.preemption_mode, policy=old.policy)
+    bm0 = engine.block_manager
+    bm = make_kv_manager(policy, bm0.num_gpu_blocks, bm0.num_cpu_blocks, bm0.block_size,
+                         max_model_len=old.max_model_len)
+    engine.block_manager = bm
+    engine.scheduler = make_scheduler(policy, cfg, bm)

@@ -1,0 +1,110 @@
+"""PNG figures from the paper-reproduction JSON (one call: :func:`plot_all`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SYSTEMS = ("paged", "contiguous-oracle", "contiguous-pow2", "contiguous-max", "static")
+LABELS = {"paged": "pagedjax (paged)", "contiguous-oracle": "Orca (Oracle)",
+          "contiguous-pow2": "Orca (Pow2)", "contiguous-max": "Orca (Max)", "static": "Static (FT-like)"}
+WORKLOADS = ("sharegpt", "alpaca")
+MEM = ("token_states", "reserved", "internal", "external")
+
+
+def _fig12(result: dict, out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, w in zip(axes, WORKLOADS):
+        sw = result[f"fig12_{w}"]
+        colors = {}
+        for s in SYSTEMS:
+            d = sw["systems"][s]
+            (line,) = ax.plot(d["rates"], d["normalized_latency"], marker="o", ms=3,
+                              label=f"{LABELS[s]} ({d['sustainable_rate']:.2f} req/s)")
+            colors[s] = line.get_color()
+        for s, pt in result.get(f"real_{w}", {}).items():
+            ax.scatter([pt["rate"]], [pt["real"]["normalized_latency_s_per_token"]], marker="*", s=120,
+                       color=colors[s], edgecolor="k", zorder=5)
+        ax.axhline(sw["threshold_s_per_token"], color="gray", ls="--", lw=0.8)
+        ax.set_ylim(0, 3 * sw["threshold_s_per_token"])
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("normalized latency (s/token)")
+        ax.set_title(f"{w}-like (lines: replay clock; stars: real execution)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fig12_normalized_latency.png", dpi=110)
+    plt.close(fig)
+
+
+def _bars(result: dict, key: str, field: str, ylabel: str, fname: str) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, w in zip(axes, WORKLOADS):
+        d = result[f"{key}_{w}"]
+        vals = [d["per_system"][s][field] for s in SYSTEMS]
+        ax.bar(range(len(SYSTEMS)), vals)
+        ax.set_xticks(range(len(SYSTEMS)), [LABELS[s] for s in SYSTEMS], rotation=20, fontsize=7)
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{w}-like @ {d['rate']:.2f} req/s (replay)")
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(fname, dpi=110)
+    plt.close(fig)
+
+
+def _fig2(result: dict, out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, w in zip(axes, WORKLOADS):
+        d = result[f"fig2_{w}"]["per_system"]
+        bottom = [0.0] * len(SYSTEMS)
+        for cat in MEM:
+            vals = [100 * d[s]["memory_fractions"][cat] for s in SYSTEMS]
+            ax.bar(range(len(SYSTEMS)), vals, bottom=bottom, label=cat)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, s in enumerate(SYSTEMS):
+            ax.text(i, 2, f"{100 * d[s]['memory_fractions']['token_states']:.1f}%", ha="center", fontsize=7)
+        ax.set_xticks(range(len(SYSTEMS)), [LABELS[s] for s in SYSTEMS], rotation=20, fontsize=7)
+        ax.set_ylabel("KV cache usage (%)")
+        ax.set_title(f"{w}-like, overloaded (replay)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "fig2_memory_waste.png", dpi=110)
+    plt.close(fig)
+
+
+def _fig18b(result: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for w in WORKLOADS:
+        d = result[f"fig18b_{w}"]["per_block_size"]
+        bss = sorted(d, key=int)
+        ax.plot([int(b) for b in bss], [d[b]["normalized_latency_s_per_token"] for b in bss], marker="o",
+                label=f"{w}-like")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title("Block size (replay, paged)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fig18b_block_size.png", dpi=110)
+    plt.close(fig)
+
+
+def plot_all(result: dict, out: Path) -> None:
+    out = Path(out)
+    _fig12(result, out)
+    _bars(result, "fig13", "avg_batched_requests", "avg batched requests",
+          out / "fig13_batched_requests.png")
+    _fig2(result, out)
+    _fig18b(result, out)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    p = Path(sys.argv[1])
+    plot_all(json.load(open(p)), p.parent)
