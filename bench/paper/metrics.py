@@ -34,9 +34,13 @@ class RunStats:
     steps: list[tuple[tuple[float, ...], float]] = field(default_factory=list)  # (features, secs)
 
     def record_step(self, out: SchedulerOutput, dt: float, bm, groups, num_waiting: int,
-                    max_model_len: int) -> None:
+                    max_model_len: int, max_num_seqs: int) -> None:
         self.time += dt
         self.batch_time += len(out.scheduled_groups) * dt
+        # Free memory while requests wait counts as waste only if the sequence cap is not
+        # what keeps them waiting.
+        if sum(g.num_unfinished for g in groups) >= max_num_seqs:
+            num_waiting = 0
         snap = snapshot(bm, groups, num_waiting, max_model_len)
         for k, v in snap.items():
             self.mem[k] += v * dt

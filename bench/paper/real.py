@@ -57,7 +57,7 @@ def run_real(engine, policy: str, trace: list[TraceReq]) -> tuple[dict, list]:
         if captured and not captured[0].is_empty:
             sched = engine.scheduler
             stats.record_step(captured[0], s1 - s0, engine.block_manager, sched.running,
-                              len(sched.waiting), engine.max_model_len)
+                              len(sched.waiting), engine.max_model_len, sched.config.max_num_seqs)
             if num_backend_compiles() == c0:
                 calib.append(stats.steps[-1])
     engine.scheduler.schedule = orig

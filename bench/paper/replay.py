@@ -49,6 +49,10 @@ class CostModel:
         real = sum(t for _, t in steps)
         return (pred - real) / real
 
+    def step_mape(self, steps) -> float:
+        """Mean absolute percentage error of single-step predictions."""
+        return float(np.mean([abs(self(f) - t) / t for f, t in steps]))
+
 
 def replay(policy: str, trace: list[TraceReq], cost: CostModel, *, num_blocks: int, block_size: int,
            max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
@@ -88,5 +92,5 @@ def replay(policy: str, trace: list[TraceReq], cost: CostModel, *, num_blocks: i
                 r = arrival[g.request_id]
                 stats.latencies.append((t - r.arrival, r.output_len))
         sched.free_finished_seq_groups()
-        stats.record_step(out, dt, bm, sched.running, len(sched.waiting), max_model_len)
+        stats.record_step(out, dt, bm, sched.running, len(sched.waiting), max_model_len, max_num_seqs)
     return stats.summary()
