@@ -254,6 +254,11 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step_tokens = sched.num_batched_tokens
         self.scheduler.update_after_step(sched)
+        for s in sched.scheduled:  # first chunk of a request: what the prefix cache skipped
+            req = self._requests.get(s.request_id)
+            if req is not None and req.num_cached_tokens is None:
+                req.num_cached_tokens = s.start_pos
+                self.prompt_tokens_total += len(req.prompt_token_ids)
         touched = self._apply_samples(sched, sampled) if sampled else set()
         self.scheduler.free_finished_seq_groups()
         for rid in touched:
@@ -352,11 +357,6 @@ class LLMEngine:
     def _apply_samples(self, sched, sampled) -> set[str]:
         row_info, out, beams = sampled
         touched = {s.request_id for s in sched.scheduled}
-        for s in sched.scheduled:
-            req = self._requests.get(s.request_id)
-            if req is not None and req.num_cached_tokens is None:
-                req.num_cached_tokens = s.start_pos
-                self.prompt_tokens_total += len(req.prompt_token_ids)
         children: dict[int, Sequence] = {}
         for r, (req, seq, index, fan_out) in enumerate(row_info):
             target = seq
