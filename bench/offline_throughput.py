@@ -42,6 +42,9 @@ def make_prompt_ids(tokenizer, n: int) -> list[list[int]]:
 
 # -- HF worker (runs under --hf-python) ------------------------------------------------------
 def hf_worker(inp: str, out: str) -> None:
+    # bench/ holds kernels.py, which would shadow the `kernels` package transformers probes.
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     import torch
     from transformers import AutoModelForCausalLM
 
