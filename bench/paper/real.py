@@ -5,17 +5,20 @@ from __future__ import annotations
 import time
 
 from bench.paper.engine_setup import set_policy
-from bench.paper.metrics import RunStats
+from bench.paper.metrics import RunStats, step_features
 from bench.paper.trace import TraceReq, prompt_ids
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.compile_stats import num_backend_compiles
 
 
-def run_real(engine, policy: str, trace: list[TraceReq]) -> tuple[dict, list]:
+def run_real(engine, policy: str, trace: list[TraceReq], cost=None) -> tuple[dict, list]:
     """Serve ``trace`` with ``policy``; returns (summary, measured steps for cost-model fitting).
 
-    Steps that triggered an XLA compile are kept in the latencies (they happened) but left
-    out of the returned calibration steps.
+    Steps that triggered an XLA compile are left out of the calibration steps. With ``cost``
+    given, their compile stall (measured time minus the cost model's estimate for the step)
+    is also cut out of the clock that arrivals and latencies use: a one-off compile of a new
+    shape bucket is not serving latency. The number of such steps and the total stall removed
+    are reported.
     """
     set_policy(engine, policy)
     vocab = engine.model_config.vocab_size
@@ -33,9 +36,9 @@ def run_real(engine, policy: str, trace: list[TraceReq]) -> tuple[dict, list]:
     pending = sorted(trace, key=lambda r: r.arrival)
     by_id = {str(r.index): r for r in trace}
     t0 = time.monotonic()
-    i = 0
+    i, stall, compile_steps = 0, 0.0, 0
     while i < len(pending) or engine.has_unfinished_requests():
-        now = time.monotonic() - t0
+        now = time.monotonic() - t0 - stall
         while i < len(pending) and pending[i].arrival <= now:
             r = pending[i]
             engine.add_request(str(r.index), None, SamplingParams(max_tokens=r.output_len, ignore_eos=True,
@@ -50,17 +53,27 @@ def run_real(engine, policy: str, trace: list[TraceReq]) -> tuple[dict, list]:
         s0 = time.monotonic()
         outs = engine.step()
         s1 = time.monotonic()
+        dt = s1 - s0
+        compiled = num_backend_compiles() != c0
+        if compiled and captured and not captured[0].is_empty:
+            compile_steps += 1
+            if cost is not None:
+                est = cost(step_features(captured[0]))
+                stall += max(0.0, dt - est)
+                dt = min(dt, est)
         for o in outs:
             if o.finished:
                 r = by_id[o.request_id]
-                stats.latencies.append((s1 - t0 - r.arrival, r.output_len))
+                stats.latencies.append((s1 - t0 - stall - r.arrival, r.output_len))
         if captured and not captured[0].is_empty:
             sched = engine.scheduler
-            stats.record_step(captured[0], s1 - s0, engine.block_manager, sched.running,
+            stats.record_step(captured[0], dt, engine.block_manager, sched.running,
                               len(sched.waiting), engine.max_model_len, sched.config.max_num_seqs)
-            if num_backend_compiles() == c0:
+            if not compiled:
                 calib.append(stats.steps[-1])
     engine.scheduler.schedule = orig
     summary = stats.summary()
     summary["wall_s"] = time.monotonic() - t0
+    summary["compile_steps"] = compile_steps
+    summary["compile_stall_removed_s"] = stall
     return summary, calib

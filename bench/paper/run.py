@@ -158,11 +158,11 @@ def main() -> None:
             for s in SYSTEMS:
                 rate = 0.7 * (result[f"fig12_{w}"]["systems"][s]["sustainable_rate"] or
                               result[f"fig12_{w}"]["rates"][0])
-                # Cap the arrival span near 75 s so slow baselines stay affordable on CPU.
-                n_real = int(min(cfg["real_requests"], max(8, round(75 * rate))))
+                # Cap the arrival span near 60 s so slow baselines stay affordable on CPU.
+                n_real = int(min(cfg["real_requests"], max(8, round(60 * rate))))
                 trace = tr(w, n_real, rate)
                 print(f"real {w}/{s} @ {rate:.3f} req/s ...", flush=True)
-                real, _ = run_real(eng, s, trace)
+                real, _ = run_real(eng, s, trace, cost=cost)
                 rep = replay(s, trace, cost, **kw)
                 a, b = real["normalized_latency_s_per_token"], rep["normalized_latency_s_per_token"]
                 pts[s] = {"rate": rate, "num_requests": n_real, "real": real, "replay": rep,
