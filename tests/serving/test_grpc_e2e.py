@@ -111,8 +111,8 @@ BAD = [
     ("hi", {"n": 2, "temperature": 0.0}, grpc.StatusCode.INVALID_ARGUMENT, "best_of"),
     ("hi", {"n": 1000, "temperature": 1.0}, grpc.StatusCode.INVALID_ARGUMENT, "n"),
     ("hi", {"length_penalty": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, "length_penalty"),
-    ("hi", {"use_beam_search": True, "best_of": 2, "temperature": 0.0}, grpc.StatusCode.UNIMPLEMENTED,
-     "use_beam_search"),
+    ("hi", {"use_beam_search": True, "best_of": 1, "temperature": 0.0}, grpc.StatusCode.INVALID_ARGUMENT,
+     "best_of"),
     ("hi", {"prompt_logprobs": 1}, grpc.StatusCode.UNIMPLEMENTED, "prompt_logprobs"),
 ]
 
@@ -180,3 +180,10 @@ def test_model_info_and_reflection(server):
 
     services = ProtoReflectionDescriptorDatabase(server.client.channel).get_services()
     assert "pagedjax.v1.PagedJax" in services and "grpc.health.v1.Health" in services
+
+
+def test_beam_search_matches_offline(server, offline):
+    sp = SamplingParams(use_beam_search=True, best_of=3, n=2, temperature=0.0, max_tokens=6)
+    want = offline.generate(PROMPTS[0], sp, use_tqdm=False)[0]
+    got = server.client.generate(PROMPTS[0], sp)
+    assert [(c.text, c.token_ids) for c in got.outputs] == [(o.text, o.token_ids) for o in want.outputs]

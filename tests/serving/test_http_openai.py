@@ -84,7 +84,7 @@ def test_chat_matches_offline(oai, model, offline):
     (dict(temperature=-1.0), 400, "temperature"),
     (dict(max_tokens=0), 400, "max_tokens"),
     (dict(extra_body={"top_k": -5}), 400, "top_k"),
-    (dict(extra_body={"use_beam_search": True, "best_of": 2}, temperature=0.0), 400, "use_beam_search"),
+    (dict(extra_body={"prompt_logprobs": 1}), 400, "prompt_logprobs"),
     (dict(model="gpt-4"), 404, "model"),
     (dict(prompt=""), 400, "prompt"),
     (dict(extra_body={"max_tokens": "many"}), 400, "max_tokens"),
