@@ -32,7 +32,8 @@ def cmd_generate(args) -> int:
     from pagedjax.llm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+              num_gpu_blocks=args.num_gpu_blocks)
     sp = _sampling(args)
     if args.raw:
         outs = llm.generate(args.prompt, sp)
@@ -146,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true",
                    help="complete the raw text instead of applying the chat template")
     _add_model_args(g)
+    g.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard heads and MLP over this many devices")
+    g.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV cache blocks (default: sized from device memory)")
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
 
