@@ -16,7 +16,7 @@ WORKLOADS = ("sharegpt", "alpaca")
 MEM = ("token_states", "reserved", "internal", "external")
 
 
-def _fig12(result: dict, out: Path) -> None:
+def _fig12(result: dict, out: Path, prefix: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, w in zip(axes, WORKLOADS):
         sw = result[f"fig12_{w}"]
@@ -36,7 +36,7 @@ def _fig12(result: dict, out: Path) -> None:
         ax.set_title(f"{w}-like (lines: replay clock; stars: real execution)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "fig12_normalized_latency.png", dpi=110)
+    fig.savefig(out / f"{prefix}fig12_normalized_latency.png", dpi=110)
     plt.close(fig)
 
 
@@ -56,7 +56,7 @@ def _bars(result: dict, key: str, field: str, ylabel: str, fname: str) -> None:
     plt.close(fig)
 
 
-def _fig2(result: dict, out: Path) -> None:
+def _fig2(result: dict, out: Path, prefix: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, w in zip(axes, WORKLOADS):
         d = result[f"fig2_{w}"]["per_system"]
@@ -72,11 +72,11 @@ def _fig2(result: dict, out: Path) -> None:
         ax.set_title(f"{w}-like, overloaded (replay)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out / "fig2_memory_waste.png", dpi=110)
+    fig.savefig(out / f"{prefix}fig2_memory_waste.png", dpi=110)
     plt.close(fig)
 
 
-def _fig18b(result: dict, out: Path) -> None:
+def _fig18b(result: dict, out: Path, prefix: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for w in WORKLOADS:
         d = result[f"fig18b_{w}"]["per_block_size"]
@@ -89,17 +89,17 @@ def _fig18b(result: dict, out: Path) -> None:
     ax.set_title("Block size (replay, paged)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "fig18b_block_size.png", dpi=110)
+    fig.savefig(out / f"{prefix}fig18b_block_size.png", dpi=110)
     plt.close(fig)
 
 
-def plot_all(result: dict, out: Path) -> None:
+def plot_all(result: dict, out: Path, prefix: str = "") -> None:
     out = Path(out)
-    _fig12(result, out)
+    _fig12(result, out, prefix)
     _bars(result, "fig13", "avg_batched_requests", "avg batched requests",
-          out / "fig13_batched_requests.png")
-    _fig2(result, out)
-    _fig18b(result, out)
+          out / f"{prefix}fig13_batched_requests.png")
+    _fig2(result, out, prefix)
+    _fig18b(result, out, prefix)
 
 
 if __name__ == "__main__":
@@ -107,4 +107,4 @@ if __name__ == "__main__":
     import sys
 
     p = Path(sys.argv[1])
-    plot_all(json.load(open(p)), p.parent)
+    plot_all(json.load(open(p)), p.parent, sys.argv[2] if len(sys.argv) > 2 else "")
