@@ -8,11 +8,15 @@ from pagedjax.core.kv_accounting import CATEGORIES, fractions, snapshot
 from pagedjax.core.scheduler import SchedulerOutput
 from pagedjax.worker.step_inputs import bucket
 
+FEATURES = ("decode_step", "prefill_step", "rows_padded", "prefill_tokens_padded", "kv_tokens")
+
 
 def step_features(out: SchedulerOutput) -> tuple[float, ...]:
-    """Cost-model features of one step: 1, padded decode rows, prefill tokens, KV tokens read.
+    """Cost-model features of one step: decode-only?, has prefill?, padded rows, padded
+    prefill tokens, KV tokens read.
 
-    Padding follows ``build_step_inputs`` (sequence buckets of 8, token buckets of 16).
+    Padding follows ``build_step_inputs`` (sequence buckets of 8, token buckets of 16);
+    decode-only and mixed steps compile to different programs, hence two intercepts.
     """
     s = len(out.scheduled)
     prefill = sum(len(x.token_ids) for x in out.scheduled if len(x.token_ids) > 1)
@@ -20,7 +24,7 @@ def step_features(out: SchedulerOutput) -> tuple[float, ...]:
     kv = sum(x.start_pos + len(x.token_ids) for x in out.scheduled)
     rows = bucket(s, 8) if s else 0
     tokens = 0 if decode_only else bucket(out.num_batched_tokens, 16)
-    return (1.0, float(rows), float(tokens), float(kv))
+    return (float(decode_only), float(not decode_only), float(rows), float(tokens), float(kv))
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pagedjax.core.sequence import SequenceStatus
 
 @dataclass
 class CostModel:
-    """seconds = coef . (1, padded decode rows, padded prefill tokens, KV tokens read)."""
+    """seconds = coef . step_features(step) (see :func:`bench.paper.metrics.step_features`)."""
 
     coef: tuple[float, ...]
 
@@ -30,9 +30,11 @@ class CostModel:
 
     @classmethod
     def fit(cls, steps: list[tuple[tuple[float, ...], float]]) -> CostModel:
-        """Non-negative least squares (projected) over measured steps."""
-        x = np.array([f for f, _ in steps])
+        """Non-negative least squares (projected) on relative error, so the many cheap
+        small-batch steps weigh as much as the few expensive prefill-heavy ones."""
         y = np.array([t for _, t in steps])
+        x = np.array([f for f, _ in steps]) / y[:, None]
+        y = np.ones_like(y)
         active = list(range(x.shape[1]))
         while True:
             c, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.paper.engine_setup import build_llm
+from bench.paper.metrics import FEATURES
 from bench.paper.real import run_real
 from bench.paper.replay import CostModel, replay
 from bench.paper.trace import make_trace
@@ -65,7 +66,7 @@ def sweep(workload: str, cfg: dict, cost: CostModel, kw: dict) -> dict:
     n = cfg["replay_requests"]
     base = make_trace(workload, n, math.inf, scale=cfg["scale"], max_model_len=cfg["max_model_len"])
     mean_out = float(np.mean([r.output_len for r in base]))
-    one = cost((1.0, 8.0, 0.0, 0.0)) * mean_out  # rough single-request service time
+    one = cost((1.0, 0.0, 8.0, 0.0, 0.0)) * mean_out  # rough single-request service time
     rates, curves, thr = [], {s: [] for s in SYSTEMS}, None
     rate = 0.25 / one
     alive = set(SYSTEMS)
@@ -139,7 +140,7 @@ def main() -> None:
     cost = CostModel.fit(calib)
     print("cost model", cost.coef, "step MAPE", cost.step_mape(calib), flush=True)
     result = {"config": cfg, "device": args.device, "threshold_rule": f"{THRESHOLD_X}x paged at lowest rate",
-              "cost_model": {"features": ["1", "decode_rows_padded", "prefill_tokens_padded", "kv_tokens"],
+              "cost_model": {"features": list(FEATURES),
                              "coef_s": cost.coef, "num_calib_steps": len(calib),
                              "in_sample_rel_error": cost.rel_error(calib),
                              "in_sample_step_mape": cost.step_mape(calib)},
