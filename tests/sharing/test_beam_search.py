@@ -142,3 +142,20 @@ def test_beam_children_share_blocks_and_copy_only_partial_last_block(demo_tokeni
     while eng.has_unfinished_requests():
         eng.step()
     assert_pool_whole(llm)
+
+
+def test_beam_group_split_by_token_budget_gives_same_beams(demo_model, demo_tokenizer, llm):
+    """A budget smaller than the beam count computes a group's beams over several steps; their
+    logits rows wait on device until every live beam has one, so results do not change."""
+    config, params = demo_model
+    tight = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, block_size=8,
+                            max_num_seqs=8, max_num_batched_tokens=3, enable_chunked_prefill=True)
+    prompt = {"prompt_token_ids": demo_tokenizer(PROMPTS[1]).input_ids}
+    sp = SamplingParams(use_beam_search=True, best_of=4, n=4, temperature=0, max_tokens=5, ignore_eos=True)
+    want = llm.generate(prompt, sp)[0].outputs
+    got = tight.generate(prompt, sp)[0].outputs
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    np.testing.assert_allclose([c.cumulative_logprob for c in got],
+                               [c.cumulative_logprob for c in want], atol=1e-4)
+    assert_pool_whole(tight)
+    assert_pool_whole(llm)
