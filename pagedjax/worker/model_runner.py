@@ -8,7 +8,6 @@ calls before the step, also in place.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from functools import partial
@@ -44,26 +43,6 @@ logger = logging.getLogger(__name__)
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
         dtype).itemsize
-
-
-@functools.cache
-def _step_fn(config: LlamaConfig, backend: str | None, dtype):
-    """One jitted step per (model shape, backend, dtype), shared by every runner in the
-    process, so a second engine on the same model reuses the compiled buckets."""
-    model = LlamaForCausalLM(config, PagedAttention(backend), dtype)
-
-    def step(params, k_cache, v_cache, input_ids, positions, meta: PagedMeta, logits_indices):
-        logits, (k_cache, v_cache) = model.apply(
-            {"params": params}, input_ids, positions, (k_cache, v_cache), meta,
-            logits_indices=logits_indices)
-        return logits, k_cache, v_cache
-
-    return jax.jit(step, donate_argnums=(1, 2))
-
-
-@functools.cache
-def _copy_fn(backend: str | None):
-    return jax.jit(partial(copy_blocks, backend=backend), donate_argnums=(0, 1))
 
 
 class ModelRunner:
@@ -173,6 +152,39 @@ class ModelRunner:
             k_cache = jax.lax.with_sharding_constraint(k_cache, cache_sharding(self.mesh))
             v_cache = jax.lax.with_sharding_constraint(v_cache, cache_sharding(self.mesh))
         return logits, k_cache, v_cache
+
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """Compile the step for every decode batch bucket and every prefill token bucket
+        (at the smallest blocks-per-sequence bucket) before serving; returns the count.
+
+        Writes go nowhere (slot -1) and context lengths are 0 for padding rows, so the KV
+        cache is untouched. Larger blocks-per-sequence buckets (one per doubling of the
+        longest context) still compile on first use.
+        """
+        from pagedjax.core.scheduler import ScheduledSeq
+        from pagedjax.worker.step_inputs import build_step_inputs
+
+        shapes = []
+        s = 8
+        while True:  # decode buckets: s sequences, one token each
+            shapes.append([ScheduledSeq(i, "warmup", [0], 0, [0], True) for i in range(min(s, max_num_seqs))])
+            if s >= max_num_seqs:
+                break
+            s *= 2
+        t = 16
+        while True:  # prefill buckets: one sequence of t tokens
+            n = min(t, max_num_batched_tokens)
+            shapes.append([ScheduledSeq(0, "warmup", [0] * n, 0,
+                                        [0] * min(4, math.ceil(n / self.block_size)), True)])
+            if t >= max_num_batched_tokens:
+                break
+            t *= 2
+        for fake in shapes:
+            inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq)
+            inputs.meta.slot_mapping[:] = -1
+            inputs.meta.kv_lens[:] = 0
+            jax.block_until_ready(self.execute(inputs))
+        return len(shapes)
 
     def execute(self, inputs: StepInputs) -> jax.Array:
         """Run the model on one step; returns device logits [R, vocab] (no host sync).
