@@ -27,6 +27,18 @@ def step_features(out: SchedulerOutput) -> tuple[float, ...]:
     return (float(decode_only), float(not decode_only), float(rows), float(tokens), float(kv))
 
 
+def memory_snapshot(sched, max_model_len: int) -> dict[str, int]:
+    """KV slot breakdown while a step runs (after admission, before finished requests free).
+
+    Free memory while requests wait counts as waste only if the sequence cap is not what
+    keeps them waiting.
+    """
+    num_waiting = len(sched.waiting)
+    if sum(g.num_unfinished for g in sched.running) >= sched.config.max_num_seqs:
+        num_waiting = 0
+    return snapshot(sched.bm, sched.running, num_waiting, max_model_len)
+
+
 @dataclass
 class RunStats:
     """Accumulates step-weighted batch sizes, memory breakdown and request latencies."""
@@ -37,15 +49,10 @@ class RunStats:
     latencies: list[tuple[float, int]] = field(default_factory=list)  # (e2e seconds, output len)
     steps: list[tuple[tuple[float, ...], float]] = field(default_factory=list)  # (features, secs)
 
-    def record_step(self, out: SchedulerOutput, dt: float, bm, groups, num_waiting: int,
-                    max_model_len: int, max_num_seqs: int) -> None:
+    def record_step(self, out: SchedulerOutput, dt: float, snap: dict[str, int]) -> None:
+        """``snap``: :func:`memory_snapshot` taken right after ``schedule()`` returned."""
         self.time += dt
         self.batch_time += len(out.scheduled_groups) * dt
-        # Free memory while requests wait counts as waste only if the sequence cap is not
-        # what keeps them waiting.
-        if sum(g.num_unfinished for g in groups) >= max_num_seqs:
-            num_waiting = 0
-        snap = snapshot(bm, groups, num_waiting, max_model_len)
         for k, v in snap.items():
             self.mem[k] += v * dt
         self.steps.append((step_features(out), dt))

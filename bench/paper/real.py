@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from bench.paper.engine_setup import set_policy
-from bench.paper.metrics import RunStats, step_features
+from bench.paper.metrics import RunStats, memory_snapshot, step_features
 from bench.paper.trace import TraceReq, prompt_ids
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.compile_stats import num_backend_compiles
@@ -28,7 +28,7 @@ def run_real(engine, policy: str, trace: list[TraceReq], cost=None) -> tuple[dic
 
     def schedule():
         out = orig()
-        captured.append(out)
+        captured.append((out, memory_snapshot(engine.scheduler, engine.max_model_len)))
         return out
 
     engine.scheduler.schedule = schedule
@@ -55,20 +55,19 @@ def run_real(engine, policy: str, trace: list[TraceReq], cost=None) -> tuple[dic
         s1 = time.monotonic()
         dt = s1 - s0
         compiled = num_backend_compiles() != c0
-        if compiled and captured and not captured[0].is_empty:
+        step_out = captured[0][0] if captured else None
+        if compiled and step_out is not None and not step_out.is_empty:
             compile_steps += 1
             if cost is not None:
-                est = cost(step_features(captured[0]))
+                est = cost(step_features(step_out))
                 stall += max(0.0, dt - est)
                 dt = min(dt, est)
         for o in outs:
             if o.finished:
                 r = by_id[o.request_id]
                 stats.latencies.append((s1 - t0 - stall - r.arrival, r.output_len))
-        if captured and not captured[0].is_empty:
-            sched = engine.scheduler
-            stats.record_step(captured[0], dt, engine.block_manager, sched.running,
-                              len(sched.waiting), engine.max_model_len, sched.config.max_num_seqs)
+        if step_out is not None and not step_out.is_empty:
+            stats.record_step(step_out, dt, captured[0][1])
             if not compiled:
                 calib.append(stats.steps[-1])
     engine.scheduler.schedule = orig

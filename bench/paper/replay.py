@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.paper.metrics import RunStats, step_features
+from bench.paper.metrics import RunStats, memory_snapshot, step_features
 from bench.paper.trace import TraceReq
 from pagedjax.core import SchedulerConfig, Sequence, SequenceGroup
 from pagedjax.core.policies import make_kv_manager, make_scheduler
@@ -80,6 +80,7 @@ def replay(policy: str, trace: list[TraceReq], cost: CostModel, *, num_blocks: i
                 raise RuntimeError(f"{policy}: scheduler stalled with work left")
             t = max(t, pending[i].arrival)
             continue
+        snap = memory_snapshot(sched, max_model_len)
         dt = cost(step_features(out))
         t += dt
         sched.update_after_step(out)
@@ -94,5 +95,5 @@ def replay(policy: str, trace: list[TraceReq], cost: CostModel, *, num_blocks: i
                 r = arrival[g.request_id]
                 stats.latencies.append((t - r.arrival, r.output_len))
         sched.free_finished_seq_groups()
-        stats.record_step(out, dt, bm, sched.running, len(sched.waiting), max_model_len, max_num_seqs)
+        stats.record_step(out, dt, snap)
     return stats.summary()

@@ -101,6 +101,30 @@ def at_rate(workload: str, rate: float, cfg: dict, cost: CostModel, kw: dict, sy
     return {s: replay(s, trace, cost, **kw) for s in systems}
 
 
+def replay_figures(result: dict, cfg: dict, cost: CostModel, kw: dict, out: Path) -> None:
+    """Fig. 12/13/2/18b from the replay clock, saved after each workload."""
+    for w in ("sharegpt", "alpaca"):
+        print(f"sweep {w} ...", flush=True)
+        sw = sweep(w, cfg, cost, kw)
+        paged_rate = sw["systems"]["paged"]["sustainable_rate"]
+        result[f"fig12_{w}"] = sw
+        result[f"fig13_{w}"] = {"rate": paged_rate,
+                                "per_system": at_rate(w, paged_rate, cfg, cost, kw)}
+        result[f"fig2_{w}"] = {"rate": 1.5 * paged_rate,
+                               "per_system": at_rate(w, 1.5 * paged_rate, cfg, cost, kw)}
+        result[f"fig18b_{w}"] = {
+            "rate": paged_rate,
+            "per_block_size": {bs: at_rate(w, paged_rate, cfg, cost, {**kw, "block_size": bs, "num_blocks":
+                                                                 kw["num_blocks"] * kw["block_size"] // bs},
+                                           systems=("paged",))["paged"]
+                               for bs in (8, 16, 32, 64, 128, 256)}}
+        json.dump(result, open(out, "w"), indent=1)
+
+
+def validation_trace(cfg: dict, workload: str, n: int, rate: float):
+    return make_trace(workload, n, rate, scale=cfg["scale"], max_model_len=cfg["max_model_len"], seed=7)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU-sized run")
@@ -118,8 +142,7 @@ def main() -> None:
     t_start = time.time()
     llm = build_llm(**kw)
     eng = llm.engine
-    tr = lambda w, n, r: make_trace(w, n, r, scale=cfg["scale"], max_model_len=cfg["max_model_len"],  # noqa: E731
-                                    seed=7)
+    tr = lambda w, n, r: validation_trace(cfg, w, n, r)  # noqa: E731
     # 1. warm-up (compiles), then calibration runs spanning small and large batches.
     print("warm-up ...", flush=True)
     run_real(eng, "paged", tr("sharegpt", cfg["calib_requests"], math.inf))
@@ -146,22 +169,7 @@ def main() -> None:
                              "in_sample_step_mape": cost.step_mape(calib)},
               "calibration_runs": calib_runs, "clock": "replay (fitted cost model) unless marked real"}
     # 2. replay sweeps
-    for w in ("sharegpt", "alpaca"):
-        print(f"sweep {w} ...", flush=True)
-        sw = sweep(w, cfg, cost, kw)
-        paged_rate = sw["systems"]["paged"]["sustainable_rate"]
-        result[f"fig12_{w}"] = sw
-        result[f"fig13_{w}"] = {"rate": paged_rate,
-                                "per_system": at_rate(w, paged_rate, cfg, cost, kw)}
-        result[f"fig2_{w}"] = {"rate": 1.5 * paged_rate,
-                               "per_system": at_rate(w, 1.5 * paged_rate, cfg, cost, kw)}
-        result[f"fig18b_{w}"] = {
-            "rate": paged_rate,
-            "per_block_size": {bs: at_rate(w, paged_rate, cfg, cost, {**kw, "block_size": bs, "num_blocks":
-                                                                 kw["num_blocks"] * kw["block_size"] // bs},
-                                           systems=("paged",))["paged"]
-                               for bs in (8, 16, 32, 64, 128, 256)}}
-        json.dump(result, open(outdir / f"paper{tag}.json", "w"), indent=1)
+    replay_figures(result, cfg, cost, kw, outdir / f"paper{tag}.json")
     # 3. real validation points
     if not args.no_real:
         for w in ("sharegpt", "alpaca"):
