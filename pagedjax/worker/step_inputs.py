@@ -8,6 +8,7 @@ recompiles. Everything here is numpy: the only device transfer is the final `dev
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -38,44 +39,48 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
 
     `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
     n when a prompt fans out into n samples); default: 1 if `needs_logits` else 0.
+    Vectorised over tokens: the only per-sequence Python work is copying its block table row
+    (host overhead is on the critical path of every step).
     """
     num_seqs = len(scheduled)
-    q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_seqs)
+    q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int32, num_seqs)
+    start_pos = np.fromiter((s.start_pos for s in scheduled), np.int32, num_seqs)
     total = int(q_lens.sum())
-    decode_only = bool((q_lens == 1).all())
+    decode_only = total == num_seqs
     s_pad = bucket(num_seqs, 8)
     t_pad = s_pad if decode_only else bucket(total, 16)
     max_blocks = max(len(s.block_table) for s in scheduled)
     m_pad = min(bucket(max_blocks, 4), max(max_blocks_per_seq, max_blocks))
 
-    input_ids = np.zeros(t_pad, np.int32)
-    positions = np.zeros(t_pad, np.int32)
-    slot_mapping = np.full(t_pad, -1, np.int32)
-    kv_lens = np.zeros(s_pad, np.int32)
+    cu_q_lens = np.full(s_pad + 1, total, np.int32)
+    cu_q_lens[0] = 0
+    np.cumsum(q_lens, out=cu_q_lens[1 : num_seqs + 1])
     block_tables = np.zeros((s_pad, m_pad), np.int32)
-    cu_q_lens = np.zeros(s_pad + 1, np.int32)
-    cu_q_lens[1 : num_seqs + 1] = np.cumsum(q_lens)
-    cu_q_lens[num_seqs + 1 :] = total
+    for i, s in enumerate(scheduled):
+        block_tables[i, : len(s.block_table)] = s.block_table
+
+    seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)
+    pos = start_pos[seq_of_token] + (np.arange(total, dtype=np.int32) - cu_q_lens[seq_of_token])
+    input_ids = np.zeros(t_pad, np.int32)
+    input_ids[:total] = np.fromiter(itertools.chain.from_iterable(s.token_ids for s in scheduled),
+                                    np.int32, total)
+    positions = np.zeros(t_pad, np.int32)
+    positions[:total] = pos
+    slot_mapping = np.full(t_pad, -1, np.int32)
+    slot_mapping[:total] = block_tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    kv_lens = np.zeros(s_pad, np.int32)
+    kv_lens[:num_seqs] = start_pos + q_lens
 
     if rows_per_seq is None:
-        rows_per_seq = [1 if s.needs_logits else 0 for s in scheduled]
-    logits_rows: list[int] = []
-    sample_seq_pos: list[int] = []
-    for i, s in enumerate(scheduled):
-        start, n = int(cu_q_lens[i]), len(s.token_ids)
-        pos = np.arange(s.start_pos, s.start_pos + n, dtype=np.int32)
-        table = np.asarray(s.block_table, np.int32)
-        input_ids[start : start + n] = s.token_ids
-        positions[start : start + n] = pos
-        slot_mapping[start : start + n] = table[pos // block_size] * block_size + pos % block_size
-        kv_lens[i] = s.start_pos + n
-        block_tables[i, : len(table)] = table
-        for _ in range(rows_per_seq[i]):
-            logits_rows.append(start + n - 1)
-            sample_seq_pos.append(i)
+        rows = np.fromiter((1 if s.needs_logits else 0 for s in scheduled), np.int32, num_seqs)
+    else:
+        rows = np.asarray(rows_per_seq, np.int32)
+    last_token = cu_q_lens[1 : num_seqs + 1] - 1
+    logits_rows = np.repeat(last_token, rows)
     r_pad = bucket(len(logits_rows), s_pad)
     logits_indices = np.zeros(r_pad, np.int32)
     logits_indices[: len(logits_rows)] = logits_rows
+    sample_seq_pos = np.repeat(np.arange(num_seqs), rows).tolist()
     meta = PagedMeta(slot_mapping, kv_lens, block_tables, cu_q_lens, np.int32(num_seqs), decode_only)
     return StepInputs(input_ids, positions, meta, logits_indices, sample_seq_pos,
                       (t_pad, s_pad, m_pad, r_pad, decode_only))
