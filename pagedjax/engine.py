@@ -37,7 +37,7 @@ from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.sequence import SequenceStatus
 from pagedjax.detokenizer import DetokState, detokenize_incrementally, flush
 from pagedjax.outputs import CompletionOutput, RequestOutput
-from pagedjax.sampler import SamplingMetadata, SeqSamplingState, sample
+from pagedjax.sampler import SamplingMetadata, SeqSamplingState, prompt_logprobs, sample
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.model_runner import ModelRunner
@@ -80,6 +80,8 @@ class _Request:
     # Beam search: finished hypotheses (score, seq) and logits rows of beams whose siblings
     # were not all computed in the same step (e.g. a token budget split the group).
     beam_finished: list[tuple[float, Sequence]] = dataclasses.field(default_factory=list)
+    # Prompt logprobs by position p (the distribution that predicted prompt token p + 1).
+    prompt_lp: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
     beam_pending: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
 
     @property
@@ -176,8 +178,9 @@ class LLMEngine:
         elif not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected SamplingParams or dict")
         ids = self._validate_prompt(prompt, prompt_token_ids)
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not supported by this engine build yet")
+        if params.prompt_logprobs is not None and self.engine_config.enable_prefix_caching:
+            # Cached prefix tokens are never computed, so they would have no logprobs.
+            raise ValueError("prompt_logprobs: not available with enable_prefix_caching=True")
         samples = params.best_of or params.n
         if samples > self.engine_config.max_num_seqs:
             raise ValueError(f"n: {samples} samples exceed max_num_seqs={self.engine_config.max_num_seqs}")
@@ -290,12 +293,52 @@ class LLMEngine:
                 row_info.append((req, seq, j if fan_out else req.seq_index[seq.seq_id], fan_out))
         return rows_per_seq, row_info
 
+    def _prompt_rows(self, sched) -> tuple[list[int], list[tuple[_Request, int]]]:
+        """Flat token rows whose logits score the next prompt token, for requests that asked
+        for prompt logprobs; positions already scored (e.g. before a recompute) are skipped."""
+        rows: list[int] = []
+        plan: list[tuple[_Request, int]] = []
+        offset = 0
+        for s in sched.scheduled:
+            req = self._requests.get(s.request_id)
+            n = len(s.token_ids)
+            if req is not None and req.params.prompt_logprobs is not None \
+                    and req.seq_index.get(s.seq_id) == 0:
+                last = min(s.start_pos + n, len(req.prompt_token_ids) - 1)
+                for pos in range(s.start_pos, last):
+                    if pos not in req.prompt_lp:
+                        rows.append(offset + pos - s.start_pos)
+                        plan.append((req, pos))
+            offset += n
+        return rows, plan
+
+    def _score_prompt(self, logits: jax.Array, first_row: int, plan) -> jax.Array:
+        """Launch prompt-logprob scoring on device for rows `first_row...` (no sync here)."""
+        next_ids = np.zeros(logits.shape[0], np.int32)
+        rows = np.zeros(logits.shape[0], np.int32)
+        for i, (req, pos) in enumerate(plan):
+            next_ids[i] = req.prompt_token_ids[pos + 1]
+            rows[i] = first_row + i
+        k = max(req.params.prompt_logprobs for req, _ in plan)
+        return prompt_logprobs(logits[rows], next_ids, k)
+
+    def _record_prompt_logprobs(self, plan, scored) -> None:
+        for i, (req, pos) in enumerate(plan):
+            k = req.params.prompt_logprobs
+            entry = {int(t): float(v) for t, v in zip(scored.topk_ids[i][:k], scored.topk_logprobs[i][:k])}
+            entry[req.prompt_token_ids[pos + 1]] = float(scored.token_logprobs[i])
+            req.prompt_lp[pos] = entry
+
     def _execute(self, sched):
         rows_per_seq, row_info = self._rows_for(sched)
+        p_rows, p_plan = self._prompt_rows(sched)
         inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
-                                   self.runner.max_blocks_per_seq, rows_per_seq)
+                                   self.runner.max_blocks_per_seq, rows_per_seq, p_rows)
         logits = self.runner.execute(inputs)
+        scored = self._score_prompt(logits, len(row_info), p_plan) if p_plan else None
         if not row_info:
+            if scored is not None:
+                self._record_prompt_logprobs(p_plan, jax.device_get(scored))
             return None
         rows = [(req.params, SeqSamplingState(seq.prompt_token_ids, seq.output_token_ids,
                                               req.counter, index)) for req, seq, index, _ in row_info]
@@ -305,7 +348,10 @@ class LLMEngine:
         k = max((req.params.logprobs or 0) for req, *_ in row_info)
         beams = self._beam_candidates(logits, row_info)
         # The step's one host sync (sampled tokens and beam candidates together).
-        out, cands = jax.device_get((sample(logits, meta, num_logprobs=k), beams[1] if beams else None))
+        out, cands, scored = jax.device_get(
+            (sample(logits, meta, num_logprobs=k), beams[1] if beams else None, scored))
+        if scored is not None:
+            self._record_prompt_logprobs(p_plan, scored)
         return row_info, out, (beams[0], cands) if beams else None
 
     def _beam_candidates(self, logits: jax.Array, row_info: list[tuple]):
@@ -515,7 +561,15 @@ class LLMEngine:
         else:
             comps = [self._completion(req, s, req.seq_index[s.seq_id]) for s in seqs]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished=final,
-                             num_cached_tokens=req.num_cached_tokens or 0)
+                             num_cached_tokens=req.num_cached_tokens or 0,
+                             prompt_logprobs=self._prompt_logprobs_out(req))
+
+    @staticmethod
+    def _prompt_logprobs_out(req: _Request) -> list[dict[int, float] | None] | None:
+        """vLLM's shape: None for the first prompt token, then one dict per later token."""
+        if req.params.prompt_logprobs is None:
+            return None
+        return [None] + [req.prompt_lp.get(p) for p in range(len(req.prompt_token_ids) - 1)]
 
     def _fail(self, req: _Request, error: str) -> RequestOutput:
         for seq in req.group.seqs:

@@ -34,11 +34,14 @@ class StepInputs:
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks_per_seq: int,
-                      rows_per_seq: list[int] | None = None) -> StepInputs:
+                      rows_per_seq: list[int] | None = None,
+                      extra_rows: list[int] | None = None) -> StepInputs:
     """Flatten scheduled sequences into a ragged token batch.
 
     `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
     n when a prompt fans out into n samples); default: 1 if `needs_logits` else 0.
+    `extra_rows` are flat token indices whose logits are wanted too (prompt logprobs); they
+    follow the sampled rows in `logits_indices`.
     Vectorised over tokens: the only per-sequence Python work is copying its block table row
     (host overhead is on the critical path of every step).
     """
@@ -77,6 +80,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
         rows = np.asarray(rows_per_seq, np.int32)
     last_token = cu_q_lens[1 : num_seqs + 1] - 1
     logits_rows = np.repeat(last_token, rows)
+    if extra_rows:
+        logits_rows = np.concatenate([logits_rows, np.asarray(extra_rows, np.int32)])
     r_pad = bucket(len(logits_rows), s_pad)
     logits_indices = np.zeros(r_pad, np.int32)
     logits_indices[: len(logits_rows)] = logits_rows

@@ -204,3 +204,27 @@ def test_seeded_reference_sampling_agrees_on_greedy(reference, demo_model):
     out = reference.generate([[1, 2, 3]], 3, RefSampling(temperature=0.0))
     logits = reference.prompt_logits([1, 2, 3])
     assert out[0][0] == int(np.argmax(logits[-1]))
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prompt_logprobs_match_reference(demo_model, demo_tokenizer, reference, chunked):
+    config, params = demo_model
+    kwargs = dict(enable_chunked_prefill=True, max_num_batched_tokens=16) if chunked else {}
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, **kwargs)
+    prompts, _ = _workload(21, 3, config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    for out, p in zip(outs, prompts):
+        logits = reference.prompt_logits(p).astype(np.float64)
+        logp = logits - logits.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+        for pos in range(len(p) - 1):
+            entry = out.prompt_logprobs[pos + 1]
+            assert entry[p[pos + 1]] == pytest.approx(logp[pos, p[pos + 1]], abs=1e-3)
+            top = np.argsort(-logp[pos])[:2]
+            assert set(top.tolist()) <= set(entry)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=16,
+                        enable_prefix_caching=True).generate("hi", SamplingParams(prompt_logprobs=1))
+    assert_pool_whole(llm)
