@@ -38,8 +38,32 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
-def load_model(model: str | Path, dtype=None) -> tuple[LlamaConfig, dict, Path]:
-    """Returns (config, params, resolved path)."""
+def read_config(model: str | Path) -> LlamaConfig:
+    """The model's config without loading weights (to validate options before a long load)."""
+    path = resolve_model_path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        import gguf
+
+        from models.gguf_loader import metadata_config
+
+        return metadata_config(gguf.GGUFReader(str(path)))
+    if path.is_dir() and is_checkpoint(path):
+        import json
+
+        from models.checkpoint import CONFIG_FILE
+
+        return LlamaConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())["config"])
+    return LlamaConfig.from_hf_dir(path)
+
+
+def load_model(model: str | Path, dtype=None, tensor_parallel_size: int = 1
+               ) -> tuple[LlamaConfig, dict, Path]:
+    """Returns (config, params, resolved path).
+
+    With `tensor_parallel_size` > 1, safetensors checkpoints are read shard by shard straight
+    onto the mesh (no process materialises the whole model); GGUF and orbax load whole and
+    the runner shards them.
+    """
     path = resolve_model_path(model)
     dt = resolve_dtype(dtype)
     if path.is_file() and path.suffix == ".gguf":
@@ -48,7 +72,7 @@ def load_model(model: str | Path, dtype=None) -> tuple[LlamaConfig, dict, Path]:
         config, params = load_checkpoint(path)
         params = jax.tree.map(lambda x: x.astype(dt), params)
     elif path.is_dir() and (path / "config.json").is_file():
-        config, params = load_hf_dir(path, dt)
+        config, params = load_hf_dir(path, dt, tensor_parallel_size=tensor_parallel_size)
     else:
         raise ValueError(f"don't know how to load {path}: expected a .gguf file, an HF directory "
                          "with config.json, or a `pagedjax convert` checkpoint")

@@ -134,11 +134,16 @@ class LLMEngine:
 
     @classmethod
     def from_model(cls, model: str = "smollm2", dtype=None, **kwargs) -> LLMEngine:
-        from models.loader import load_model, resolve_dtype
+        from models.loader import load_model, read_config, resolve_dtype
         from models.tokenizer import load_tokenizer
 
         engine_config = EngineConfig(**kwargs)  # validated before loading weights
-        config, params, path = load_model(model, dtype)
+        tp = engine_config.tensor_parallel_size
+        if tp > 1:  # a bad split fails here, not after minutes of loading
+            from pagedjax.parallel import validate_tp
+
+            validate_tp(read_config(model), tp)
+        config, params, path = load_model(model, dtype, tensor_parallel_size=tp)
         return cls(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
 
     # ---- requests ----------------------------------------------------------

@@ -24,12 +24,9 @@ class LLM:
     """
 
     def __init__(self, model: str | Path = "smollm2", dtype: str | None = None, **engine_kwargs):
-        from models.loader import load_model, resolve_dtype
-        from models.tokenizer import load_tokenizer
+        from pagedjax.engine import LLMEngine
 
-        engine_config = EngineConfig(**engine_kwargs)  # bad options fail before loading weights
-        config, params, path = load_model(model, dtype)
-        self._init(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
+        self._attach(LLMEngine.from_model(str(model), dtype, **engine_kwargs))
 
     @classmethod
     def from_params(cls, config, params, tokenizer, dtype=None, model_name: str = "in-memory",
@@ -37,17 +34,17 @@ class LLM:
         """Build from an in-memory params pytree (e.g. inside a training loop)."""
         import jax
 
-        self = cls.__new__(cls)
-        dt = dtype or jax.tree.leaves(params)[0].dtype
-        self._init(config, params, tokenizer, EngineConfig(**engine_kwargs), dt, model_name)
-        return self
-
-    def _init(self, config, params, tokenizer, engine_config, dtype, model_name: str) -> None:
         from pagedjax.engine import LLMEngine
 
-        self.engine = LLMEngine(config, params, tokenizer, engine_config, dtype, model_name)
-        self.config = config
-        self.tokenizer = tokenizer
+        self = cls.__new__(cls)
+        dt = dtype or jax.tree.leaves(params)[0].dtype
+        self._attach(LLMEngine(config, params, tokenizer, EngineConfig(**engine_kwargs), dt, model_name))
+        return self
+
+    def _attach(self, engine) -> None:
+        self.engine = engine
+        self.config = engine.model_config
+        self.tokenizer = engine.tokenizer
         self._ids = itertools.count()
 
     def update_params(self, params: dict) -> None:

@@ -228,3 +228,16 @@ def test_prompt_logprobs_match_reference(demo_model, demo_tokenizer, reference, 
         LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=16,
                         enable_prefix_caching=True).generate("hi", SamplingParams(prompt_logprobs=1))
     assert_pool_whole(llm)
+
+
+def test_bad_tensor_parallel_config_fails_before_loading(demo_gguf, monkeypatch):
+    import models.loader
+
+    def must_not_load(*args, **kwargs):
+        raise AssertionError("weights were loaded before the configuration was checked")
+
+    monkeypatch.setattr(models.loader, "load_model", must_not_load)
+    from pagedjax.parallel import TensorParallelError
+
+    with pytest.raises(TensorParallelError, match="tensor_parallel_size"):
+        LLM(str(demo_gguf), tensor_parallel_size=2)
