@@ -23,6 +23,9 @@ class EngineConfig:
     attention_backend: str | None = None  # "pallas" | "xla" | None (auto by platform)
     seed: int = 0
     tensor_parallel_size: int = 1
+    # Compile every decode/prefill shape bucket at start so serving never stalls on a
+    # compile. None: on accelerators only (on CPU each of ~12 compiles takes seconds).
+    warmup: bool | None = None
     # CPU has no device-memory budget to measure; this caps the automatic sizing there.
     cpu_kv_cache_gb: float = 0.5
 

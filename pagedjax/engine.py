@@ -112,6 +112,10 @@ class LLMEngine:
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 4096)
         self._param_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.runner = ModelRunner(config, params, ec, dtype, self.max_model_len)
+        warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
+        if warm:
+            n = self.runner.warmup(ec.max_num_seqs, ec.max_num_batched_tokens)
+            logger.info("warmed up %d step shapes", n)
         self.block_manager = BlockManager(self.runner.num_gpu_blocks, self.runner.num_cpu_blocks,
                                           ec.block_size, enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(

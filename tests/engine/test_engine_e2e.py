@@ -241,3 +241,15 @@ def test_bad_tensor_parallel_config_fails_before_loading(demo_gguf, monkeypatch)
 
     with pytest.raises(TensorParallelError, match="tensor_parallel_size"):
         LLM(str(demo_gguf), tensor_parallel_size=2)
+
+
+def test_warmup_compiles_buckets_so_serving_does_not(demo_model, demo_tokenizer):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8,
+                          max_num_batched_tokens=64, warmup=True)
+    shapes = set(llm.engine.runner.compiled_shapes)
+    assert {(8, 8, 4, 8, True), (64, 8, 4, 8, False)} <= shapes
+    llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 20, 33)],
+                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert llm.engine.runner.compiled_shapes == shapes  # every step hit a warmed bucket
+    assert_pool_whole(llm)
