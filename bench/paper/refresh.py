@@ -17,6 +17,36 @@ from bench.paper.replay import CostModel, replay
 from bench.paper.run import replay_figures, summary_text, validation_trace
 
 
+def rerun_real(path: str, workload: str, span_s: float, max_requests: int) -> None:
+    """Re-measure one workload's real points with longer traces (same rates and cost model)."""
+    import math
+
+    from bench.paper.engine_setup import build_llm
+    from bench.paper.real import run_real
+
+    p = Path(path)
+    result = json.load(open(p))
+    cfg = result["config"]
+    cost = CostModel(tuple(result["cost_model"]["coef_s"]))
+    kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
+                              "max_num_batched_tokens")}
+    eng = build_llm(**kw).engine
+    for s in ("paged", "static"):  # warm-up compiles
+        run_real(eng, s, validation_trace(cfg, workload, cfg["calib_requests"], math.inf))
+    for s, pt in result[f"real_{workload}"].items():
+        n = int(min(max_requests, max(8, round(span_s * pt["rate"]))))
+        trace = validation_trace(cfg, workload, n, pt["rate"])
+        print(f"real {workload}/{s} @ {pt['rate']:.3f} req/s, {n} requests ...", flush=True)
+        real, _ = run_real(eng, s, trace, cost=cost)
+        rep = replay(s, trace, cost, **kw)
+        a = real["normalized_latency_s_per_token"]
+        pt.update(num_requests=n, real=real, replay=rep,
+                  rel_error=(rep["normalized_latency_s_per_token"] - a) / a)
+        json.dump(result, open(p, "w"), indent=1)
+    plot_all(result, p.parent)
+    print(summary_text(result))
+
+
 def main(path: str) -> None:
     p = Path(path)
     result = json.load(open(p))
@@ -36,4 +66,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) > 2:  # PATH WORKLOAD SPAN_S MAX_REQUESTS
+        rerun_real(sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main(sys.argv[1])
