@@ -6,7 +6,7 @@ costs time (see the cost model), which caps what a bigger batch buys. This scrip
 measured intercepts and prefill cost of ``paper_quick.json``'s cost model, sets the per-row
 and per-KV-token costs to zero, and re-runs the rate sweep, to show how much of the gap
 between our CPU numbers and the paper's is the device's cost curve rather than memory
-management. Output: ``paper_quick_whatif_flat.json`` and ``whatif_flat_fig12.png``.
+management. Output: ``paper_quick_whatif_flat.json`` and ``whatif_flat_fig12_normalized_latency.png``.
 
     .venv/bin/python -m bench.paper.whatif bench/results/cpu/paper/paper_quick.json
 """
