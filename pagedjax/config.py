@@ -23,6 +23,10 @@ class EngineConfig:
     attention_backend: str | None = None  # "pallas" | "xla" | None (auto by platform)
     seed: int = 0
     tensor_parallel_size: int = 1
+    # KV memory manager: "paged" (this engine) or a baseline from the paper's evaluation:
+    # "contiguous-max" | "contiguous-pow2" | "contiguous-oracle" (Orca-style regions from a
+    # buddy allocator) | "static" (FasterTransformer-style request-level batches).
+    kv_policy: str = "paged"
     # Compile every decode/prefill shape bucket at start so serving never stalls on a
     # compile. None: on accelerators only (on CPU each of ~12 compiles takes seconds).
     warmup: bool | None = None
@@ -51,3 +55,9 @@ class EngineConfig:
         need(self.attention_backend in (None, "pallas", "xla"), "attention_backend",
              f"must be 'pallas', 'xla' or None; got {self.attention_backend!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        from pagedjax.core.policies import KV_POLICIES
+
+        need(self.kv_policy in KV_POLICIES, "kv_policy",
+             f"must be one of {KV_POLICIES}; got {self.kv_policy!r}")
+        need(self.kv_policy == "paged" or not self.enable_prefix_caching, "enable_prefix_caching",
+             "requires kv_policy='paged'")

@@ -32,8 +32,9 @@ import numpy as np
 from models.config import LlamaConfig
 from pagedjax.beam_search import beam_candidates, length_penalized_score, should_stop, split_candidates
 from pagedjax.config import EngineConfig
-from pagedjax.core import BlockManager, Scheduler, SchedulerConfig, Sequence, SequenceGroup
+from pagedjax.core import SchedulerConfig, Sequence, SequenceGroup
 from pagedjax.core.block_manager import PrefixHandle
+from pagedjax.core.policies import make_kv_manager, make_scheduler
 from pagedjax.core.sequence import SequenceStatus
 from pagedjax.detokenizer import DetokState, detokenize_incrementally, flush
 from pagedjax.outputs import CompletionOutput, RequestOutput
@@ -116,9 +117,12 @@ class LLMEngine:
         if warm:
             n = self.runner.warmup(ec.max_num_seqs, ec.max_num_batched_tokens)
             logger.info("warmed up %d step shapes", n)
-        self.block_manager = BlockManager(self.runner.num_gpu_blocks, self.runner.num_cpu_blocks,
-                                          ec.block_size, enable_prefix_caching=ec.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
+        # kv_policy "paged" is the paper's design; the others are the contiguous-cache
+        # baselines of its evaluation (same engine, same kernels, different memory manager).
+        self.block_manager = make_kv_manager(
+            ec.kv_policy, self.runner.num_gpu_blocks, self.runner.num_cpu_blocks, ec.block_size,
+            enable_prefix_caching=ec.enable_prefix_caching, max_model_len=self.max_model_len)
+        self.scheduler = make_scheduler(ec.kv_policy, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
             max_num_batched_tokens=ec.max_num_batched_tokens,
             enable_chunked_prefill=ec.enable_chunked_prefill, preemption_mode=ec.preemption_mode,

@@ -253,3 +253,20 @@ def test_warmup_compiles_buckets_so_serving_does_not(demo_model, demo_tokenizer)
                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert llm.engine.runner.compiled_shapes == shapes  # every step hit a warmed bucket
     assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("policy", ["contiguous-oracle", "contiguous-pow2", "contiguous-max", "static"])
+def test_contiguous_baselines_give_same_outputs(demo_model, demo_tokenizer, reference, policy):
+    """The paper's baselines change memory management only: outputs equal the reference."""
+    config, params = demo_model
+    prompts, max_tokens = _workload(31, 6, config.vocab_size)
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, block_size=16,
+                          max_model_len=256, max_num_seqs=8, kv_policy=policy)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens])
+    want = reference.generate(prompts, max_tokens, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    llm.engine.block_manager.check_invariants()
+    assert llm.engine.block_manager.get_num_free_gpu_blocks() == 64
+    with pytest.raises(ValueError, match="kv_policy"):
+        LLM.from_params(config, params, demo_tokenizer, kv_policy="segmented")
