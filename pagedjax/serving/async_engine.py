@@ -26,6 +26,7 @@ from pagedjax.serving.errors import (
     QueueFullError,
     RequestFailedError,
     ServingError,
+    UnsupportedError,
     from_value_error,
 )
 
@@ -179,14 +180,18 @@ def to_params(params: SamplingParams | dict | None) -> SamplingParams:
     """Validate sampling params on the caller's thread (no engine state needed)."""
     if params is None:
         return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    try:
-        return SamplingParams.from_dict(dict(params))
-    except ValueError as exc:
-        raise from_value_error(exc) from None
-    except TypeError as exc:
-        raise from_value_error(ValueError(f"sampling_params: {exc}")) from None
+    if not isinstance(params, SamplingParams):
+        try:
+            params = SamplingParams.from_dict(dict(params))
+        except ValueError as exc:
+            raise from_value_error(exc) from None
+        except TypeError as exc:
+            raise from_value_error(ValueError(f"sampling_params: {exc}")) from None
+    if params.prompt_logprobs is not None:
+        # The engine computes them (LLM API), but neither front door's response carries them yet.
+        raise UnsupportedError("prompt_logprobs: not carried by gRPC/HTTP responses yet; use the "
+                               "Python API", "prompt_logprobs")
+    return params
 
 
 class AsyncEngine:
