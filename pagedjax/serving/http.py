@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -65,7 +65,7 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
     app = FastAPI(title="pagedjax OpenAI-compatible API", docs_url=None, redoc_url=None)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request, exc: RequestValidationError):
+    async def _invalid(_request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = loc[0] if loc else None
@@ -97,7 +97,7 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
                                             "owned_by": "pagedjax", "max_model_len": eng.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
+    async def completions(body: CompletionRequest, request: Request):
         front.check_model(body.model)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -107,10 +107,10 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
         if body.echo or body.suffix:
             raise NotImplementedErrorHttp("echo" if body.echo else "suffix")
         return await front.run(body, [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompts],
-                               body.sampling_params(), chat=False)
+                               body.sampling_params(), chat=False, request=request)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest):
+    async def chat(body: ChatCompletionRequest, request: Request):
         front.check_model(body.model)
         tok = front.engine().tokenizer
         try:
@@ -121,7 +121,7 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
         ids = tok(text).input_ids
         params = body.sampling_params()
         params.setdefault("max_tokens", max(1, front.engine().max_model_len - len(ids)))
-        return await front.run(body, [(text, ids)], params, chat=True)
+        return await front.run(body, [(text, ids)], params, chat=True, request=request)
 
     return app
 
@@ -177,7 +177,8 @@ class HttpFrontDoor:
                 await asyncio.wait_for(self._task, 10)
 
     # ---- request handling ----------------------------------------------------
-    async def run(self, body, prompts: list[tuple[str | None, list[int] | None]], params: dict, chat: bool):
+    async def run(self, body, prompts: list[tuple[str | None, list[int] | None]], params: dict, chat: bool,
+                  request: Request | None = None):
         if self.aengine is None:
             raise NotReadyError("model is loading")
         sp = to_params(params)
@@ -197,10 +198,25 @@ class HttpFrontDoor:
             return StreamingResponse(self._sse(jobs, meta, chat, sp, include_usage),
                                      media_type="text/event-stream")
         try:
-            finals = await asyncio.gather(*(self._final(j) for j in jobs))
+            finals = await self._finals_unless_disconnected(jobs, request)
         finally:
-            self._abort(jobs)
+            self._abort(jobs)  # a disconnected client's requests free their blocks
         return self._full_response(jobs, finals, meta, chat, sp)
+
+    async def _finals_unless_disconnected(self, jobs: list[_Job], request: Request | None):
+        """Final outputs of a non-streaming call; gives up as soon as the client goes away
+        (nobody would read the answer), polling the connection between engine outputs."""
+        gathered = asyncio.ensure_future(asyncio.gather(*(self._final(j) for j in jobs)))
+        try:
+            while True:
+                done, _ = await asyncio.wait({gathered}, timeout=0.2)
+                if done:
+                    return gathered.result()
+                if request is not None and await request.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected")
+        finally:
+            if not gathered.done():
+                gathered.cancel()
 
     def _abort(self, jobs: list[_Job]) -> None:
         for j in jobs:

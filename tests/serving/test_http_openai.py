@@ -128,3 +128,15 @@ def test_http_and_grpc_concurrently(server, oai, model, offline):
     for t in threads:
         t.join()
     assert [got[i] for i in range(len(prompts))] == want
+
+
+def test_disconnect_while_waiting_for_non_streaming_response_frees_blocks(server):
+    """A non-streaming client that gives up (timeout, closed socket) aborts its request."""
+    client = server.client
+    url = f"http://127.0.0.1:{server.ports['http_port']}/v1/completions"
+    # ~1500 tokens take far longer than the 10 s allowed below: only an abort frees in time.
+    body = {"prompt": PROMPTS[1], "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json=body, timeout=httpx.Timeout(10.0, read=3.0))
+    wait_blocks_free(client, timeout=10.0)
+    assert client.stats().num_in_flight == 0
