@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import textwrap
 import time
@@ -27,17 +26,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from results_dir import RESULTS, device_tag
 
 from pallas_kernels import paged_decode_attention, ragged_paged_attention
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def device_tag() -> str:
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "_", dev.device_kind.lower()).strip("_")
 
 
 def bench(fn: Callable[[], jax.Array], iters: int, warmup: int = 2) -> float:

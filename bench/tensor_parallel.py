@@ -30,7 +30,6 @@ if "--no-force-devices" not in sys.argv and "xla_force_host_platform_device_coun
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import re  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -38,6 +37,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from results_dir import RESULTS, device_tag  # noqa: E402
 
 from models.config import LlamaConfig  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
@@ -47,15 +47,6 @@ from pagedjax.parallel.hlo import count_collectives  # noqa: E402
 from pagedjax.parallel.mesh import sharded_param_bytes  # noqa: E402
 from pagedjax.worker.model_runner import ModelRunner  # noqa: E402
 from pagedjax.worker.step_inputs import StepInputs, build_step_inputs  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def device_tag() -> str:
-    dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return "cpu"
-    return re.sub(r"[^a-z0-9]+", "_", dev.device_kind.lower()).strip("_")
 
 
 def bench_config(layers: int) -> LlamaConfig:
