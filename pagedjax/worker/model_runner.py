@@ -131,11 +131,6 @@ class ModelRunner:
         logger.info("profiled %d KV blocks (%.2f GiB)", blocks, blocks * per_block / 2**30)
         return blocks
 
-    @staticmethod
-    def num_compiles() -> int:
-        """Compiled variants of the step function (all runners): steady state adds none."""
-        return ModelRunner._step._cache_size()
-
     # ---- step --------------------------------------------------------------
     @partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
     def _step(self, params, k_cache, v_cache, input_ids, positions, meta: PagedMeta, logits_indices):
