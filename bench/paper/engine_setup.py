@@ -26,27 +26,37 @@ def demo_model():
 
 
 def build_llm(*, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-              max_num_batched_tokens: int, preemption_mode: str = "recompute"):
+              max_num_batched_tokens: int, preemption_mode: str = "recompute", swap_space_gb: float = 0.25):
     from pagedjax import LLM
 
     config, params, tok = demo_model()
     return LLM.from_params(config, params, tok, num_gpu_blocks=num_blocks, block_size=block_size,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
-                           preemption_mode=preemption_mode)
+                           preemption_mode=preemption_mode, swap_space_gb=swap_space_gb)
 
 
-def set_policy(engine, policy: str) -> None:
-    """Replace the engine's block manager and scheduler (idle engine only)."""
+def set_policy(engine, policy: str, *, prefix_caching: bool = False,
+               preemption_mode: str | None = None, max_model_len: int | None = None) -> None:
+    """Replace the engine's block manager and scheduler (idle engine only).
+
+    ``prefix_caching`` (paged only) turns on automatic prefix caching; ``preemption_mode``
+    overrides the engine's ("swap" uses the engine's CPU swap pool); ``max_model_len`` (at
+    most the engine's) is the context the scheduler admits and the Orca baselines reserve.
+    """
     if engine.has_unfinished_requests():
         raise RuntimeError("set_policy on a busy engine")
     old = engine.scheduler.config
-    cfg = SchedulerConfig(max_model_len=old.max_model_len, max_num_seqs=old.max_num_seqs,
+    mml = max_model_len or engine.max_model_len
+    if mml > engine.max_model_len:
+        raise ValueError(f"max_model_len {mml} exceeds the engine's {engine.max_model_len}")
+    cfg = SchedulerConfig(max_model_len=mml, max_num_seqs=old.max_num_seqs,
                           max_num_batched_tokens=old.max_num_batched_tokens,
                           enable_chunked_prefill=old.enable_chunked_prefill,
-                          preemption_mode=old.preemption_mode, policy=old.policy)
+                          preemption_mode=preemption_mode or engine.engine_config.preemption_mode,
+                          policy=old.policy)
     bm0 = engine.block_manager
     bm = make_kv_manager(policy, bm0.num_gpu_blocks, bm0.num_cpu_blocks, bm0.block_size,
-                         max_model_len=old.max_model_len)
+                         max_model_len=mml, enable_prefix_caching=prefix_caching)
     engine.block_manager = bm
     engine.scheduler = make_scheduler(policy, cfg, bm)

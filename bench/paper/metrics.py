@@ -67,3 +67,17 @@ class RunStats:
             "memory_fractions": fractions(self.mem),
             "busy_time_s": self.time,
         }
+
+
+def sustainable(rates: list[float], lat: list[float], thr: float) -> float:
+    """Rate where normalized latency crosses ``thr`` (linear interpolation; 0 if never below)."""
+    best = 0.0
+    for k, (r, v) in enumerate(zip(rates, lat)):
+        if v <= thr:
+            best = r
+            continue
+        if k and lat[k - 1] <= thr:
+            r0, v0 = rates[k - 1], lat[k - 1]
+            best = r0 + (thr - v0) * (r - r0) / (v - v0)
+        break
+    return best

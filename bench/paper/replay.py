@@ -1,21 +1,31 @@
 """Replay clock: the real scheduler and KV manager, with step latencies from a fitted cost model.
 
 Everything but the model is real: ``make_kv_manager``/``make_scheduler`` decide who runs and
-where the KV goes; generated tokens are placeholders (outputs are forced to the trace's
-length, so tokens never influence scheduling). Step time = ``CostModel`` fitted to steps of
-the real engine measured in the same run (labelled "replay" in every JSON/plot).
+where the KV goes, forks and frees go through the same calls the engine makes (so copy-on-write
+copies, swaps and preemptions are the real ones); generated tokens are placeholders (outputs
+are forced to the trace's length, so tokens never influence scheduling). Step time =
+``CostModel`` fitted to steps of the real engine measured in the same run, plus measured
+per-block costs of the step's block copies and swaps (labelled "replay" in every JSON/plot).
+
+Sampling modes: ``("single", 1)``; ``("parallel", n)``: the prompt is computed once and forks
+into n samples at its first token, as the engine does; ``("beam", w)``: w beams per request,
+each step's w survivors pick their parent beam uniformly at random (seeded) from the live
+beams -- an assumption standing in for real logits -- the dropped beams are freed and the
+survivors forked, in the engine's order (``LLMEngine._advance_beams``).
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
 from bench.paper.metrics import RunStats, memory_snapshot, step_features
-from bench.paper.trace import TraceReq
+from bench.paper.trace import TraceReq, prompt_ids
 from pagedjax.core import SchedulerConfig, Sequence, SequenceGroup
 from pagedjax.core.policies import make_kv_manager, make_scheduler
+from pagedjax.core.scheduler import SchedulerOutput
 from pagedjax.core.sequence import SequenceStatus
 
 
@@ -24,6 +34,16 @@ class CostModel:
     """seconds = coef . step_features(step) (see :func:`bench.paper.metrics.step_features`)."""
 
     coef: tuple[float, ...]
+    # Measured separately (bench/paper/transfer.py), not fitted: calibration steps have no copies.
+    copy_s_per_block: float = 0.0
+    swap_out_s_per_block: float = 0.0
+    swap_in_s_per_block: float = 0.0
+
+    def step_time(self, out: SchedulerOutput) -> float:
+        """Fitted model step + the step's block copies and swaps at their measured per-block cost."""
+        return (self(step_features(out)) + self.copy_s_per_block * len(out.blocks_to_copy)
+                + self.swap_out_s_per_block * len(out.blocks_to_swap_out)
+                + self.swap_in_s_per_block * len(out.blocks_to_swap_in))
 
     def __call__(self, feats: tuple[float, ...]) -> float:
         return max(1e-4, float(np.dot(self.coef, feats)))
@@ -56,21 +76,35 @@ class CostModel:
         return float(np.mean([abs(self(f) - t) / t for f, t in steps]))
 
 
+VOCAB = 49152  # SmolLM2's; only matters for prefix-cache hashing of distinct prompts
+
+
 def replay(policy: str, trace: list[TraceReq], cost: CostModel, *, num_blocks: int, block_size: int,
-           max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
+           max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+           sampling: tuple[str, int] = ("single", 1), prefix_caching: bool = False,
+           preemption_mode: str = "recompute", num_cpu_blocks: int = 0, seed: int = 0) -> dict:
+    mode, k = sampling
+    if mode not in ("single", "parallel", "beam"):
+        raise ValueError(f"unknown sampling mode {mode!r}")
     cfg = SchedulerConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                          max_num_batched_tokens=max_num_batched_tokens)
-    bm = make_kv_manager(policy, num_blocks, 0, block_size, max_model_len=max_model_len)
+                          max_num_batched_tokens=max_num_batched_tokens, preemption_mode=preemption_mode)
+    bm = make_kv_manager(policy, num_blocks, num_cpu_blocks, block_size, max_model_len=max_model_len,
+                         enable_prefix_caching=prefix_caching)
     sched = make_scheduler(policy, cfg, bm)
+    rng = np.random.default_rng(seed)
+    seq_ids = itertools.count(len(trace))
+    tokens = itertools.count(VOCAB)  # generated ids never collide with prompt ids
     stats = RunStats()
+    counts = {"blocks_copied": 0, "blocks_swapped_out": 0, "blocks_swapped_in": 0, "preemptions": 0}
     pending = sorted(trace, key=lambda r: r.arrival)
     arrival: dict[str, TraceReq] = {}
     t, i = 0.0, 0
     while i < len(pending) or sched.has_unfinished_seqs():
         while i < len(pending) and pending[i].arrival <= t:
             r = pending[i]
-            g = SequenceGroup(str(r.index), [Sequence(r.index, [1] * r.prompt_len)], r.arrival,
-                              max_tokens=r.output_len)
+            ids = prompt_ids(r, VOCAB) if prefix_caching else [1] * r.prompt_len
+            g = SequenceGroup(str(r.index), [Sequence(r.index, ids)], r.arrival, max_tokens=r.output_len,
+                              n=k if mode != "single" else 1)
             sched.add_seq_group(g)
             arrival[g.request_id] = r
             i += 1
@@ -81,19 +115,59 @@ def replay(policy: str, trace: list[TraceReq], cost: CostModel, *, num_blocks: i
             t = max(t, pending[i].arrival)
             continue
         snap = memory_snapshot(sched, max_model_len)
-        dt = cost(step_features(out))
+        dt = cost.step_time(out)
         t += dt
+        counts["blocks_copied"] += len(out.blocks_to_copy)
+        counts["blocks_swapped_out"] += len(out.blocks_to_swap_out)
+        counts["blocks_swapped_in"] += len(out.blocks_to_swap_in)
+        counts["preemptions"] += len(out.preempted)
         sched.update_after_step(out)
-        for s in out.scheduled:
-            if not s.needs_logits:
-                continue
-            g = next(g for g in out.scheduled_groups if g.request_id == s.request_id)
-            seq = g.seqs[0]
-            seq.append_token(7)
-            if seq.num_output_tokens >= g.max_tokens:
-                seq.status = SequenceStatus.FINISHED_LENGTH
-                r = arrival[g.request_id]
+        sampled = {s.seq_id for s in out.scheduled if s.needs_logits}
+        for g in out.scheduled_groups:
+            live = [s for s in g.get_unfinished_seqs() if s.seq_id in sampled]
+            if not live:
+                continue  # a prompt chunk: no token yet
+            if mode == "beam":
+                live = _beam_step(sched, g, live, k, rng, seq_ids)
+            elif mode == "parallel" and len(g.seqs) == 1 and not live[0].output_token_ids:
+                for _ in range(k - 1):  # fan out at the first token; children share the prompt
+                    child = live[0].fork(next(seq_ids))
+                    sched.fork_seq(live[0], child)
+                    g.add(child)
+                live = g.get_unfinished_seqs()
+            for seq in live:
+                seq.append_token(next(tokens))
+            r = arrival[g.request_id]
+            if live[0].num_output_tokens >= r.output_len:
+                for seq in g.get_unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_LENGTH
                 stats.latencies.append((t - r.arrival, r.output_len))
         sched.free_finished_seq_groups()
         stats.record_step(out, dt, snap)
-    return stats.summary()
+    return {**stats.summary(), **counts}
+
+
+def _beam_step(sched, g: SequenceGroup, live: list[Sequence], width: int, rng: np.random.Generator,
+               seq_ids) -> list[Sequence]:
+    """``width`` survivors pick random parents; free dropped beams first, then fork (engine order)."""
+    if len(live) != len(g.get_unfinished_seqs()):
+        raise RuntimeError(f"request {g.request_id}: beams scheduled apart")
+    parents = rng.integers(0, len(live), size=width)
+    keep = set(parents.tolist())
+    for j, s in enumerate(live):
+        if j not in keep:
+            sched.free_seq(s)
+            s.status = SequenceStatus.FINISHED_ABORTED
+            g.remove(s.seq_id)
+    new, used = [], set()
+    for p in parents.tolist():
+        parent = live[p]
+        if p in used:
+            child = parent.fork(next(seq_ids))
+            sched.fork_seq(parent, child)
+            g.add(child)
+            new.append(child)
+        else:
+            used.add(p)
+            new.append(parent)
+    return new

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.paper.engine_setup import build_llm
-from bench.paper.metrics import FEATURES
+from bench.paper.metrics import FEATURES, sustainable
 from bench.paper.real import run_real
 from bench.paper.replay import CostModel, replay
 from bench.paper.trace import make_trace
@@ -46,20 +46,6 @@ def setup(quick: bool, num_blocks: int = 128) -> dict:
         "real_requests": 24 if quick else 64,
         "calib_requests": 24 if quick else 64,
     }
-
-
-def sustainable(rates: list[float], lat: list[float], thr: float) -> float:
-    """Rate where normalized latency crosses ``thr`` (linear interpolation; 0 if never below)."""
-    best = 0.0
-    for k, (r, v) in enumerate(zip(rates, lat)):
-        if v <= thr:
-            best = r
-            continue
-        if k and lat[k - 1] <= thr:
-            r0, v0 = rates[k - 1], lat[k - 1]
-            best = r0 + (thr - v0) * (r - r0) / (v - v0)
-        break
-    return best
 
 
 def sweep(workload: str, cfg: dict, cost: CostModel, kw: dict) -> dict:
