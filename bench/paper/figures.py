@@ -113,6 +113,8 @@ def real_point(engine, p: Panel, system: str, rate: float, cfg: dict, cost: Cost
     n_real = int(min(cfg["real_requests"], max(8, round(60 * rate))))
     trace = _trace(p, n_real, rate, cfg, seed=7)
     policy, extra = p.systems[system]
+    if extra.get("preemption_mode") == "swap":  # the replay gets the engine's swap pool
+        extra = {**extra, "num_cpu_blocks": engine.block_manager.num_cpu_blocks}
     real, _ = run_real(engine, policy, trace, cost=cost, sampling=p.sampling,
                        prefix_caching=extra.get("prefix_caching", False),
                        preemption_mode=extra.get("preemption_mode"), max_model_len=p.kw.get("max_model_len"))

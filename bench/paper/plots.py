@@ -102,9 +102,76 @@ def plot_all(result: dict, out: Path, prefix: str = "") -> None:
     _fig18b(result, out, prefix)
 
 
+def _panel(ax, sw: dict) -> None:
+    """One rate sweep of :func:`bench.paper.figures.sweep_panel`: lines replay, stars real."""
+    from bench.paper.figures import LABELS as PANEL_LABELS
+
+    colors = {}
+    for s, d in sw["systems"].items():
+        (line,) = ax.plot(d["rates"], d["normalized_latency"], marker="o", ms=3,
+                          label=f"{PANEL_LABELS[s]} ({d['sustainable_rate']:.2f} req/s)")
+        colors[s] = line.get_color()
+    for s, pt in sw.get("real", {}).items():
+        ax.scatter([pt["rate"]], [pt["real"]["normalized_latency_s_per_token"]], marker="*", s=120,
+                   color=colors[s], edgecolor="k", zorder=5)
+    ax.axhline(sw["threshold_s_per_token"], color="gray", ls="--", lw=0.8)
+    ax.set_ylim(0, 3 * sw["threshold_s_per_token"])
+    ax.set_xlabel("request rate (req/s)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(sw["title"], fontsize=9)
+    ax.legend(fontsize=6)
+
+
+def _panels(result: dict, keys: list[str], shape: tuple[int, int], path: Path, title: str) -> None:
+    keys = [k for k in keys if k in result]
+    if not keys:
+        return
+    fig, axes = plt.subplots(*shape, figsize=(4.2 * shape[1], 3.6 * shape[0]), squeeze=False)
+    for ax, k in zip(axes.flat, keys):
+        _panel(ax, result[k])
+    fig.suptitle(f"{title} (lines: replay clock; stars: real execution)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fig19b(result: dict, path: Path) -> None:
+    d = result["fig19b"]["per_block_size"]
+    bss = sorted(d, key=int)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for j, m in enumerate(("recompute", "swap")):
+        vals = [d[b][m]["normalized_latency_s_per_token"] for b in bss]
+        ax.bar([i + 0.4 * j for i in range(len(bss))], vals, width=0.4, label=f"{m} (replay)")
+    for m, pt in result["fig19b"].get("real", {}).items():
+        i = bss.index(next(b for b in bss if int(b) == result["config"]["block_size"]))
+        ax.scatter([i + 0.4 * (m == "swap")], [pt["real"]["normalized_latency_s_per_token"]], marker="*",
+                   s=120, color="k", zorder=5, label="real execution" if m == "recompute" else None)
+    ax.set_xticks([i + 0.2 for i in range(len(bss))], [str(b) for b in bss])
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("normalized latency (s/token)")
+    ax.set_title(f"ShareGPT-like @ {result['fig19b']['rate']:.2f} req/s: recompute vs swap", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_more(result: dict, out: Path, prefix: str = "") -> None:
+    """Fig. 14, 16, 17 and 19b from a ``--figures 14,16,17,19`` run."""
+    out = Path(out)
+    _panels(result, [f"fig14_{m}{k}" for m in ("parallel", "beam") for k in (2, 4, 6)], (2, 3),
+            out / f"{prefix}fig14_parallel_beam.png", "Fig. 14: parallel sampling and beam search")
+    _panels(result, ["fig16_1shot", "fig16_5shot"], (1, 2), out / f"{prefix}fig16_shared_prefix.png",
+            "Fig. 16: shared prefix")
+    _panels(result, ["fig17_chatbot"], (1, 1), out / f"{prefix}fig17_chatbot.png", "Fig. 17: chatbot")
+    if "fig19b" in result:
+        _fig19b(result, out / f"{prefix}fig19b_recompute_vs_swap.png")
+
+
 if __name__ == "__main__":
     import json
     import sys
 
     p = Path(sys.argv[1])
-    plot_all(json.load(open(p)), p.parent, sys.argv[2] if len(sys.argv) > 2 else "")
+    r = json.load(open(p))
+    (plot_all if "fig12_sharegpt" in r else plot_more)(r, p.parent, sys.argv[2] if len(sys.argv) > 2 else "")

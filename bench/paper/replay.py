@@ -17,7 +17,7 @@ survivors forked, in the engine's order (``LLMEngine._advance_beams``).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,16 +34,25 @@ class CostModel:
     """seconds = coef . step_features(step) (see :func:`bench.paper.metrics.step_features`)."""
 
     coef: tuple[float, ...]
-    # Measured separately (bench/paper/transfer.py), not fitted: calibration steps have no copies.
-    copy_s_per_block: float = 0.0
-    swap_out_s_per_block: float = 0.0
-    swap_in_s_per_block: float = 0.0
+    # Block copies and swaps: {"copy"|"swap_out"|"swap_in": (seconds per call, seconds per block)},
+    # measured separately (bench/paper/transfer.py), not fitted: calibration steps have none.
+    transfers: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def with_transfers(self, measured: dict) -> CostModel:
+        """A copy using ``measure_transfer_costs``' fixed and per-block costs."""
+        keys = ("copy", "swap_out", "swap_in")
+        return CostModel(self.coef, {k: (measured[f"{k}_s_fixed"], measured[f"{k}_s_per_block"])
+                                     for k in keys})
 
     def step_time(self, out: SchedulerOutput) -> float:
-        """Fitted model step + the step's block copies and swaps at their measured per-block cost."""
-        return (self(step_features(out)) + self.copy_s_per_block * len(out.blocks_to_copy)
-                + self.swap_out_s_per_block * len(out.blocks_to_swap_out)
-                + self.swap_in_s_per_block * len(out.blocks_to_swap_in))
+        """Fitted model step + the step's block copies and swaps at their measured cost."""
+        t = self(step_features(out))
+        for k, pairs in (("copy", out.blocks_to_copy), ("swap_out", out.blocks_to_swap_out),
+                         ("swap_in", out.blocks_to_swap_in)):
+            if pairs and k in self.transfers:
+                fixed, per_block = self.transfers[k]
+                t += fixed + per_block * len(pairs)
+        return t
 
     def __call__(self, feats: tuple[float, ...]) -> float:
         return max(1e-4, float(np.dot(self.coef, feats)))
@@ -144,6 +153,9 @@ def replay(policy: str, trace: list[TraceReq], cost: CostModel, *, num_blocks: i
                 stats.latencies.append((t - r.arrival, r.output_len))
         sched.free_finished_seq_groups()
         stats.record_step(out, dt, snap)
+    if bm.get_num_free_gpu_blocks() != num_blocks:  # cached prefix blocks count as free
+        held = num_blocks - bm.get_num_free_gpu_blocks()
+        raise RuntimeError(f"{policy}: replay ended with {held} blocks held")
     return {**stats.summary(), **counts}
 
 

@@ -111,76 +111,155 @@ def validation_trace(cfg: dict, workload: str, n: int, rate: float):
     return make_trace(workload, n, rate, scale=cfg["scale"], max_model_len=cfg["max_model_len"], seed=7)
 
 
+def calibrate(eng, cfg: dict, figs: set[str]) -> tuple[CostModel, list, dict]:
+    """Warm up, then serve calibration traces for real and fit the cost model to their steps.
+
+    Calibration traces use another seed than the validation traces; the finite-rate run covers
+    the small-batch regime the validation points live in. The sampling / prefix / chatbot
+    figures add runs of their own shapes (n>1 rows, cached-prefix prefills, long prompts).
+    """
+    tr = lambda w, n, r: validation_trace(cfg, w, n, r)  # noqa: E731
+    print("warm-up ...", flush=True)
+    run_real(eng, "paged", tr("sharegpt", cfg["calib_requests"], math.inf))
+    run_real(eng, "static", tr("alpaca", cfg["calib_requests"], math.inf))
+    n = cfg["calib_requests"]
+    mk = lambda w, n, r, scale=cfg["scale"]: make_trace(  # noqa: E731
+        w, n, r, scale=scale, max_model_len=cfg["max_model_len"], seed=11)
+    runs = [("sharegpt", "paged", mk("sharegpt", n, math.inf), {}),
+            ("sharegpt", "contiguous-max", mk("sharegpt", n, math.inf), {}),
+            ("alpaca", "paged", mk("alpaca", n, math.inf), {}),
+            ("sharegpt", "paged", mk("sharegpt", 16, 0.3), {})]
+    if figs & {"14", "16", "17", "19"}:
+        runs += [("alpaca-x0.5-parallel4", "paged", mk("alpaca", n, math.inf, 0.5),
+                  {"sampling": ("parallel", 4)}),
+                 ("translation-5shot", "paged", mk("translation-5shot", n, math.inf, 0.25),
+                  {"prefix_caching": True}),
+                 ("chatbot", "paged", mk("chatbot", n, math.inf, 0.125), {})]
+    calib, summaries = [], {}
+    for w, s, trace, opts in runs:
+        print(f"calibrate {w}/{s} ...", flush=True)
+        summ, steps = run_real(eng, s, trace, **opts)
+        calib += steps
+        summaries[f"{w}/{s}@{trace[-1].arrival and len(trace) / trace[-1].arrival:.2f}"] = summ
+    cost = CostModel.fit(calib)
+    print("cost model", cost.coef, "step MAPE", cost.step_mape(calib), flush=True)
+    return cost, calib, summaries
+
+
+def core_real_points(result: dict, eng, cfg: dict, cost: CostModel, kw: dict, out: Path) -> None:
+    """Fig. 12 validation: each system at 0.7x its replayed sustainable rate, served for real."""
+    for w in ("sharegpt", "alpaca"):
+        pts = {}
+        for s in SYSTEMS:
+            rate = 0.7 * (result[f"fig12_{w}"]["systems"][s]["sustainable_rate"] or
+                          result[f"fig12_{w}"]["rates"][0])
+            # Cap the arrival span near 60 s so slow baselines stay affordable on CPU.
+            n_real = int(min(cfg["real_requests"], max(8, round(60 * rate))))
+            trace = validation_trace(cfg, w, n_real, rate)
+            print(f"real {w}/{s} @ {rate:.3f} req/s ...", flush=True)
+            real, _ = run_real(eng, s, trace, cost=cost)
+            rep = replay(s, trace, cost, **kw)
+            a, b = real["normalized_latency_s_per_token"], rep["normalized_latency_s_per_token"]
+            pts[s] = {"rate": rate, "num_requests": n_real, "real": real, "replay": rep,
+                      "rel_error": (b - a) / a}
+            result[f"real_{w}"] = pts
+            json.dump(result, open(out, "w"), indent=1)
+
+
+def sharing_figures(result: dict, figs: set[str], eng, cfg: dict, cost: CostModel, kw: dict, out: Path,
+                    real: bool) -> None:
+    """Fig. 14/16/17 (rate sweeps per panel + real points) and Fig. 19b (block size x preemption)."""
+    from bench.paper.figures import Panel, fig19b, panels, real_point, sweep_panel
+
+    for fig, ps in panels().items():
+        if fig not in figs:
+            continue
+        for p in ps:
+            print(f"sweep {p.key} ...", flush=True)
+            n = cfg["replay_requests"] // (2 if fig == "14" else 1)  # n>1 replays are slower
+            sw = sweep_panel(p, cfg, cost, kw, n)
+            result[p.key] = sw
+            json.dump(result, open(out, "w"), indent=1)
+            for s in p.real if real else ():
+                rate = 0.7 * (sw["systems"][s]["sustainable_rate"] or sw["systems"][s]["rates"][0])
+                print(f"real {p.key}/{s} @ {rate:.3f} req/s ...", flush=True)
+                sw.setdefault("real", {})[s] = real_point(eng, p, s, rate, cfg, cost, kw)
+                json.dump(result, open(out, "w"), indent=1)
+    if "19" not in figs:
+        return
+    from bench.paper.transfer import build, measure_transfer_costs
+
+    costs = {kw["block_size"]: cost}
+    result["fig19_transfer_costs"] = {}
+    for bs in (8, 16, 32, 64, 128, 256):  # per-block copy/swap costs at each block size, measured
+        llm = build(bs, 256) if bs != kw["block_size"] else None
+        m = measure_transfer_costs(llm if llm is not None else eng)
+        result["fig19_transfer_costs"][bs] = m
+        costs[bs] = cost.with_transfers(m)
+        del llm
+    result["cost_model"]["transfers_at_block_size"] = costs[kw["block_size"]].transfers
+    rate_panel = Panel("fig19_rate", "sharegpt", cfg["scale"], {"paged": ("paged", {})})
+    paged = sweep_panel(rate_panel, cfg, costs[kw["block_size"]], kw, cfg["replay_requests"])
+    rate = paged["systems"]["paged"]["sustainable_rate"]
+    print(f"fig19b @ {rate:.3f} req/s ...", flush=True)
+    result["fig19b"] = fig19b(cfg, costs.__getitem__, kw, rate, cfg["replay_requests"])
+    if real:  # recompute vs swap served for real at the engine's block size, same trace
+        for m in ("recompute", "swap"):
+            p = Panel("fig19b", "sharegpt", cfg["scale"], {m: ("paged", {"preemption_mode": m})})
+            print(f"real fig19b/{m} ...", flush=True)
+            pt = real_point(eng, p, m, rate, cfg, costs[kw["block_size"]], kw)
+            result["fig19b"].setdefault("real", {})[m] = pt
+            json.dump(result, open(out, "w"), indent=1)
+    json.dump(result, open(out, "w"), indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU-sized run")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--no-real", action="store_true", help="skip validation points (debug)")
     ap.add_argument("--num-blocks", type=int, default=128, help="KV pool in blocks of 8 tokens")
+    ap.add_argument("--figures", default="core",
+                    help="'core' (Fig. 2, 12, 13, 18b) or a comma list of 14,16,17,19 (own JSON)")
     args = ap.parse_args()
+    figs = {"core"} if args.figures == "core" else set(args.figures.split(","))
+    if not figs <= {"core", "14", "16", "17", "19"}:
+        ap.error(f"--figures: unknown {sorted(figs - {'core', '14', '16', '17', '19'})}")
     cfg = setup(args.quick, args.num_blocks)
     tag = ("_quick" if args.quick else "") + (f"_pool{8 * args.num_blocks}" if args.num_blocks != 128 else "")
+    if "core" not in figs:
+        tag += "_fig" + "-".join(sorted(figs, key=int))
     prefix = f"pool{8 * args.num_blocks}_" if args.num_blocks != 128 else ""
     outdir = Path("bench/results") / args.device / "paper"
     outdir.mkdir(parents=True, exist_ok=True)
+    out = outdir / f"paper{tag}.json"
     kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
                               "max_num_batched_tokens")}
     t_start = time.time()
-    llm = build_llm(**kw)
-    eng = llm.engine
-    tr = lambda w, n, r: validation_trace(cfg, w, n, r)  # noqa: E731
-    # 1. warm-up (compiles), then calibration runs spanning small and large batches.
-    print("warm-up ...", flush=True)
-    run_real(eng, "paged", tr("sharegpt", cfg["calib_requests"], math.inf))
-    run_real(eng, "static", tr("alpaca", cfg["calib_requests"], math.inf))
-    calib, calib_runs = [], {}
-    # Calibration traces use another seed than the validation traces; the finite-rate run
-    # covers the small-batch regime the validation points live in.
-    cal = lambda w, n, r: make_trace(w, n, r, scale=cfg["scale"], max_model_len=cfg["max_model_len"],  # noqa: E731
-                                     seed=11)
-    for w, s, n, rate in (("sharegpt", "paged", cfg["calib_requests"], math.inf),
-                          ("sharegpt", "contiguous-max", cfg["calib_requests"], math.inf),
-                          ("alpaca", "paged", cfg["calib_requests"], math.inf),
-                          ("sharegpt", "paged", 16, 0.3)):
-        print(f"calibrate {w}/{s} @ {rate} ...", flush=True)
-        summ, steps = run_real(eng, s, cal(w, n, rate))
-        calib += steps
-        calib_runs[f"{w}/{s}@{rate}"] = summ
-    cost = CostModel.fit(calib)
-    print("cost model", cost.coef, "step MAPE", cost.step_mape(calib), flush=True)
-    result = {"config": cfg, "device": args.device, "threshold_rule": f"{THRESHOLD_X}x paged at lowest rate",
+    eng = build_llm(**kw).engine
+    cost, calib, calib_runs = calibrate(eng, cfg, figs)
+    result = {"config": cfg, "device": args.device, "figures": sorted(figs),
+              "threshold_rule": f"{THRESHOLD_X}x paged at lowest rate",
               "cost_model": {"features": list(FEATURES),
                              "coef_s": cost.coef, "num_calib_steps": len(calib),
                              "in_sample_rel_error": cost.rel_error(calib),
                              "in_sample_step_mape": cost.step_mape(calib)},
               "calibration_runs": calib_runs, "clock": "replay (fitted cost model) unless marked real"}
-    # 2. replay sweeps
-    replay_figures(result, cfg, cost, kw, outdir / f"paper{tag}.json")
-    # 3. real validation points
-    if not args.no_real:
-        for w in ("sharegpt", "alpaca"):
-            pts = {}
-            for s in SYSTEMS:
-                rate = 0.7 * (result[f"fig12_{w}"]["systems"][s]["sustainable_rate"] or
-                              result[f"fig12_{w}"]["rates"][0])
-                # Cap the arrival span near 60 s so slow baselines stay affordable on CPU.
-                n_real = int(min(cfg["real_requests"], max(8, round(60 * rate))))
-                trace = tr(w, n_real, rate)
-                print(f"real {w}/{s} @ {rate:.3f} req/s ...", flush=True)
-                real, _ = run_real(eng, s, trace, cost=cost)
-                rep = replay(s, trace, cost, **kw)
-                a, b = real["normalized_latency_s_per_token"], rep["normalized_latency_s_per_token"]
-                pts[s] = {"rate": rate, "num_requests": n_real, "real": real, "replay": rep,
-                          "rel_error": (b - a) / a}
-                result[f"real_{w}"] = pts
-                json.dump(result, open(outdir / f"paper{tag}.json", "w"), indent=1)
-            result[f"real_{w}"] = pts
+    if "core" in figs:
+        replay_figures(result, cfg, cost, kw, out)
+        if not args.no_real:
+            core_real_points(result, eng, cfg, cost, kw, out)
+    else:
+        sharing_figures(result, figs, eng, cfg, cost, kw, out, real=not args.no_real)
     result["total_wall_s"] = time.time() - t_start
-    json.dump(result, open(outdir / f"paper{tag}.json", "w"), indent=1)
-    from bench.paper.plots import plot_all
+    json.dump(result, open(out, "w"), indent=1)
+    from bench.paper.plots import plot_all, plot_more
 
-    plot_all(result, outdir, prefix)
-    print(summary_text(result))
+    if "core" in figs:
+        plot_all(result, outdir, prefix)
+        print(summary_text(result))
+    else:
+        plot_more(result, outdir, prefix)
 
 
 def summary_text(result: dict) -> str:
