@@ -439,7 +439,7 @@ class LLMEngine:
         return touched
 
     def _advance_beams(self, req: _Request, live: list[Sequence], parents, tokens, cums, valid) -> None:
-        """One beam step on the host: finish EOS hypotheses, fork survivors, free dropped beams."""
+        """One beam step on the host: finish EOS hypotheses, free dropped beams, fork survivors."""
         p = req.params
         width = p.beam_width
         eos = set() if p.ignore_eos else self.eos_token_ids | set(p.stop_token_ids)
@@ -452,26 +452,31 @@ class LLMEngine:
             done.status = SequenceStatus.FINISHED_STOPPED
             score = length_penalized_score(c.cum_logprob, parent.num_total_tokens, p.length_penalty)
             req.beam_finished.append((score, done))
+        # Free dropped beams BEFORE forking: the contiguous baselines give each fork its own
+        # region from the buddy allocator, and on a full pool only a dropped beam's region (same
+        # size) can take it. Paged forks share the parent's blocks, and a dropped beam is never a
+        # parent, so the order changes nothing there.
+        parents = {live[c.parent].seq_id for c in new_live}
+        for s in live:
+            if s.seq_id not in parents:  # no surviving candidate: drop the beam and its blocks
+                self.scheduler.free_seq(s)
+                s.status = SequenceStatus.FINISHED_ABORTED
+                req.group.remove(s.seq_id)
+                for d in (req.seq_index, req.detok, req.logprobs):
+                    d.pop(s.seq_id, None)
         used: set[int] = set()
         assigned: list[tuple[Sequence, float, int]] = []
         for c in new_live:  # fork before any append: children copy the parent's pre-step state
             parent = live[c.parent]
             if parent.seq_id in used:
                 target = parent.fork(next(self._seq_ids))
-                self.scheduler.fork_seq(parent, target)  # shares every block, CoW on next write
+                self.scheduler.fork_seq(parent, target)  # paged: shares every block, CoW on next write
                 req.group.add(target)
                 self._register_seq(req, target, len(req.seq_index))
             else:
                 used.add(parent.seq_id)
                 target = parent
             assigned.append((target, c.cum_logprob, c.token_id))
-        for s in live:
-            if s.seq_id not in used:  # no surviving candidate: drop the beam and its blocks
-                self.scheduler.free_seq(s)
-                s.status = SequenceStatus.FINISHED_ABORTED
-                req.group.remove(s.seq_id)
-                for d in (req.seq_index, req.detok, req.logprobs):
-                    d.pop(s.seq_id, None)
         for target, cum, token in assigned:
             target.append_token(token, cum - target.cumulative_logprob)
             target.cumulative_logprob = cum

@@ -156,6 +156,44 @@ def test_fork_copies_into_reserved_spare() -> None:
     bm.check_invariants()
 
 
+def test_beam_fork_after_free_reuses_the_dropped_region_on_a_full_pool() -> None:
+    """A beam step on a full pool: a parent's second child fits only in the region of a beam
+    dropped in the same step, so the engine frees dropped beams before it forks."""
+    bm = ContiguousKVManager(8, 0, 4, policy="oracle", max_model_len=64)
+    g = group(6, 2, n=4)  # 8 tokens -> 2 blocks per beam; 4 regions fill the pool
+    bm.allocate(g)
+    assert bm.get_num_free_gpu_blocks() == 0
+    first = g.seqs[0]
+    first.num_computed_tokens = 6
+    beams = [first]
+    for _ in range(3):  # first beam step: the children take the spares reserved at admission
+        child = first.fork(next(_ids))
+        bm.fork(first, child)
+        beams.append(child)
+    for b in beams:  # the step that computes every beam's first output token
+        bm.append_slots(b, 1)
+        b.append_token(5)
+        b.num_computed_tokens = 7
+    parent, dropped = beams[0], beams[3]  # next beam step: beam 0 survives twice, beam 3 not at all
+    child = parent.fork(next(_ids))
+    with pytest.raises(MemoryError):
+        bm.fork(parent, child)  # fork before free: the dropped beam still holds its region
+    bm.check_invariants()
+    freed = bm.region(dropped)
+    bm.free(dropped)
+    bm.fork(parent, child)
+    p, c = bm.region(parent), bm.region(child)
+    assert (c.start, c.num_blocks) == (freed.start, p.num_blocks)
+    assert bm.get_num_free_gpu_blocks() == 0
+    # Mid-generation fork: both blocks holding the 7 computed tokens (the last one partial) are copied.
+    assert bm.append_slots(child, 1) == [(p.start, c.start), (p.start + 1, c.start + 1)]
+    bm.check_invariants()
+    for b in (*beams[:3], child):
+        bm.free(b)
+    assert bm.get_num_free_gpu_blocks() == 8
+    bm.check_invariants()
+
+
 # -- accounting and schedulers ---------------------------------------------------------------
 def test_memory_breakdown_contiguous() -> None:
     bm = ContiguousKVManager(16, 0, 4, policy="pow2", max_model_len=64)

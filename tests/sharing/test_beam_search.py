@@ -8,6 +8,7 @@ import pytest
 
 from models.llama import init_contiguous_cache
 from pagedjax import LLM, SamplingParams
+from pagedjax.core.buddy_allocator import next_pow2
 from pagedjax.reference import ReferenceGenerator
 from tests.sharing.helpers import assert_pool_whole
 
@@ -157,5 +158,51 @@ def test_beam_group_split_by_token_budget_gives_same_beams(demo_model, demo_toke
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     np.testing.assert_allclose([c.cumulative_logprob for c in got],
                                [c.cumulative_logprob for c in want], atol=1e-4)
+    assert_pool_whole(tight)
+    assert_pool_whole(llm)
+
+
+@pytest.mark.parametrize("policy", ["contiguous-oracle", "contiguous-max"])
+def test_beam_search_on_contiguous_kv_with_no_spare_region(demo_model, demo_tokenizer, llm, policy):
+    """Contiguous baselines give every beam its own region. The pool holds exactly the groups'
+    reservations, so a beam forked after the first step can only reuse the region of a beam
+    dropped in the same step: the engine must free dropped beams before forking survivors."""
+    config, params = demo_model
+    bs, max_len, width, n, m = 8, 32, 4, 2, 8
+    prompts = [demo_tokenizer(PROMPTS[i]).input_ids for i in (0, 1, 2)]
+    region = {  # blocks per beam, a power of two (the buddy allocator rounds up)
+        "contiguous-oracle": [next_pow2(-(-(len(p) + m) // bs)) for p in prompts],
+        "contiguous-max": [next_pow2(max_len // bs)] * len(prompts),
+    }[policy]
+    assert len(set(region)) == 1, "equal regions: the pool tiles with no fragmentation"
+    num_blocks = width * sum(region)
+    tight = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=num_blocks, block_size=bs,
+                            max_model_len=max_len, max_num_seqs=32, max_num_batched_tokens=256,
+                            kv_policy=policy)
+    sp = SamplingParams(use_beam_search=True, best_of=width, n=n, temperature=0, max_tokens=m,
+                        stop_token_ids=[198])
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    forks = []  # (free blocks, whether a spare reserved at admission took the child) per fork
+    bm = tight.engine.block_manager
+    orig_fork = bm.fork
+
+    def fork(parent, child):
+        forks.append((bm.get_num_free_gpu_blocks(), bool(bm._spares.get(parent.seq_id))))
+        orig_fork(parent, child)
+        bm.check_invariants()
+
+    bm.fork = fork
+    try:
+        got = tight.generate(reqs, sp)  # all groups admitted together: the pool is then full
+    finally:
+        bm.fork = orig_fork
+    want = llm.generate(reqs, sp)
+    assert forks[0] == (0, True), "every group admitted at once: the pool is full"
+    assert any(not spare for _, spare in forks), "some fork had to allocate a region"
+    for g, w in zip(got, want):
+        assert len(g.outputs) == n
+        assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+        np.testing.assert_allclose([c.cumulative_logprob for c in g.outputs],
+                                   [c.cumulative_logprob for c in w.outputs], atol=1e-4)
     assert_pool_whole(tight)
     assert_pool_whole(llm)
