@@ -108,9 +108,12 @@ def sweep_panel(p: Panel, cfg: dict, cost: CostModel, kw: dict, n: int) -> dict:
     return out
 
 
-def real_point(engine, p: Panel, system: str, rate: float, cfg: dict, cost: CostModel, kw: dict) -> dict:
-    """Serve ~60 s of the panel's trace at ``rate`` for real; replay the identical trace."""
-    n_real = int(min(cfg["real_requests"], max(8, round(60 * rate))))
+def real_point(engine, p: Panel, system: str, rate: float, cfg: dict, cost: CostModel, kw: dict,
+               n: int | None = None) -> dict:
+    """Serve ~60 s of the panel's trace at ``rate`` (inf: a burst) for real; replay the identical trace."""
+    n_real = n or cfg["real_requests"]
+    if not math.isinf(rate) and n is None:  # cap the arrival span near 60 s
+        n_real = int(min(n_real, max(8, round(60 * rate))))
     trace = _trace(p, n_real, rate, cfg, seed=7)
     policy, extra = p.systems[system]
     if extra.get("preemption_mode") == "swap":  # the replay gets the engine's swap pool

@@ -122,14 +122,14 @@ def _panel(ax, sw: dict) -> None:
     ax.legend(fontsize=6)
 
 
-def _panels(result: dict, keys: list[str], shape: tuple[int, int], path: Path, title: str) -> None:
+def _panels(result: dict, keys: list[str], shape: tuple[int, int], path: Path, title: str, note: str) -> None:
     keys = [k for k in keys if k in result]
     if not keys:
         return
     fig, axes = plt.subplots(*shape, figsize=(4.2 * shape[1], 3.6 * shape[0]), squeeze=False)
     for ax, k in zip(axes.flat, keys):
         _panel(ax, result[k])
-    fig.suptitle(f"{title} (lines: replay clock; stars: real execution)", fontsize=10)
+    fig.suptitle(f"{title} ({note})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -156,14 +156,15 @@ def _fig19b(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_more(result: dict, out: Path, prefix: str = "") -> None:
+def plot_more(result: dict, out: Path, prefix: str = "",
+              note: str = "lines: replay clock; stars: real execution") -> None:
     """Fig. 14, 16, 17 and 19b from a ``--figures 14,16,17,19`` run."""
     out = Path(out)
     _panels(result, [f"fig14_{m}{k}" for m in ("parallel", "beam") for k in (2, 4, 6)], (2, 3),
-            out / f"{prefix}fig14_parallel_beam.png", "Fig. 14: parallel sampling and beam search")
+            out / f"{prefix}fig14_parallel_beam.png", "Fig. 14: parallel sampling and beam search", note)
     _panels(result, ["fig16_1shot", "fig16_5shot"], (1, 2), out / f"{prefix}fig16_shared_prefix.png",
-            "Fig. 16: shared prefix")
-    _panels(result, ["fig17_chatbot"], (1, 1), out / f"{prefix}fig17_chatbot.png", "Fig. 17: chatbot")
+            "Fig. 16: shared prefix", note)
+    _panels(result, ["fig17_chatbot"], (1, 1), out / f"{prefix}fig17_chatbot.png", "Fig. 17: chatbot", note)
     if "fig19b" in result:
         _fig19b(result, out / f"{prefix}fig19b_recompute_vs_swap.png")
 

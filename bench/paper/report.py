@@ -55,5 +55,50 @@ def tables(r: dict) -> str:
     return "\n".join(out)
 
 
+def more_tables(r: dict) -> str:
+    """Tables for a ``--figures 14,16,17,19`` run."""
+    from bench.paper.figures import LABELS as PL
+
+    nl = "normalized_latency_s_per_token"
+    cm = r["cost_model"]
+    out = [f"Cost model (s): {', '.join(f'{n}={c:.4g}' for n, c in zip(cm['features'], cm['coef_s']))}; "
+           f"{cm['num_calib_steps']} calibration steps, per-step MAPE {cm['in_sample_step_mape']:.0%}.\n",
+           "| panel | system | sustainable rate (req/s, replay) | first system / this "
+           "| blocks copied @ lowest rate |",
+           "|---|---|---|---|---|"]
+    keys = [k for k in r if k.startswith(("fig14_", "fig16_", "fig17_"))]
+    for k in keys:
+        sw = r[k]
+        for s, d in sw["systems"].items():
+            ratio = sw["ratio_first_over"].get(s)
+            out.append(f"| {sw['title']} | {PL[s]} | {d['sustainable_rate']:.3f} | "
+                       f"{'' if ratio is None else f'{ratio:.2f}x'} | {d['blocks_copied'][0]} |")
+    out += ["\nReal execution vs replay of the identical trace:\n",
+            "| panel | system | rate | reqs | real norm. latency | replay | error | real avg batch | "
+            "replay avg batch | blocks copied real / replay | compile steps |", "|---" * 11 + "|"]
+    for k, kind in [(k, "real") for k in keys] + [("fig19b", "real"), ("fig19b", "real_burst")]:
+        for s, pt in r.get(k, {}).get(kind, {}).items():
+            a, b = pt["real"], pt["replay"]
+            burst = " burst" if kind == "real_burst" else ""
+            title = r[k].get("title") or (f"ShareGPT-like{burst}, {a['preemptions']} / "
+                                          f"{b['preemptions']} preemptions (real / replay)")
+            out.append(f"| {title} | {PL[s]} | {pt['rate']:.3f} | {pt['num_requests']} | {a[nl]:.3f} | "
+                       f"{b[nl]:.3f} | {pt['rel_error']:+.0%} | {a['avg_batched_requests']:.1f} | "
+                       f"{b['avg_batched_requests']:.1f} | {a['blocks_copied']} / {b['blocks_copied']} | "
+                       f"{a['compile_steps']} |")
+    if "fig19b" in r:
+        d = r["fig19b"]["per_block_size"]
+        out += [f"\nFig. 19b (replay, ShareGPT-like @ {r['fig19b']['rate']:.3f} req/s):\n",
+                "| block size | recompute (s/token) | swap (s/token) | preemptions (rec / swap) "
+                "| blocks swapped out |",
+                "|---|---|---|---|---|"]
+        for bs in sorted(d, key=int):
+            rc, sw = d[bs]["recompute"], d[bs]["swap"]
+            out.append(f"| {bs} | {rc[nl]:.3f} | {sw[nl]:.3f} | {rc['preemptions']} / {sw['preemptions']} | "
+                       f"{sw['blocks_swapped_out']} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
-    print(tables(json.load(open(sys.argv[1]))))
+    res = json.load(open(sys.argv[1]))
+    print(tables(res) if "fig12_sharegpt" in res else more_tables(res))

@@ -22,8 +22,39 @@ from bench.paper.replay import CostModel
 from bench.paper.run import SYSTEMS, sweep
 
 
+def main_more(path: str) -> None:
+    """The same what-if for a ``--figures 14,16,17,19`` JSON (Fig. 14/16/17 panels)."""
+    from bench.paper.figures import panels, sweep_panel
+    from bench.paper.plots import plot_more
+
+    src = json.load(open(path))
+    cfg = src["config"]
+    c = list(src["cost_model"]["coef_s"])
+    c[2] = c[4] = 0.0
+    transfers = src["cost_model"].get("transfers_at_block_size", {})
+    cost = CostModel(tuple(c), {k: tuple(v) for k, v in transfers.items()})
+    kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
+                              "max_num_batched_tokens")}
+    out = {"what_if": "batch-insensitive step cost (GPU-like); NOT a measurement",
+           "cost_model": {"features": src["cost_model"]["features"], "coef_s": c}, "config": cfg}
+    for fig, ps in panels().items():
+        for p in ps:
+            if p.key not in src:
+                continue
+            print(f"what-if sweep {p.key} ...", flush=True)
+            out[p.key] = sweep_panel(p, cfg, cost, kw, cfg["replay_requests"] // (2 if fig == "14" else 1))
+            print({s: round(v, 2) for s, v in out[p.key]["ratio_first_over"].items()}, flush=True)
+    dst = Path(path).with_name(Path(path).stem + "_whatif_flat.json")
+    json.dump(out, open(dst, "w"), indent=1)
+    plot_more(out, dst.parent, "whatif_flat_",
+              note="WHAT-IF replay, batch-insensitive step cost: not a measurement")
+
+
 def main(path: str) -> None:
     src = json.load(open(path))
+    if "fig12_sharegpt" not in src:
+        main_more(path)
+        return
     cfg = src["config"]
     c = list(src["cost_model"]["coef_s"])
     c[2] = c[4] = 0.0  # rows_padded, kv_tokens: a step costs the same at any batch size
