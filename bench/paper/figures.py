@@ -28,9 +28,9 @@ ORCA = {"contiguous-oracle": ("contiguous-oracle", {}), "contiguous-pow2": ("con
         "contiguous-max": ("contiguous-max", {})}
 LABELS = {"paged": "pagedjax (paged)", "paged-no-prefix-cache": "pagedjax, no prefix cache",
           "contiguous-oracle": "Orca (Oracle)", "contiguous-pow2": "Orca (Pow2)",
-          "contiguous-max": "Orca (Max)",
+          "contiguous-max": "Orca (Max)", "static": "Static (FT-like)",
           "recompute": "recompute", "swap": "swap"}
-THRESHOLD_X = 4.0  # as Fig. 12: sustainable = normalized latency <= 4x the first system's at the lowest rate
+THRESHOLD_X = 4.0  # sustainable = normalized latency <= 4x the first system's (paged) at the lowest rate
 
 
 @dataclass(frozen=True)

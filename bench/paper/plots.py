@@ -19,22 +19,9 @@ MEM = ("token_states", "reserved", "internal", "external")
 def _fig12(result: dict, out: Path, prefix: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, w in zip(axes, WORKLOADS):
-        sw = result[f"fig12_{w}"]
-        colors = {}
-        for s in SYSTEMS:
-            d = sw["systems"][s]
-            (line,) = ax.plot(d["rates"], d["normalized_latency"], marker="o", ms=3,
-                              label=f"{LABELS[s]} ({d['sustainable_rate']:.2f} req/s)")
-            colors[s] = line.get_color()
-        for s, pt in result.get(f"real_{w}", {}).items():
-            ax.scatter([pt["rate"]], [pt["real"]["normalized_latency_s_per_token"]], marker="*", s=120,
-                       color=colors[s], edgecolor="k", zorder=5)
-        ax.axhline(sw["threshold_s_per_token"], color="gray", ls="--", lw=0.8)
-        ax.set_ylim(0, 3 * sw["threshold_s_per_token"])
-        ax.set_xlabel("request rate (req/s)")
-        ax.set_ylabel("normalized latency (s/token)")
-        ax.set_title(f"{w}-like (lines: replay clock; stars: real execution)")
-        ax.legend(fontsize=7)
+        sw = {**result[f"fig12_{w}"], "real": result.get(f"real_{w}", {}),
+              "title": f"{w}-like (lines: replay clock; stars: real execution)"}
+        _panel(ax, sw)
     fig.tight_layout()
     fig.savefig(out / f"{prefix}fig12_normalized_latency.png", dpi=110)
     plt.close(fig)

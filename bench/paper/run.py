@@ -20,10 +20,9 @@ import math
 import time
 from pathlib import Path
 
-import numpy as np
-
 from bench.paper.engine_setup import build_llm
-from bench.paper.metrics import FEATURES, sustainable
+from bench.paper.figures import THRESHOLD_X
+from bench.paper.metrics import FEATURES
 from bench.paper.real import run_real
 from bench.paper.replay import CostModel, replay
 from bench.paper.trace import make_trace
@@ -31,7 +30,6 @@ from bench.paper.trace import make_trace
 SYSTEMS = ("paged", "contiguous-oracle", "contiguous-pow2", "contiguous-max", "static")
 LABELS = {"paged": "pagedjax (paged)", "contiguous-oracle": "Orca (Oracle)",
           "contiguous-pow2": "Orca (Pow2)", "contiguous-max": "Orca (Max)", "static": "Static (FT-like)"}
-THRESHOLD_X = 4.0  # sustainable = normalized latency <= 4x paged's at the lowest swept rate
 
 
 def setup(quick: bool, num_blocks: int = 128) -> dict:
@@ -49,35 +47,13 @@ def setup(quick: bool, num_blocks: int = 128) -> dict:
 
 
 def sweep(workload: str, cfg: dict, cost: CostModel, kw: dict) -> dict:
-    n = cfg["replay_requests"]
-    base = make_trace(workload, n, math.inf, scale=cfg["scale"], max_model_len=cfg["max_model_len"])
-    mean_out = float(np.mean([r.output_len for r in base]))
-    one = cost((1.0, 0.0, 8.0, 0.0, 0.0)) * mean_out  # rough single-request service time
-    rates, curves, thr = [], {s: [] for s in SYSTEMS}, None
-    rate = 0.25 / one
-    alive = set(SYSTEMS)
-    for _ in range(40):
-        trace = make_trace(workload, n, rate, scale=cfg["scale"], max_model_len=cfg["max_model_len"])
-        rates.append(rate)
-        for s in SYSTEMS:
-            res = replay(s, trace, cost, **kw) if s in alive else None
-            curves[s].append(res)
-        if thr is None:
-            thr = THRESHOLD_X * curves["paged"][0]["normalized_latency_s_per_token"]
-        for s in list(alive):
-            if curves[s][-1]["normalized_latency_s_per_token"] > 3 * thr:
-                alive.discard(s)
-        if not alive:
-            break
-        rate *= 1.25
-    out = {"rates": rates, "threshold_s_per_token": thr, "systems": {}}
-    for s in SYSTEMS:
-        pts = [(r, c) for r, c in zip(rates, curves[s]) if c is not None]
-        lat = [c["normalized_latency_s_per_token"] for _, c in pts]
-        out["systems"][s] = {"rates": [r for r, _ in pts], "normalized_latency": lat,
-                             "avg_batched_requests": [c["avg_batched_requests"] for _, c in pts],
-                             "memory_fractions": [c["memory_fractions"] for _, c in pts],
-                             "sustainable_rate": sustainable([r for r, _ in pts], lat, thr)}
+    """Fig. 12: every system over request rates (x1.25 steps until all explode), replay clock."""
+    from bench.paper.figures import Panel, sweep_panel  # figures imports run_real, not run
+
+    panel = Panel(f"fig12_{workload}", workload, cfg["scale"], {s: (s, {}) for s in SYSTEMS},
+                  title=f"{workload}-like")
+    out = sweep_panel(panel, cfg, cost, kw, cfg["replay_requests"])
+    out["rates"] = max((d["rates"] for d in out["systems"].values()), key=len)
     return out
 
 
