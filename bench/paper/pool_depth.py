@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from bench.paper.replay import CostModel
-from bench.paper.run import SYSTEMS, setup, sweep
+from bench.paper.run import SYSTEMS, engine_kw, setup, sweep
 
 
 def main(path: str, pools=(64, 128, 256)) -> None:
@@ -29,8 +29,7 @@ def main(path: str, pools=(64, 128, 256)) -> None:
     for name, coef in (("measured_cost", measured), ("flat_cost_what_if", flat)):
         for nb in pools:
             cfg = setup(True, nb)
-            kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                                      "max_num_batched_tokens")}
+            kw = engine_kw(cfg)
             sw = sweep("sharegpt", cfg, CostModel(tuple(coef)), kw)
             rates = {s: sw["systems"][s]["sustainable_rate"] for s in SYSTEMS}
             p = rates["paged"]

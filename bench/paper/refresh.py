@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.paper.plots import plot_all
 from bench.paper.replay import CostModel, replay
-from bench.paper.run import replay_figures, summary_text, validation_trace
+from bench.paper.run import engine_kw, replay_figures, summary_text, validation_trace
 
 
 def rerun_real(path: str, workload: str, span_s: float, max_requests: int) -> None:
@@ -28,8 +28,7 @@ def rerun_real(path: str, workload: str, span_s: float, max_requests: int) -> No
     result = json.load(open(p))
     cfg = result["config"]
     cost = CostModel(tuple(result["cost_model"]["coef_s"]))
-    kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                              "max_num_batched_tokens")}
+    kw = engine_kw(cfg)
     eng = build_llm(**kw).engine
     for s in ("paged", "static"):  # warm-up compiles
         run_real(eng, s, validation_trace(cfg, workload, cfg["calib_requests"], math.inf))
@@ -52,8 +51,7 @@ def main(path: str) -> None:
     result = json.load(open(p))
     cfg = result["config"]
     cost = CostModel(tuple(result["cost_model"]["coef_s"]))
-    kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                              "max_num_batched_tokens")}
+    kw = engine_kw(cfg)
     replay_figures(result, cfg, cost, kw, p)
     for w in ("sharegpt", "alpaca"):
         for s, pt in result.get(f"real_{w}", {}).items():

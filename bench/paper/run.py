@@ -32,6 +32,12 @@ LABELS = {"paged": "pagedjax (paged)", "contiguous-oracle": "Orca (Oracle)",
           "contiguous-pow2": "Orca (Pow2)", "contiguous-max": "Orca (Max)", "static": "Static (FT-like)"}
 
 
+def engine_kw(cfg: dict) -> dict:
+    """The engine / replay shape keys of a :func:`setup` config."""
+    return {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
+                                "max_num_batched_tokens")}
+
+
 def setup(quick: bool, num_blocks: int = 128) -> dict:
     return {
         "scale": 0.125,  # lengths 1/8 of the paper's means (CPU)
@@ -218,8 +224,7 @@ def main() -> None:
     outdir = Path("bench/results") / args.device / "paper"
     outdir.mkdir(parents=True, exist_ok=True)
     out = outdir / f"paper{tag}.json"
-    kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                              "max_num_batched_tokens")}
+    kw = engine_kw(cfg)
     t_start = time.time()
     eng = build_llm(**kw).engine
     cost, calib, calib_runs = calibrate(eng, cfg, figs)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.paper.plots import _fig12
 from bench.paper.replay import CostModel
-from bench.paper.run import SYSTEMS, sweep
+from bench.paper.run import SYSTEMS, engine_kw, sweep
 
 
 def main_more(path: str) -> None:
@@ -33,8 +33,7 @@ def main_more(path: str) -> None:
     c[2] = c[4] = 0.0
     transfers = src["cost_model"].get("transfers_at_block_size", {})
     cost = CostModel(tuple(c), {k: tuple(v) for k, v in transfers.items()})
-    kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                              "max_num_batched_tokens")}
+    kw = engine_kw(cfg)
     out = {"what_if": "batch-insensitive step cost (GPU-like); NOT a measurement",
            "cost_model": {"features": src["cost_model"]["features"], "coef_s": c}, "config": cfg}
     for fig, ps in panels().items():
@@ -59,8 +58,7 @@ def main(path: str) -> None:
     c = list(src["cost_model"]["coef_s"])
     c[2] = c[4] = 0.0  # rows_padded, kv_tokens: a step costs the same at any batch size
     cost = CostModel(tuple(c))
-    kw = {k: cfg[k] for k in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                              "max_num_batched_tokens")}
+    kw = engine_kw(cfg)
     out = {"what_if": "batch-insensitive step cost (GPU-like); NOT a measurement",
            "cost_model": {"features": src["cost_model"]["features"], "coef_s": c}, "config": cfg}
     for w in ("sharegpt", "alpaca"):
