@@ -96,6 +96,28 @@ def assemble_params(config: LlamaConfig, get: Callable[[str], np.ndarray | None]
     return params
 
 
+def abstract_params(config: LlamaConfig, dtype=jnp.float32) -> dict:
+    """``jax.ShapeDtypeStruct`` tree of what `assemble_params` builds, without any memory
+    (deviceless AOT compiles the step at 8B shapes from these)."""
+    import jax
+
+    shapes = expected_shapes(config)
+    spec = lambda shape: jax.ShapeDtypeStruct(tuple(shape), dtype)
+    layers: dict = {}
+    for name, (key, transpose) in LAYER_TENSORS.items():
+        shape = shapes[f"model.layers.0.{name}"]
+        stacked = spec((config.num_layers, *(shape[::-1] if transpose else shape)))
+        layers[key] = stacked if key.endswith("norm") else {"kernel": stacked}
+    params = {
+        "embed": spec(shapes["model.embed_tokens.weight"]),
+        "layers": layers,
+        "final_norm": spec(shapes["model.norm.weight"]),
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = spec(shapes["lm_head.weight"][::-1])
+    return params
+
+
 def params_to_hf(config: LlamaConfig, params: dict) -> dict[str, np.ndarray]:
     """Inverse of `assemble_params` (used to write HF checkpoints in tests and tools)."""
     out = {

@@ -28,10 +28,17 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 def target_platform() -> str:
-    """Platform the current trace lowers for: an abstract mesh's device wins, else default."""
+    """Platform the current trace lowers for.
+
+    An abstract mesh's device wins, then a ``jax.default_device`` context (how the
+    deviceless AOT tier targets a compile-only H100 from a CPU host), then the default backend.
+    """
     abstract_device = mesh_lib.get_abstract_mesh().abstract_device
     if abstract_device is not None:
         return abstract_device.platform
+    default = jax.config.jax_default_device
+    if default is not None:
+        return default if isinstance(default, str) else default.platform
     return jax.default_backend()
 
 

@@ -1,7 +1,8 @@
 """Paged decode attention: one query token per sequence against its paged KV history.
 
 Flash-decoding layout: the grid is ``(seq, kv_head, split)``. Each split walks a contiguous
-slice of the sequence's block table in chunks of ``pages_per_chunk`` pages, keeping an
+slice of the sequence's context in chunks of ``chunk_tokens`` tokens (several small pages
+gathered through the block table, or a slice of one large page), keeping an
 online-softmax state (running max ``m``, denominator ``l``, unnormalised accumulator) in
 fp32, and writes that partial state out. A small jnp epilogue merges the splits with a
 log-sum-exp combine. Splitting the context is what lets a handful of long sequences still
@@ -11,10 +12,14 @@ All query heads that share a KV head are processed together (GQA), so each K/V t
 once per group. The group is padded to a power of two >= 16 because Triton's ``dot`` needs
 that; the padded rows are dropped in the epilogue.
 
-Masking is by length with ``where`` (never by multiplying with a 0/1 mask, which would turn
-a NaN in an unused cache slot into a NaN output), and table entries past the last used page
-are replaced by page 0 of the same head, so the kernel never dereferences a block-table
-entry the sequence does not own.
+Masking is by length: K/V come in through masked loads (slots past the context are never
+read and arrive as zeros) and logits past the context are set with ``where`` (never by
+multiplying with a 0/1 mask, which would turn a NaN in an unused cache slot into a NaN
+output). Table entries past the last used page are replaced by page 0 of the same head, so
+the kernel never dereferences a block-table entry the sequence does not own.
+
+Launch parameters (chunk size, warps, pipeline stages) come from :mod:`pallas_kernels.tuning`
+per GPU architecture and shape class.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import tuning
 from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
+from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
 
 # Target number of programs per launch when choosing the split count automatically
 # (about two waves on a 132-SM H100).
 _TARGET_PROGRAMS = 264
-_TARGET_CHUNK_TOKENS = 64
 
 
 def _decode_kernel(
@@ -49,38 +55,29 @@ def _decode_kernel(
     *,
     num_kv_heads: int,
     num_blocks: int,
-    pages_per_chunk: int,
-    pages_per_split: int,
+    chunk_tokens: int,
+    chunks_per_split: int,
     scale: float,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, block_size, head_dim = k_ref.shape
     group = q_ref.shape[0]
-    chunk_tokens = pages_per_chunk * block_size
     exact = q_ref.dtype == jnp.float32
 
     ctx_len = lens_ref[seq]
     base_page = (layer_ref[0] * num_kv_heads + head) * num_blocks
-    used_pages = (ctx_len + block_size - 1) // block_size
-    first_page = split * pages_per_split
-    last_page = jnp.minimum(first_page + pages_per_split, used_pages)
-    num_chunks = (jnp.maximum(last_page - first_page, 0) + pages_per_chunk - 1) // pages_per_chunk
+    used_chunks = (ctx_len + chunk_tokens - 1) // chunk_tokens
+    first = split * chunks_per_split
+    num_chunks = jnp.maximum(jnp.minimum(first + chunks_per_split, used_chunks) - first, 0)
 
     q = q_ref[...]
 
     def body(c, carry):
         acc, m_prev, l_prev = carry
-        page0 = first_page + c * pages_per_chunk
-        page_pos = page0 + jnp.arange(pages_per_chunk, dtype=jnp.int32)
-        ids = tables_ref[seq, pl.ds(page0, pages_per_chunk)]
-        ids = jnp.where(page_pos < used_pages, ids, 0) + base_page
-        k = k_ref[ids].reshape(chunk_tokens, head_dim)
-        v = v_ref[ids].reshape(chunk_tokens, head_dim)
-        tok = page0 * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        valid = tok < ctx_len
+        k, v, tok = load_kv_chunk(k_ref, v_ref, tables_ref, seq, first + c, ctx_len, base_page,
+                                  block_size=block_size, chunk_tokens=chunk_tokens)
         logits = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale
-        logits = jnp.where(valid[None, :], logits, MASK_VALUE)
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        logits = jnp.where((tok < ctx_len)[None, :], logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(logits - m_next[:, None])
@@ -99,14 +96,28 @@ def _decode_kernel(
     l_ref[...] = denom
 
 
-def _auto_splits(num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
+def auto_splits(num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
+    """Flash-decoding partitions: enough programs for about two waves of a 132-SM GPU."""
     return max(1, min(max_chunks, cdiv(_TARGET_PROGRAMS, num_seqs * num_kv_heads)))
+
+
+def decode_plan(num_seqs: int, num_kv_heads: int, max_pages: int, block_size: int,
+                chunk_tokens: int, num_splits: int | None) -> tuple[int, int, int]:
+    """``(splits, chunks_per_split, padded_pages)`` for a decode launch (host-side ints)."""
+    pages_per_chunk, _ = chunk_layout(block_size, chunk_tokens)
+    max_chunks = cdiv(max_pages * block_size, chunk_tokens)
+    splits = num_splits or auto_splits(num_seqs, num_kv_heads, max_chunks)
+    splits = max(1, min(splits, max_chunks))
+    chunks_per_split = cdiv(max_chunks, splits)
+    padded_pages = max(max_pages, cdiv(chunks_per_split * splits * chunk_tokens, block_size))
+    padded_pages = cdiv(padded_pages, pages_per_chunk) * pages_per_chunk
+    return splits, chunks_per_split, padded_pages
 
 
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "num_splits", "pages_per_chunk", "num_warps", "num_stages", "interpret"
+        "scale", "num_splits", "chunk_tokens", "num_warps", "num_stages", "interpret"
     ),
 )
 def _decode_pallas(
@@ -119,7 +130,7 @@ def _decode_pallas(
     *,
     scale: float,
     num_splits: int | None,
-    pages_per_chunk: int | None,
+    chunk_tokens: int,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -130,17 +141,8 @@ def _decode_pallas(
     group = num_q_heads // num_kv_heads
     group_p = max(16, next_pow2(group))
     max_pages = block_tables.shape[1]
-
-    if pages_per_chunk is None:
-        pages_per_chunk = max(1, _TARGET_CHUNK_TOKENS // block_size)
-        pages_per_chunk = min(pages_per_chunk, max(next_pow2(max_pages), cdiv(16, block_size)))
-    if pages_per_chunk * block_size < 16 or next_pow2(pages_per_chunk) != pages_per_chunk:
-        raise ValueError("pages_per_chunk must be a power of two covering >= 16 tokens")
-    max_chunks = cdiv(max_pages, pages_per_chunk)
-    splits = num_splits or _auto_splits(num_seqs, num_kv_heads, max_chunks)
-    splits = max(1, min(splits, max_chunks))
-    pages_per_split = cdiv(max_chunks, splits) * pages_per_chunk
-    padded_pages = pages_per_split * splits
+    splits, chunks_per_split, padded_pages = decode_plan(
+        num_seqs, num_kv_heads, max_pages, block_size, chunk_tokens, num_splits)
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
@@ -151,8 +153,8 @@ def _decode_pallas(
         _decode_kernel,
         num_kv_heads=num_kv_heads,
         num_blocks=num_blocks,
-        pages_per_chunk=pages_per_chunk,
-        pages_per_split=pages_per_split,
+        chunk_tokens=chunk_tokens,
+        chunks_per_split=chunks_per_split,
         scale=float(scale),
     )
     whole = pl.no_block_spec
@@ -179,7 +181,7 @@ def _decode_pallas(
         ],
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"paged_decode_g{group_p}_c{pages_per_chunk}x{block_size}",
+        name=f"paged_decode_g{group_p}_d{head_dim}_c{chunk_tokens}_bs{block_size}",
     )(
         layer.reshape(1),
         context_lens.astype(jnp.int32),
@@ -247,9 +249,10 @@ def paged_decode_attention(
     layer: int | jax.Array | None = None,
     backend: str | None = None,
     num_splits: int | None = None,
+    chunk_tokens: int | None = None,
     pages_per_chunk: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> jax.Array:
     """Attention of one new query token per sequence over its paged context.
 
@@ -263,6 +266,8 @@ def paged_decode_attention(
       layer: python int or traced int32 scalar selecting the cache layer.
       backend: "pallas", "xla" or None (auto, see :mod:`pallas_kernels.backend`).
       num_splits: flash-decoding partitions of the context (None: fill the GPU).
+      chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters; None takes
+        them from :mod:`pallas_kernels.tuning` for the target GPU.
     Returns:
       ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.
     """
@@ -273,8 +278,12 @@ def paged_decode_attention(
         return paged_decode_attention_ref(
             q, k_cache, v_cache, block_tables, context_lens, lay, scale=float(scale)
         )
+    tuned = tuning.lookup("decode", k_cache.dtype, q.shape[-1])
     return _decode_pallas(
         q, k_cache, v_cache, block_tables, context_lens, lay,
-        scale=float(scale), num_splits=num_splits, pages_per_chunk=pages_per_chunk,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret_mode(),
+        scale=float(scale), num_splits=num_splits,
+        chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
+                                          tuned.chunk_tokens),
+        num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages,
+        interpret=interpret_mode(),
     )

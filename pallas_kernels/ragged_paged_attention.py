@@ -6,8 +6,9 @@ tokens of one sequence. The item list is computed with a few jnp ops from ``cu_q
 number of items, so shapes stay static); surplus items have zero rows and return at once.
 The grid is ``(kv_head, item)``. One program loads its ``block_q`` tokens times the padded
 GQA group as a single ``[block_q * group_p, head_dim]`` tile (rows ordered token-major),
-walks the sequence's block table up to its last query's position with an online softmax,
-and stores only its valid rows. Query token ``i`` of a sequence with ``q_len`` new tokens
+walks the sequence's context up to its last query's position in chunks of ``chunk_tokens``
+(masked loads through the block table, shared with the decode kernel) with an online
+softmax, and stores only its valid rows. Query token ``i`` of a sequence with ``q_len`` new tokens
 and ``kv_len`` total tokens sits at position ``kv_len - q_len + i`` and sees positions
 ``<=`` its own, so a decode row is simply an item with one token.
 
@@ -25,11 +26,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import tuning
 from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
+from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
 
-_TARGET_ROWS = 64
-_TARGET_CHUNK_TOKENS = 64
 _XLA_BLOCK_Q = 32
 
 
@@ -77,14 +78,13 @@ def _ragged_kernel(
     num_blocks: int,
     group_p: int,
     block_q: int,
-    pages_per_chunk: int,
+    chunk_tokens: int,
     scale: float,
 ):
     del out_in_ref
     head, item = pl.program_id(0), pl.program_id(1)
     _, block_size, head_dim = k_ref.shape
     rows = block_q * group_p
-    chunk_tokens = pages_per_chunk * block_size
     exact = q_ref.dtype == jnp.float32
 
     seq = items_ref[0, item]
@@ -92,8 +92,7 @@ def _ragged_kernel(
     n_rows = items_ref[2, item]
     pos0 = items_ref[3, item]
     kv_end = jnp.where(n_rows > 0, pos0 + n_rows, 0)
-    used_pages = (kv_end + block_size - 1) // block_size
-    num_chunks = (used_pages + pages_per_chunk - 1) // pages_per_chunk
+    num_chunks = (kv_end + chunk_tokens - 1) // chunk_tokens
     base_page = (layer_ref[0] * num_kv_heads + head) * num_blocks
 
     row_slice = pl.ds(q_start * group_p, rows)
@@ -104,18 +103,11 @@ def _ragged_kernel(
 
     def body(c, carry):
         acc, m_prev, l_prev = carry
-        page0 = c * pages_per_chunk
-        page_pos = page0 + jnp.arange(pages_per_chunk, dtype=jnp.int32)
-        ids = tables_ref[seq, pl.ds(page0, pages_per_chunk)]
-        ids = jnp.where(page_pos < used_pages, ids, 0) + base_page
-        k = k_ref[ids].reshape(chunk_tokens, head_dim)
-        v = v_ref[ids].reshape(chunk_tokens, head_dim)
-        kv_pos = page0 * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        in_range = kv_pos < kv_end
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & in_range[None, :]
+        k, v, kv_pos = load_kv_chunk(k_ref, v_ref, tables_ref, seq, c, kv_end, base_page,
+                                     block_size=block_size, chunk_tokens=chunk_tokens)
+        visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_end)[None, :]
         logits = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale
         logits = jnp.where(visible, logits, MASK_VALUE)
-        v = jnp.where(in_range[:, None], v, jnp.zeros_like(v))
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(logits - m_next[:, None])
@@ -134,10 +126,20 @@ def _ragged_kernel(
     plgpu.store(out_ref.at[head, row_slice, :], out, mask=row_valid[:, None])
 
 
+def ragged_block_q(block_q: int | None, group: int, tuned_block_q: int) -> int:
+    """Query tokens per program: the tuned row count divided by the padded GQA group."""
+    group_p = next_pow2(group)
+    if block_q is None:
+        block_q = max(1, tuned_block_q // group_p)
+    if block_q * group_p < 16 or next_pow2(block_q) != block_q:
+        raise ValueError("block_q must be a power of two with block_q * group_p >= 16")
+    return block_q
+
+
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "block_q", "pages_per_chunk", "num_warps", "num_stages", "interpret"
+        "scale", "block_q", "chunk_tokens", "num_warps", "num_stages", "interpret"
     ),
 )
 def _ragged_pallas(
@@ -151,8 +153,8 @@ def _ragged_pallas(
     layer: jax.Array,
     *,
     scale: float,
-    block_q: int | None,
-    pages_per_chunk: int | None,
+    block_q: int,
+    chunk_tokens: int,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -162,14 +164,8 @@ def _ragged_pallas(
     num_tokens, num_q_heads, _ = q.shape
     group = num_q_heads // num_kv_heads
     group_p = next_pow2(group)
-    if block_q is None:
-        block_q = max(1, _TARGET_ROWS // group_p)
-    if block_q * group_p < 16 or next_pow2(block_q) != block_q:
-        raise ValueError("block_q must be a power of two with block_q * group_p >= 16")
     max_pages = block_tables.shape[1]
-    if pages_per_chunk is None:
-        pages_per_chunk = max(1, _TARGET_CHUNK_TOKENS // block_size)
-        pages_per_chunk = min(pages_per_chunk, max(next_pow2(max_pages), cdiv(16, block_size)))
+    pages_per_chunk, _ = chunk_layout(block_size, chunk_tokens)
     padded_pages = cdiv(max_pages, pages_per_chunk) * pages_per_chunk
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_pages - max_pages)))
 
@@ -188,7 +184,7 @@ def _ragged_pallas(
         num_blocks=num_blocks,
         group_p=group_p,
         block_q=block_q,
-        pages_per_chunk=pages_per_chunk,
+        chunk_tokens=chunk_tokens,
         scale=float(scale),
     )
     whole = pl.no_block_spec
@@ -201,7 +197,8 @@ def _ragged_pallas(
         input_output_aliases={6: 0},
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"ragged_paged_attention_q{block_q}_g{group_p}_c{pages_per_chunk}x{block_size}",
+        name=f"ragged_paged_attention_q{block_q}_g{group_p}_d{head_dim}_c{chunk_tokens}"
+             f"_bs{block_size}",
     )(layer.reshape(1), items, tables, qg, k5.reshape(flat_shape), v5.reshape(flat_shape),
       out_init)
     out = out.reshape(num_kv_heads, padded_tokens, group_p, head_dim).transpose(1, 0, 2, 3)
@@ -276,9 +273,10 @@ def ragged_paged_attention(
     layer: int | jax.Array | None = None,
     backend: str | None = None,
     block_q: int | None = None,
+    chunk_tokens: int | None = None,
     pages_per_chunk: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> jax.Array:
     """Causal attention for a flat batch of query tokens from many sequences.
 
@@ -291,6 +289,8 @@ def ragged_paged_attention(
       block_tables: ``[max_seqs, max_blocks_per_seq]`` int32.
       cu_q_lens: ``[max_seqs + 1]`` int32 cumulative query lengths.
       num_seqs: int32 scalar array, number of live sequences.
+      block_q, chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters;
+        None takes them from :mod:`pallas_kernels.tuning` for the target GPU.
     Returns:
       ``[num_tokens, num_q_heads, head_dim]``; rows past ``cu_q_lens[num_seqs]`` are zero.
     """
@@ -303,8 +303,13 @@ def ragged_paged_attention(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
             scale=float(scale),
         )
+    tuned = tuning.lookup("ragged", k_cache.dtype, q.shape[-1])
+    group = q.shape[1] // k_cache.shape[-4]
     return _ragged_pallas(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-        scale=float(scale), block_q=block_q, pages_per_chunk=pages_per_chunk,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret_mode(),
+        scale=float(scale), block_q=ragged_block_q(block_q, group, tuned.block_q),
+        chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
+                                          tuned.chunk_tokens),
+        num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages,
+        interpret=interpret_mode(),
     )

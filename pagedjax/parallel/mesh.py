@@ -164,6 +164,19 @@ def shard_params(params: dict, config: LlamaConfig, mesh: Mesh, shard_vocab: boo
     return jax.tree.map(_place, params, shardings)
 
 
+def abstract_sharded_params(params: dict, config: LlamaConfig, mesh: Mesh,
+                            shard_vocab: bool = True) -> dict:
+    """`shard_params` on a ShapeDtypeStruct tree: KV columns replicated, shardings attached."""
+    r = kv_replication(config, mesh.shape[AXIS])
+    layers = dict(params["layers"])
+    for key in ("k_proj", "v_proj"):
+        k = layers[key]["kernel"]
+        layers[key] = {"kernel": jax.ShapeDtypeStruct((*k.shape[:-1], k.shape[-1] * r), k.dtype)}
+    params = {**params, "layers": layers}
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        params, param_shardings(mesh, config, shard_vocab))
+
+
 def _place(x, sharding: NamedSharding):
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x

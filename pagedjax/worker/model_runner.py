@@ -25,6 +25,7 @@ from pagedjax.parallel import multihost
 from pagedjax.parallel.attention import ShardedPagedAttention, sharded_copy_blocks
 from pagedjax.parallel.mesh import (
     AXIS,
+    abstract_sharded_params,
     cache_sharding,
     make_mesh,
     replicated,
@@ -48,32 +49,12 @@ def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
 class ModelRunner:
     def __init__(self, config: LlamaConfig, params: dict, engine_config: EngineConfig, dtype,
                  max_model_len: int, shard_vocab: bool = True):
-        # Tensor parallelism (docs/tensor-parallel.md): params and KV heads split over a
-        # ("tp",) mesh; `self.config` is the config the sharded model runs with (KV heads
-        # counted after replication), `model_config` the checkpoint's.
-        self.tp = engine_config.tensor_parallel_size
-        self.model_config = config
-        self.mesh = None
-        self.shard_vocab = shard_vocab  # embeddings/lm_head split on vocab (else replicated)
-        attn = PagedAttention(engine_config.attention_backend)
-        if self.tp > 1:
-            validate_tp(config, self.tp)
-            if multihost.is_multiprocess() and engine_config.preemption_mode == "swap":
-                raise ValueError("preemption_mode: 'swap' is not supported across processes; "
-                                 "use 'recompute'")
-            self.mesh = make_mesh(self.tp)
+        self._setup(config, engine_config, dtype, max_model_len, shard_vocab)
+        if self.mesh is not None:
             params = shard_params(params, config, self.mesh, shard_vocab)
-            config = sharded_config(config, self.tp)
-            attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend)
-        self.config = config
         # Committed placement: `update_params` keeps shardings, so the step sees arguments of
         # identical type before and after a weight swap (no retrace, no recompile).
         self.params = params if self.mesh is not None else jax.device_put(params, jax.local_devices()[0])
-        self.engine_config = engine_config
-        self.dtype = dtype
-        self.block_size = engine_config.block_size
-        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        self.model = LlamaForCausalLM(config, attn, dtype)
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
                                   // kv_bytes_per_block(config, self.block_size, dtype))
@@ -83,6 +64,62 @@ class ModelRunner:
         self._host_k: np.ndarray | None = None
         self._host_v: np.ndarray | None = None
         self.compiled_shapes: set[tuple] = set()
+
+    def _setup(self, config: LlamaConfig, engine_config: EngineConfig, dtype, max_model_len: int,
+               shard_vocab: bool, devices=None) -> None:
+        """Model, mesh and sizes: everything but device state (params and caches)."""
+        # Tensor parallelism (docs/tensor-parallel.md): params and KV heads split over a
+        # ("tp",) mesh; `self.config` is the config the sharded model runs with (KV heads
+        # counted after replication), `model_config` the checkpoint's.
+        self.tp = engine_config.tensor_parallel_size
+        self.model_config = config
+        self.mesh = None
+        self.shard_vocab = shard_vocab  # embeddings/lm_head split on vocab (else replicated)
+        attn = PagedAttention(engine_config.attention_backend)
+        if self.tp > 1:
+            validate_tp(config, self.tp, None if devices is None else len(devices))
+            if multihost.is_multiprocess() and engine_config.preemption_mode == "swap":
+                raise ValueError("preemption_mode: 'swap' is not supported across processes; "
+                                 "use 'recompute'")
+            self.mesh = make_mesh(self.tp, devices)
+            config = sharded_config(config, self.tp)
+            attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend)
+        self.config = config
+        self.engine_config = engine_config
+        self.dtype = dtype
+        self.block_size = engine_config.block_size
+        self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
+        self.model = LlamaForCausalLM(config, attn, dtype)
+
+    @classmethod
+    def compile_only(cls, config: LlamaConfig, engine_config: EngineConfig, dtype,
+                     max_model_len: int, devices, shard_vocab: bool = True) -> ModelRunner:
+        """A runner that holds no device state, over compile-only ``devices``: its `_step`
+        can be lowered with `abstract_state` for deviceless AOT compilation
+        (`pagedjax.aot.step`), so the compile tier builds exactly the serving step."""
+        self = cls.__new__(cls)
+        self._setup(config, engine_config, dtype, max_model_len, shard_vocab, devices)
+        self.devices = tuple(devices)
+        return self
+
+    def abstract_state(self, num_blocks: int) -> tuple[dict, jax.ShapeDtypeStruct,
+                                                         jax.ShapeDtypeStruct]:
+        """ShapeDtypeStructs of (params, k_cache, v_cache) as this runner would place them."""
+        from models.weights import abstract_params
+
+        params = abstract_params(self.model_config, self.dtype)
+        c = self.config
+        shape = (c.num_layers, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
+        if self.mesh is None:
+            sh = jax.sharding.SingleDeviceSharding(self.devices[0])
+            params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                  params)
+            cache = jax.ShapeDtypeStruct(shape, self.dtype, sharding=sh)
+        else:
+            params = abstract_sharded_params(params, self.model_config, self.mesh,
+                                             self.shard_vocab)
+            cache = jax.ShapeDtypeStruct(shape, self.dtype, sharding=cache_sharding(self.mesh))
+        return params, cache, cache
 
     def _zeros_cache(self, num_blocks: int) -> jax.Array:
         """A zero KV cache, split on the KV-head axis under tensor parallelism."""

@@ -1,0 +1,183 @@
+"""Every attention/cache kernel configuration the engine can pick, compiled for a target.
+
+The engine calls the kernels with default launch parameters, so what it can pick is the
+product of the model-side axes (block size, head_dim, GQA group, cache dtype) with what
+:mod:`pallas_kernels.tuning` answers for the target's architecture. Configurations that
+lower to the same Triton kernel (same tile shapes, dtype, warps, stages; e.g. GQA groups 5-8
+all pad to 8 in the ragged kernel) are compiled once and share a report row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from pagedjax.aot.resources import KernelResources, compile_with_resources
+from pagedjax.aot.target import compile_only_devices
+from pallas_kernels import copy_blocks, paged_decode_attention, ragged_paged_attention, tuning, write_kv
+from pallas_kernels._common import next_pow2
+from pallas_kernels._kv_chunks import chunk_layout
+from pallas_kernels.paged_decode_attention import decode_plan
+from pallas_kernels.ragged_paged_attention import ragged_block_q
+
+BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
+HEAD_DIMS = (64, 128, 256)
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+DTYPES = ("bfloat16", "float16", "float32")
+NUM_KV_HEADS = 2
+NUM_BLOCKS = 64
+# Table widths: one that gives a single decode split and one that gives several.
+DECODE_TABLE_PAGES = (1, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCase:
+    kernel: str  # decode | ragged | write_kv | copy_blocks
+    dtype: str
+    head_dim: int
+    block_size: int
+    group: int = 1
+    # Launch parameters; None: what pallas_kernels.tuning answers (what the engine gets).
+    launch: tuning.KernelTuning | None = None
+
+    def tuned(self, arch: str) -> tuning.KernelTuning:
+        return self.launch or tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
+
+    def key(self, arch: str) -> tuple:
+        """What determines the compiled Triton kernel (see module docstring)."""
+        if self.kernel not in ("decode", "ragged"):
+            return (self.kernel, self.dtype, self.head_dim, self.block_size)
+        t = self.tuned(arch)
+        if self.kernel == "decode":
+            group_p, block_q = max(16, next_pow2(self.group)), 1
+        else:
+            group_p, block_q = next_pow2(self.group), ragged_block_q(None, self.group, t.block_q)
+        return (self.kernel, self.dtype, self.head_dim, self.block_size, group_p, block_q,
+                t.chunk_tokens, t.num_warps, t.num_stages)
+
+
+def engine_cases() -> list[KernelCase]:
+    cases = [KernelCase(k, dt, d, bs, g) for k, dt, d, bs, g in itertools.product(
+        ("decode", "ragged"), DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
+    cases += [KernelCase(k, dt, d, bs) for k, dt, d, bs in itertools.product(
+        ("write_kv", "copy_blocks"), DTYPES, HEAD_DIMS, BLOCK_SIZES)]
+    return cases
+
+
+def _lower(case: KernelCase, device, table_pages: int, arch: str):
+    dt = jnp.dtype(case.dtype)
+    sh = SingleDeviceSharding(device)
+    S = functools.partial(jax.ShapeDtypeStruct, sharding=sh)
+    hq = NUM_KV_HEADS * case.group
+    cache = S((2, NUM_KV_HEADS, NUM_BLOCKS, case.block_size, case.head_dim), dt)
+    i32 = jnp.int32
+    launch = {}
+    if case.launch is not None:
+        t = case.launch
+        launch = dict(num_warps=t.num_warps, num_stages=t.num_stages, chunk_tokens=t.chunk_tokens)
+        if case.kernel == "ragged":
+            launch["block_q"] = ragged_block_q(None, case.group, t.block_q)
+    if case.kernel == "decode":
+        fn = lambda q, k, v, bt, lens, layer: paged_decode_attention(
+            q, k, v, bt, lens, scale=0.1, layer=layer, backend="pallas", **launch)
+        args = (S((4, hq, case.head_dim), dt), cache, cache, S((4, table_pages), i32),
+                S((4,), i32), S((), i32))
+    elif case.kernel == "ragged":
+        fn = lambda q, k, v, kl, bt, cu, n, layer: ragged_paged_attention(
+            q, k, v, kl, bt, cu, n, scale=0.1, layer=layer, backend="pallas", **launch)
+        args = (S((64, hq, case.head_dim), dt), cache, cache, S((8,), i32), S((8, 16), i32),
+                S((9,), i32), S((), i32), S((), i32))
+    elif case.kernel == "write_kv":
+        tok = S((32, NUM_KV_HEADS, case.head_dim), dt)
+        fn = lambda k, v, kc, vc, slots, layer: write_kv(k, v, kc, vc, slots, layer=layer,
+                                                          backend="pallas")
+        args = (tok, tok, cache, cache, S((32,), i32), S((), i32))
+    else:
+        fn = lambda kc, vc, m: copy_blocks(kc, vc, m, backend="pallas")
+        args = (cache, cache, S((8, 2), i32))
+    with jax.default_device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Pallas-Triton deprecation
+        return jax.jit(fn).lower(*args)
+
+
+def compile_case(case: KernelCase, target: str, arch: str) -> dict:
+    """Compile one configuration; a row per Triton kernel in it (XLA glue is dropped)."""
+    device = compile_only_devices(target)[0]
+    rows = []
+    widths = DECODE_TABLE_PAGES if case.kernel == "decode" else (0,)
+    for pages in widths:
+        t0 = time.perf_counter()
+        try:
+            _, kernels, _ = compile_with_resources(_lower(case, device, pages, arch))
+            error = None
+        except Exception as e:  # reported, and fails the tier
+            kernels, error = {}, f"{type(e).__name__}: {str(e)[:3000]}"
+        seconds = time.perf_counter() - t0
+        mine = [r for n, r in kernels.items() if _is_ours(n)]
+        rows.append(dict(table_pages=pages,
+                         compile_s=round(seconds, 3), error=error,
+                         kernels=[_row(r) for r in mine], extra=_launch_extra(case, arch, pages)))
+        if error is None and not mine:
+            rows[-1]["error"] = "no Triton kernel found in the compiled executable"
+    return dict(rows=rows)
+
+
+def _is_ours(name: str) -> bool:
+    return name.startswith(("paged_decode", "ragged_paged_attention", "write_kv", "copy_blocks"))
+
+
+def _row(r: KernelResources) -> dict:
+    return dict(name=r.name, registers=r.registers, spill_stores=r.spill_stores,
+                spill_loads=r.spill_loads, stack_bytes=r.stack_bytes, local_bytes=r.local_bytes,
+                static_smem=r.static_smem, dynamic_smem=r.dynamic_smem, threads=r.threads,
+                grid=list(r.grid))
+
+
+def _launch_extra(case: KernelCase, arch: str, pages: int) -> dict:
+    if case.kernel not in ("decode", "ragged"):
+        return {}
+    t = case.tuned(arch)
+    ppc, cpp = chunk_layout(case.block_size, t.chunk_tokens)
+    extra = dict(num_warps=t.num_warps, num_stages=t.num_stages, chunk_tokens=t.chunk_tokens,
+                 pages_per_chunk=ppc, chunks_per_page=cpp)
+    if case.kernel == "decode":
+        splits, _, _ = decode_plan(4, NUM_KV_HEADS, pages, case.block_size, t.chunk_tokens, None)
+        extra["num_splits"] = splits
+    else:
+        extra["block_q"] = ragged_block_q(None, case.group, t.block_q)
+    return extra
+
+
+def sweep(target: str, cases: list[KernelCase] | None = None, log=print) -> dict:
+    """Compile every distinct configuration once.
+
+    Returns ``{"configs": [...], "compiled": [...]}``: each engine configuration names the
+    index of its compiled kernel, and each compiled entry has its rows (one per table width
+    for decode) with registers, spills, shared memory and compile time.
+    """
+    arch = tuning.arch_of(compile_only_devices(target)[0].device_kind)
+    cases = engine_cases() if cases is None else cases
+    index: dict[tuple, int] = {}
+    compiled: list[dict] = []
+    configs = []
+    for case in cases:
+        key = case.key(arch)
+        if key not in index:
+            index[key] = len(compiled)
+            entry = dict(key=list(key), **compile_case(case, target, arch))
+            compiled.append(entry)
+            worst = max((k["registers"] for r in entry["rows"] for k in r["kernels"]), default=0)
+            bad = any(r["error"] for r in entry["rows"])
+            log(f"  {target} {case.kernel:11s} {case.dtype:8s} d={case.head_dim:3d} "
+                f"bs={case.block_size:3d} g={case.group} regs<={worst} "
+                f"{'ERROR' if bad else 'ok'}")
+        configs.append(dict(kernel=case.kernel, dtype=case.dtype, head_dim=case.head_dim,
+                            block_size=case.block_size, group=case.group, compiled=index[key]))
+    return dict(arch=arch, configs=configs, compiled=compiled)

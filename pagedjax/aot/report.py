@@ -1,0 +1,125 @@
+"""The compile tier's report: one JSON per target, and the checks `make test` applies to it."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata as md
+import json
+import platform
+import re
+from pathlib import Path
+
+import jax
+
+from pagedjax.aot import kernel_sweep, step
+from pagedjax.aot.target import compile_only_devices, sm_version, target_config
+
+REPORT_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
+# Step compiles per target: (model, tensor-parallel degrees). TP > 1 runs on an abstract
+# one-host N-GPU topology; A100 and B200 get the single-GPU steps only.
+STEP_PLAN = {
+    "h100": (("smollm2-135m", (1,)), ("llama3-8b", (1, 2, 4, 8))),
+    "a100": (("smollm2-135m", (1,)), ("llama3-8b", (1,))),
+    "b200": (("llama3-8b", (1,)),),
+}
+
+
+def report_path(target: str, root: Path = REPORT_DIR) -> Path:
+    return root / f"aot-{target}" / "report.json"
+
+
+def smem_limit(target: str) -> int:
+    """Opt-in shared memory per block: what one launch may use."""
+    return int(re.search(r"shared_memory_per_block_optin:\s*(\d+)", target_config(target))[1])
+
+
+def build(target: str, kernels: bool = True, steps: bool = True, log=print) -> dict:
+    """Compile the kernel sweep and the engine steps for ``target``; the whole report."""
+    versions = {p: md.version(p) for p in ("jax", "jaxlib", "jax-cuda13-plugin",
+                                          "nvidia-cuda-nvcc", "nvidia-nvjitlink")}
+    report = dict(
+        target=target, device_kind=compile_only_devices(target)[0].device_kind,
+        sm=sm_version(target), smem_limit=smem_limit(target), versions=versions,
+        host=f"{platform.machine()} {platform.system()}, deviceless (JAX_PLATFORMS=cpu)",
+        date=datetime.date.today().isoformat(),
+        reproduce=f"make aot-report TARGETS={target}",
+    )
+    if kernels:
+        report["kernels"] = kernel_sweep.sweep(target, log=log)
+    if steps:
+        report["steps"] = []
+        for model, tps in STEP_PLAN[target]:
+            for tp in tps:
+                shapes = None if tp == 1 else [s for s in step.step_shapes(4096)
+                                               if s.name in ("decode_b64", "mixed_512+63")]
+                report["steps"] += step.compile_step(model, target, tp=tp, shapes=shapes, log=log)
+    report["summary"] = summarize(report)
+    return report
+
+
+def summarize(report: dict) -> dict:
+    out: dict = {}
+    limit = report["smem_limit"]
+    if "kernels" in report:
+        rows = [(c["key"], r) for c in report["kernels"]["compiled"] for r in c["rows"]]
+        ks = [k for _, r in rows for k in r["kernels"]]
+        out.update(
+            engine_configs=len(report["kernels"]["configs"]),
+            distinct_kernels=len(report["kernels"]["compiled"]),
+            compiles=len(rows),
+            kernel_failures=[key for key, r in rows if r["error"]],
+            kernels_spilling=sorted({k["name"] for k in ks if k["spill_stores"] + k["spill_loads"]}),
+            kernels_over_smem=sorted({k["name"] for k in ks
+                                      if k["static_smem"] + k["dynamic_smem"] > limit}),
+            max_registers=max((k["registers"] for k in ks), default=0),
+            max_smem=max((k["static_smem"] + k["dynamic_smem"] for k in ks), default=0),
+            kernel_compile_s=round(sum(r["compile_s"] for _, r in rows), 1),
+        )
+    if "steps" in report:
+        steps = report["steps"]
+        out.update(
+            steps=len(steps),
+            step_failures=[f"{s['model']} tp={s['tp']} {s['shape']}" for s in steps
+                           if s["error"] or s["sampler_error"]],
+            steps_spilling=sorted({n for s in steps for n in s["spilling"] + s["sampler_spilling"]}),
+            step_compile_s=round(sum(s["compile_s"] + s["sampler_compile_s"] for s in steps), 1),
+        )
+    return out
+
+
+def problems(report: dict) -> list[str]:
+    """Everything that fails the tier, as readable lines (empty: the target is clean)."""
+    s = report["summary"]
+    out = [f"compile failed: {k}" for k in s.get("kernel_failures", [])]
+    out += [f"spills: {k}" for k in s.get("kernels_spilling", [])]
+    out += [f"shared memory over {report['smem_limit']} B: {k}" for k in s.get("kernels_over_smem", [])]
+    out += [f"step failed: {k}" for k in s.get("step_failures", [])]
+    out += [f"step kernel spills: {k}" for k in s.get("steps_spilling", [])]
+    return out
+
+
+def comparable(report: dict) -> dict:
+    """What must match between a fresh build and the committed report (no timings or dates):
+    every engine configuration, its launch parameters, and each kernel's resources."""
+    kernels = report.get("kernels", {})
+    return dict(
+        configs=kernels.get("configs", []),
+        compiled=[dict(key=c["key"], rows=[dict(
+            extra=r["extra"], error=bool(r["error"]),
+            kernels=[{k: v for k, v in kr.items() if k != "grid"} for kr in r["kernels"]])
+            for r in c["rows"]]) for c in kernels.get("compiled", [])],
+        steps=[{k: v for k, v in s.items() if not k.endswith("compile_s") and k != "error"}
+               for s in report.get("steps", [])],
+    )
+
+
+def write(report: dict, root: Path = REPORT_DIR) -> Path:
+    path = report_path(report["target"], root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def check_backend() -> None:
+    if jax.default_backend() != "cpu":
+        raise RuntimeError("the compile tier runs deviceless: set JAX_PLATFORMS=cpu")

@@ -1,0 +1,159 @@
+"""The engine's whole jitted step, compiled for a compile-only GPU at real model shapes.
+
+`ModelRunner.compile_only` builds the same runner the engine serves with (same model, same
+attention, same TP sharding) minus device state, and `_step` is lowered on
+ShapeDtypeStructs, so an 8B model compiles on a laptop-sized CPU host with no weights.
+Buckets follow `build_step_inputs` (what the scheduler can hand the runner): decode at
+several batch sizes, a prefill, and a mixed prefill-chunk + decode step; the sampler's
+jitted `sample` is compiled at the matching row buckets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from models.config import LlamaConfig
+from pagedjax.aot.resources import compile_with_resources
+from pagedjax.aot.target import compile_only_devices
+from pagedjax.config import EngineConfig
+from pagedjax.core.scheduler import ScheduledSeq
+from pagedjax.sampler import SamplingMetadata, SeqSamplingState, sample
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.worker.model_runner import ModelRunner
+from pagedjax.worker.step_inputs import build_step_inputs
+
+MODELS = {
+    # SmolLM2-135M-Instruct, the demo model.
+    "smollm2-135m": LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
+        tie_word_embeddings=True),
+    # Meta-Llama-3-8B: 32 layers, 32 query / 8 KV heads of 128, llama3 rope scaling.
+    "llama3-8b": LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                      ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
+        max_position_embeddings=8192),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+    name: str
+    seqs: tuple[tuple[int, int], ...]  # (new tokens, context length incl. them) per sequence
+
+
+def step_shapes(max_model_len: int) -> list[StepShape]:
+    """Decode at batch 1/64/256 (short and max-length contexts), a 2048-token prefill, and a
+    mixed step (a 512-token prefill chunk at a 1024 offset + 63 decode rows)."""
+    return [
+        StepShape("decode_b1", ((1, max_model_len),)),
+        StepShape("decode_b64", ((1, 700),) * 64),
+        StepShape("decode_b256", ((1, max_model_len // 2),) * 256),
+        StepShape("prefill_2048", ((2048, 2048),)),
+        StepShape("mixed_512+63", ((512, 1536),) + ((1, 900),) * 63),
+    ]
+
+
+def _inputs(shape: StepShape, runner: ModelRunner):
+    bs = runner.block_size
+    sched, nxt = [], 0
+    for i, (q, ctx) in enumerate(shape.seqs):
+        pages = math.ceil(ctx / bs)
+        table = list(range(nxt, nxt + pages))
+        nxt += pages
+        sched.append(ScheduledSeq(i, "aot", [0] * q, ctx - q, table, True))
+    return build_step_inputs(sched, bs, runner.max_blocks_per_seq), nxt
+
+
+def _sampler(rows: int, vocab: int, device) -> dict:
+    """The sampler compiles once per row bucket; later steps of that bucket reuse it."""
+    fresh = (rows, vocab, device) not in _seen
+    _seen.add((rows, vocab, device))
+    return dict(_sampler_report(rows, vocab, device), _fresh=fresh)
+
+
+_seen: set = set()
+
+
+def _abstract(x, sharding):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block_size: int = 16,
+                 max_model_len: int = 4096, shapes: list[StepShape] | None = None,
+                 log=print) -> list[dict]:
+    """Compile the runner's step (and the sampler) for every shape; a report row each."""
+    config = MODELS[model]
+    devices = compile_only_devices(target, tp)
+    engine_config = EngineConfig(block_size=block_size, tensor_parallel_size=tp,
+                                 attention_backend="pallas", num_gpu_blocks=1)
+    runner = ModelRunner.compile_only(config, engine_config, dtype, max_model_len, devices)
+    rows = []
+    for shape in shapes or step_shapes(max_model_len):
+        inputs, pages = _inputs(shape, runner)
+        params, k_cache, v_cache = runner.abstract_state(max(pages, 64))
+        rep = (SingleDeviceSharding(devices[0]) if runner.mesh is None
+               else jax.sharding.NamedSharding(runner.mesh, jax.sharding.PartitionSpec()))
+        host = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        args = jax.tree.map(lambda x, rep=rep: _abstract(jnp.asarray(x), rep), host)
+        t0 = time.perf_counter()
+        row = dict(model=model, target=target, tp=tp, dtype=jnp.dtype(dtype).name,
+                   block_size=block_size, shape=shape.name, tokens=int(inputs.input_ids.shape[0]),
+                   seqs=len(shape.seqs), table_width=int(inputs.meta.block_tables.shape[1]),
+                   decode_only=bool(inputs.meta.decode_only))
+        try:
+            with jax.default_device(devices[0]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                lowered = ModelRunner._step.lower(runner, params, k_cache, v_cache, *args)
+                _, kernels, _ = compile_with_resources(lowered)
+            row["error"] = None
+        except Exception as e:
+            kernels, row["error"] = {}, f"{type(e).__name__}: {str(e)[:3000]}"
+        row["compile_s"] = round(time.perf_counter() - t0, 2)
+        row["kernels"] = len(kernels)
+        row["max_registers"] = max((k.registers for k in kernels.values()), default=0)
+        row["spilling"] = sorted(n for n, k in kernels.items() if k.spills)
+        row["max_smem"] = max((k.smem for k in kernels.values()), default=0)
+        row["attention_kernels"] = sorted(
+            n for n in kernels if n.startswith(("paged_decode", "ragged_paged", "write_kv")))
+        row.update(_sampler(len(inputs.logits_indices), config.vocab_size, devices[0]))
+        row["sampler_compile_s"] = row["sampler_compile_s"] if row.pop("_fresh") else 0.0
+        log(f"  {target} {model} tp={tp} {shape.name}: {row['compile_s']} s, "
+            f"{row['kernels']} kernels, spills in {row['spilling'] or 'none'}"
+            f"{'  ERROR ' + row['error'][:200] if row['error'] else ''}")
+        rows.append(row)
+    return rows
+
+
+@functools.cache
+def _sampler_report(rows: int, vocab: int, device) -> dict:
+    """Compile `sample` for a mixed batch: greedy, top-k/top-p/min-p, penalties, logprobs."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50,
+              top_p=0.9, min_p=0.05, presence_penalty=0.5, repetition_penalty=1.1)]
+    states = [SeqSamplingState([1, 2, 3], [4, 5], 0, 0), SeqSamplingState([1], [2], 1, 0)]
+    meta = SamplingMetadata.from_params(list(zip(params, states)), pad_to=rows,
+                                        vocab_size=vocab)
+    sh = SingleDeviceSharding(device)
+    abstract = jax.tree.map(lambda x: _abstract(jnp.asarray(x), sh), meta)
+    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=sh)
+    t0 = time.perf_counter()
+    try:
+        with jax.default_device(device):
+            lowered = sample.lower(logits, abstract, num_logprobs=5)
+            _, kernels, _ = compile_with_resources(lowered)
+        err = None
+    except Exception as e:
+        kernels, err = {}, f"{type(e).__name__}: {str(e)[:2000]}"
+    return dict(sampler_rows=rows, sampler_compile_s=round(time.perf_counter() - t0, 2),
+                sampler_error=err, sampler_spilling=sorted(n for n, k in kernels.items()
+                                                           if k.spills))

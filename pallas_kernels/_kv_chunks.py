@@ -1,0 +1,81 @@
+"""KV chunks shared by the attention kernels: how a chunk maps onto pages, and its loads.
+
+A chunk is ``chunk_tokens`` consecutive context tokens of one sequence, the unit of the
+kernels' inner loop. Both kernels walk the context the same way, so the page arithmetic and
+the masked loads live here once.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels._common import next_pow2
+
+
+def chunk_layout(block_size: int, chunk_tokens: int) -> tuple[int, int]:
+    """``(pages_per_chunk, chunks_per_page)`` for a KV chunk of ``chunk_tokens`` tokens.
+
+    Small pages are gathered several per chunk; a page larger than the chunk is walked in
+    ``chunks_per_page`` slices, so the tile size (shared memory, registers) is set by the
+    tuning table and not by the block size (a 256-token bf16 page at head_dim 128 is 64 KiB
+    of K alone, which with V and two pipeline stages overflows an H100's shared memory).
+    """
+    if chunk_tokens < 16 or next_pow2(chunk_tokens) != chunk_tokens:
+        raise ValueError(f"chunk_tokens must be a power of two >= 16; got {chunk_tokens}")
+    if block_size >= chunk_tokens:
+        return 1, block_size // chunk_tokens
+    return chunk_tokens // block_size, 1
+
+
+def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, *,
+                  block_size: int, chunk_tokens: int):
+    """Masked loads of one KV chunk ``[chunk_tokens, D]`` through the block table.
+
+    Token slots at or past ``used_tokens`` are not read (masked loads, zero-filled), so the
+    kernel never depends on cache contents the table does not name for this context, and
+    Triton can software-pipeline the loads. Table entries past the last used page are
+    replaced by page 0 of the same layer/head, so no address comes from junk entries.
+    """
+    head_dim = k_ref.shape[-1]
+    pages_per_chunk, chunks_per_page = chunk_layout(block_size, chunk_tokens)
+    used_pages = (used_tokens + block_size - 1) // block_size
+    if chunks_per_page == 1:
+        page0 = chunk * pages_per_chunk
+        page_pos = page0 + jnp.arange(pages_per_chunk, dtype=jnp.int32)
+        ids = tables_ref[seq, pl.ds(page0, pages_per_chunk)]
+        ids = jnp.where(page_pos < used_pages, ids, 0) + base_page
+        tok = page0 * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        mask = jnp.broadcast_to(
+            (tok < used_tokens).reshape(pages_per_chunk, block_size, 1),
+            (pages_per_chunk, block_size, head_dim))
+        # Index every axis with a (broadcast) array: the same pointer arithmetic as slices
+        # for Triton, and a form the CPU interpreter can run as a masked gather.
+        idx = (ids[:, None, None], jnp.arange(block_size, dtype=jnp.int32)[None, :, None],
+               jnp.arange(head_dim, dtype=jnp.int32)[None, None, :])
+        k = plgpu.load(k_ref.at[idx], mask=mask, other=0).reshape(chunk_tokens, head_dim)
+        v = plgpu.load(v_ref.at[idx], mask=mask, other=0).reshape(chunk_tokens, head_dim)
+    else:
+        # Plain multiply/subtract: jnp's floor `//` and `%` lower to selects Triton rejects.
+        page = lax.div(chunk, jnp.int32(chunks_per_page))
+        offset = (chunk - page * chunks_per_page) * chunk_tokens
+        block = jnp.where(page < used_pages, tables_ref[seq, page], 0) + base_page
+        tok = chunk * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
+        mask = jnp.broadcast_to((tok < used_tokens)[:, None], (chunk_tokens, head_dim))
+        rows = pl.ds(offset, chunk_tokens)
+        k = plgpu.load(k_ref.at[block, rows, :], mask=mask, other=0)
+        v = plgpu.load(v_ref.at[block, rows, :], mask=mask, other=0)
+    return k, v, tok
+
+
+def resolve_chunk_tokens(chunk_tokens: int | None, pages_per_chunk: int | None,
+                         block_size: int, tuned: int) -> int:
+    if chunk_tokens is not None and pages_per_chunk is not None:
+        raise ValueError("pass chunk_tokens or pages_per_chunk, not both")
+    if pages_per_chunk is not None:
+        if next_pow2(pages_per_chunk) != pages_per_chunk:
+            raise ValueError(f"pages_per_chunk must be a power of two; got {pages_per_chunk}")
+        chunk_tokens = pages_per_chunk * block_size
+    return tuned if chunk_tokens is None else chunk_tokens
