@@ -87,10 +87,13 @@ def test_write_kv_and_copy_blocks_update_in_place(backend):
 
 
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_copy_blocks_exact(backend, dtype):
+@pytest.mark.parametrize("dtype,shape", [("float32", SHAPE), ("bfloat16", SHAPE),
+                                         # 2 and 4 row tiles per block (tiled copy)
+                                         ("float32", (1, 2, 12, 128, 64)),
+                                         ("bfloat16", (2, 1, 12, 64, 256))])
+def test_copy_blocks_exact(backend, dtype, shape):
     rng = np.random.default_rng(8)
-    kc, vc = _cache(rng, dtype)
+    kc, vc = _cache(rng, dtype, shape)
     mapping = np.array([[1, 4], [-1, 2], [7, 9], [7, 11], [-1, -1]], np.int32)
     k_out, v_out = copy_blocks(jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(mapping),
                                backend=backend)

@@ -25,6 +25,10 @@ CASES = [
     ([9, 8, 1, 300], 8, 128, 8, "float16", 1),
     ([17, 33, 64], 3, 128, 32, "float16", 3),
     ([1024], 1, 64, 8, "float32", 1),
+    # Pages at or above the KV chunk size: whole-page and sub-page chunks.
+    ([70, 300], 4, 64, 64, "bfloat16", 2),
+    ([129, 5], 2, 128, 128, "float32", 1),
+    ([257, 600], 3, 64, 256, "float16", 1),
 ]
 
 
@@ -71,6 +75,20 @@ def test_split_counts_agree(num_splits):
     args = (pc.k_poison, pc.v_poison, pc.block_tables, pc.ctx_lens)
     ref = _run(args, q, 0.125, 0, "xla")
     out = _run(args, q, 0.125, 0, "pallas", num_splits=num_splits)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("block_size,chunk_tokens", [(8, 16), (32, 16), (32, 128), (64, 32)])
+def test_chunk_sizes_agree(block_size, chunk_tokens):
+    """Several pages per chunk, a slice of a page per chunk, and everything between give
+    the same attention (the tuning table may pick any of them)."""
+    rng = np.random.default_rng(17)
+    pc = make_paged(rng, ctx_lens=[300, 1, 64, 129], num_layers=1, num_kv_heads=2,
+                    block_size=block_size, head_dim=64, dtype="float32")
+    q = rng.standard_normal((4, 6, 64)).astype(np.float32)
+    args = (pc.k_poison, pc.v_poison, pc.block_tables, pc.ctx_lens)
+    ref = _run(args, q, 0.125, 0, "xla")
+    out = _run(args, q, 0.125, 0, "pallas", chunk_tokens=chunk_tokens, num_splits=3)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
 
 

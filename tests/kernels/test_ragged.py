@@ -21,6 +21,10 @@ CASES = [
     ([(1, 15), (20, 50)], 8, 128, 16, "float32", 1),
     ([(1, 31)], 3, 128, 32, "bfloat16", 1),
     ([(64, 200)], 4, 64, 8, "float32", 2),
+    # Pages at or above the KV chunk size: whole-page and sub-page chunks.
+    ([(1, 300), (20, 140)], 2, 64, 64, "bfloat16", 2),
+    ([(30, 290), (1, 5)], 4, 64, 256, "float32", 1),
+    ([(1, 200)], 1, 128, 128, "float16", 2),
 ]
 PAD_TOKENS = 5
 PAD_SEQS = 2
@@ -95,6 +99,15 @@ def test_ragged_block_q_agree(block_q):
     common = (kv_lens, tables, cu, len(seqs), head_dim**-0.5, 0)
     ref = _run(q, pc.k_poison, pc.v_poison, *common, "xla")
     out = _run(q, pc.k_poison, pc.v_poison, *common, "pallas", block_q=block_q)
+    np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("chunk_tokens", [16, 32, 128])
+def test_ragged_chunk_sizes_agree(chunk_tokens):
+    seqs, head_dim, dtype, pc, q, cu, kv_lens, tables = _build(2)  # block size 32
+    common = (kv_lens, tables, cu, len(seqs), head_dim**-0.5, 0)
+    ref = _run(q, pc.k_poison, pc.v_poison, *common, "xla")
+    out = _run(q, pc.k_poison, pc.v_poison, *common, "pallas", chunk_tokens=chunk_tokens)
     np.testing.assert_allclose(out, ref, atol=TOL[dtype], rtol=0)
 
 
