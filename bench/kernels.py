@@ -26,9 +26,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from results_dir import RESULTS, device_tag
 
 from pallas_kernels import paged_decode_attention, ragged_paged_attention
+
+if __package__:  # imported as bench.kernels (the GPU suite, bench/gpu_suite)
+    from bench.results_dir import RESULTS, device_tag
+else:  # run as `python bench/kernels.py` (bench/ is on sys.path)
+    from results_dir import RESULTS, device_tag
 
 
 def bench(fn: Callable[[], jax.Array], iters: int, warmup: int = 2) -> float:
@@ -67,54 +71,64 @@ def make_decode_inputs(batch, ctx, bs, hkv, hq, d, dtype, contiguous, seed=0):
     return q, k, v, tables, lens
 
 
-def run_decode(args, variants, grid, hkv, hq, d, dtype, copy_gbps):
+def decode_fn(variant: str, bs: int, ctx: int, scale: float, backend: str | None) -> Callable:
+    """The jitted decode call of one variant: (q, k, v, tables, lens) -> out."""
+    if variant in ("paged", "contiguous"):
+        return jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
+            q, k, v, bt, lens, scale=scale, layer=0, backend=backend))
+    if variant == "xla_ref":
+        return jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
+            q, k, v, bt, lens, scale=scale, layer=0, backend="xla"))
+    if variant != "upstream":
+        raise ValueError(f"unknown variant {variant!r}")
+    # jax upstream Pallas paged_attention (4-D [Hkv, NB, bs, D] pages)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import paged_attention as upstream
+    pages = ctx // bs
+    ppcb = max(1, min(pages, 64 // bs))
+    splits = max(1, min(16, pages // ppcb))
+    while pages % splits or (pages // splits) % ppcb:
+        splits -= 1
+    return jax.jit(lambda q, k, v, bt, lens: upstream.paged_attention(
+        q * scale, k[0], v[0], bt, lens, pages_per_compute_block=ppcb, k_splits=splits))
+
+
+def decode_point(args, variant: str, batch: int, ctx: int, bs: int, hkv: int, hq: int, d: int,
+                 dtype, copy_gbps: float) -> dict:
+    """Time one (variant, batch, context, block size) point; errors are recorded, not raised."""
+    kv_bytes = 2 * batch * ctx * hkv * d * jnp.dtype(dtype).itemsize
+    row = dict(kernel="decode", variant=variant, batch=batch, context=ctx, block_size=bs,
+               bytes=kv_bytes)
+    try:
+        q, k, v, bt, lens = make_decode_inputs(batch, ctx, bs, hkv, hq, d, dtype,
+                                               variant == "contiguous")
+        f = decode_fn(variant, bs, ctx, d**-0.5, args.backend)
+        t = bench(lambda: f(q, k, v, bt, lens), args.iters)
+        gbps = kv_bytes / t / 1e9
+        row.update(time_ms=t * 1e3, gbps=gbps, pct_of_copy=100 * gbps / copy_gbps)
+    except Exception as e:  # record and move on: one failing variant must not stop
+        row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+    return row
+
+
+def run_decode(args, variants, grid, hkv, hq, d, dtype, copy_gbps,
+               on_row: Callable[[dict], None] | None = None):
     rows = []
-    scale = d**-0.5
     for batch, ctx, bs in grid:
-        kv_bytes = 2 * batch * ctx * hkv * d * jnp.dtype(dtype).itemsize
         for variant in variants:
-            contiguous = variant == "contiguous"
-            q, k, v, bt, lens = make_decode_inputs(batch, ctx, bs, hkv, hq, d, dtype, contiguous)
-            row = dict(kernel="decode", variant=variant, batch=batch, context=ctx,
-                       block_size=bs, bytes=kv_bytes)
-            try:
-                if variant in ("paged", "contiguous"):
-                    f = jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
-                        q, k, v, bt, lens, scale=scale, layer=0, backend=args.backend))
-                    call = lambda f=f, a=(q, k, v, bt, lens): f(*a)
-                elif variant == "xla_ref":
-                    f = jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
-                        q, k, v, bt, lens, scale=scale, layer=0, backend="xla"))
-                    call = lambda f=f, a=(q, k, v, bt, lens): f(*a)
-                else:  # jax upstream Pallas paged_attention (4-D [Hkv, NB, bs, D] pages)
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", DeprecationWarning)
-                        from jax.experimental.pallas.ops.gpu import paged_attention as upstream
-                    pages = ctx // bs
-                    ppcb = max(1, min(pages, 64 // bs))
-                    splits = max(1, min(16, pages // ppcb))
-                    while pages % splits or (pages // splits) % ppcb:
-                        splits -= 1
-                    f = jax.jit(lambda q, k, v, bt, lens, ppcb=ppcb, splits=splits:
-                                upstream.paged_attention(
-                                    q * scale, k[0], v[0], bt, lens,
-                                    pages_per_compute_block=ppcb, k_splits=splits))
-                    call = lambda f=f, a=(q, k, v, bt, lens): f(*a)
-                t = bench(call, args.iters)
-                gbps = kv_bytes / t / 1e9
-                row.update(time_ms=t * 1e3, gbps=gbps, pct_of_copy=100 * gbps / copy_gbps)
-            except Exception as e:  # record and move on: one failing variant must not stop
-                row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+            row = decode_point(args, variant, batch, ctx, bs, hkv, hq, d, dtype, copy_gbps)
             print(json.dumps(row))
             rows.append(row)
-            del q, k, v
+            if on_row is not None:
+                on_row(row)
     return rows
 
 
-def run_ragged(args, hkv, hq, d, dtype, prefill_len, prefill_ctx, num_decode, decode_ctx, bs):
-    """One mixed ragged launch vs prefill-only ragged launch + a decode launch."""
-    rng = np.random.default_rng(1)
-    seqs = [(prefill_len, prefill_ctx)] + [(1, decode_ctx)] * num_decode
+def make_ragged_inputs(hkv, hq, d, dtype, seqs: list[tuple[int, int]], bs: int, seed: int = 1):
+    """Ragged batch of ``(query_len, kv_len)`` sequences on permuted blocks:
+    (q, k, v, kv_lens, block_tables, cu_q_lens) as device arrays."""
+    rng = np.random.default_rng(seed)
     pages = [-(-kv // bs) for _, kv in seqs]
     max_pages = max(pages)
     num_blocks = sum(pages)
@@ -124,7 +138,7 @@ def run_ragged(args, hkv, hq, d, dtype, prefill_len, prefill_ctx, num_decode, de
     for s, n in enumerate(pages):
         tables[s, :n] = perm[off : off + n]
         off += n
-    key = jax.random.key(2)
+    key = jax.random.key(seed + 1)
     shape = (1, hkv, num_blocks, bs, d)
     k = jax.random.normal(key, shape, dtype)
     v = jax.random.normal(jax.random.fold_in(key, 1), shape, dtype)
@@ -132,19 +146,24 @@ def run_ragged(args, hkv, hq, d, dtype, prefill_len, prefill_ctx, num_decode, de
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     kv_lens = np.array([kv for _, kv in seqs], np.int32)
     q = jax.random.normal(jax.random.fold_in(key, 2), (int(cu[-1]), hq, d), dtype)
+    return q, k, v, jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu)
+
+
+def run_ragged(args, hkv, hq, d, dtype, prefill_len, prefill_ctx, num_decode, decode_ctx, bs):
+    """One mixed ragged launch vs prefill-only ragged launch + a decode launch."""
+    seqs = [(prefill_len, prefill_ctx)] + [(1, decode_ctx)] * num_decode
+    q, k, v, kv_lens, bt, cu = make_ragged_inputs(hkv, hq, d, dtype, seqs, bs)
     scale = d**-0.5
     be = args.backend
     ragged = jax.jit(lambda q, k, v, kl, bt, cu, n: ragged_paged_attention(
         q, k, v, kl, bt, cu, n, scale=scale, layer=0, backend=be))
     decode = jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
         q, k, v, bt, lens, scale=scale, layer=0, backend=be))
-    bt = jnp.asarray(tables)
-    mixed = lambda: ragged(q, k, v, jnp.asarray(kv_lens), bt, jnp.asarray(cu),
-                           jnp.int32(len(seqs)))
+    mixed = lambda: ragged(q, k, v, kv_lens, bt, cu, jnp.int32(len(seqs)))
     pre_q = q[:prefill_len]
-    pre = lambda: ragged(pre_q, k, v, jnp.asarray(kv_lens[:1]), bt[:1],
-                         jnp.asarray(cu[:2]), jnp.int32(1))
-    dec = lambda: decode(q[prefill_len:], k, v, bt[1:], jnp.asarray(kv_lens[1:]))
+    pre = lambda: ragged(pre_q, k, v, kv_lens[:1], bt[:1], cu[:2], jnp.int32(1))
+    dec_q = q[prefill_len:]
+    dec = lambda: decode(dec_q, k, v, bt[1:], kv_lens[1:])
     t_mixed = bench(mixed, args.iters)
     t_pre = bench(pre, args.iters)
     t_dec = bench(dec, args.iters)

@@ -1,4 +1,4 @@
-"""Build the demo-model engine and swap in a KV policy (until EngineConfig carries one).
+"""Build the benchmark engine (demo model or seeded random weights) and swap in a KV policy.
 
 The engine builds a paged ``BlockManager`` + ``Scheduler``; we replace both with the
 policy's pair from :mod:`pagedjax.core.policies` before any request is added. The model
@@ -25,11 +25,40 @@ def demo_model():
     return config, params, load_tokenizer(path)
 
 
+# Random-weight stand-ins (bench/gpu_suite/seeded.py): the paper's metrics depend on lengths,
+# memory and step time, not on what the model says, so a GPU run needs no checkpoint.
+RANDOM_MODELS = {"13b-random": "llama_13b", "tiny-random": "tiny"}
+MODELS = ("demo", *RANDOM_MODELS)
+
+
+def model_source(model: str = "demo", dtype: str | None = None):
+    """(config, params, tokenizer): the demo GGUF, or seeded-random weights drawn on the device
+    (``13b-random``: Llama-2-13B shapes, the paper's OPT-13B stand-in; bf16 unless ``dtype``)."""
+    if model == "demo":
+        config, params, tok = demo_model()
+        if dtype is not None:
+            import jax
+            import jax.numpy as jnp
+
+            params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
+        return config, params, tok
+    if model not in RANDOM_MODELS:
+        raise ValueError(f"unknown model {model!r}; expected one of {MODELS}")
+    import jax.numpy as jnp
+
+    from bench.gpu_suite.seeded import SPECS, NoTokenizer, device_random_params
+
+    spec = SPECS[RANDOM_MODELS[model]]
+    params = device_random_params(spec.config, spec.seed, jnp.dtype(dtype or "bfloat16"))
+    return spec.config, params, NoTokenizer()
+
+
 def build_llm(*, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-              max_num_batched_tokens: int, preemption_mode: str = "recompute", swap_space_gb: float = 0.25):
+              max_num_batched_tokens: int, preemption_mode: str = "recompute", swap_space_gb: float = 0.25,
+              model: str = "demo", dtype: str | None = None):
     from pagedjax import LLM
 
-    config, params, tok = demo_model()
+    config, params, tok = model_source(model, dtype)
     return LLM.from_params(config, params, tok, num_gpu_blocks=num_blocks, block_size=block_size,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,

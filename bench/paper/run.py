@@ -1,6 +1,7 @@
 """Reproduce the paper's §6–7 comparisons on this machine: paged vs contiguous vs static.
 
     .venv/bin/python -m bench.paper.run --quick
+    python -m bench.paper.run --preset gpu --model 13b-random      # a lent GPU (bench/gpu_suite)
 
 1. Real execution (demo model) calibrates a per-step cost model of this engine on this device.
 2. A replay clock (real scheduler + KV manager, fitted step latencies) sweeps request rates
@@ -10,6 +11,10 @@
    the identical trace (relative error stored beside each point).
 
 Outputs ``bench/results/<device>/paper/paper[_quick].json`` and ``fig*.png``.
+
+``--preset gpu`` is the paper's own scale (full ShareGPT/Alpaca-like lengths, 2048 context,
+16-token blocks, a KV pool of 7 max-length requests as OPT-13B on an A100-40GB) for a
+random-weight 13B-like model in bf16 (``--model 13b-random``; no checkpoint needs to travel).
 """
 
 from __future__ import annotations
@@ -49,6 +54,22 @@ def setup(quick: bool, num_blocks: int = 128) -> dict:
         "replay_requests": 400 if quick else 1000,
         "real_requests": 24 if quick else 64,
         "calib_requests": 24 if quick else 64,
+    }
+
+
+def setup_gpu(num_blocks: int | None = None) -> dict:
+    """The paper's scale on a GPU (Llama-2-13B shapes stand in for OPT-13B).
+
+    KV pool: 7 max-length (2048-token) requests = 896 blocks of 16 tokens, 11.7 GB of bf16 KV
+    for the 13B-like model (the paper: OPT-13B on an A100-40GB holds about 7). Request counts
+    and the calibration / validation arrivals are sized for a 9-minute budget.
+    """
+    return {
+        "scale": 1.0, "max_model_len": 2048, "block_size": 16,
+        "num_blocks": num_blocks or 896, "max_num_seqs": 128, "max_num_batched_tokens": 2048,
+        "replay_requests": 200, "real_requests": 48, "calib_requests": 32,
+        "calib_rate": 2.0,  # the finite-rate calibration run: 16 requests over ~8 s
+        "real_span_s": 20.0, "real_workloads": ["sharegpt"],
     }
 
 
@@ -110,7 +131,7 @@ def calibrate(eng, cfg: dict, figs: set[str]) -> tuple[CostModel, list, dict]:
     runs = [("sharegpt", "paged", mk("sharegpt", n, math.inf), {}),
             ("sharegpt", "contiguous-max", mk("sharegpt", n, math.inf), {}),
             ("alpaca", "paged", mk("alpaca", n, math.inf), {}),
-            ("sharegpt", "paged", mk("sharegpt", 16, 0.3), {})]
+            ("sharegpt", "paged", mk("sharegpt", 16, cfg.get("calib_rate", 0.3)), {})]
     if figs & {"14", "16", "17", "19"}:
         runs += [("alpaca-x0.5-parallel4", "paged", mk("alpaca", n, math.inf, 0.5),
                   {"sampling": ("parallel", 4)}),
@@ -130,13 +151,14 @@ def calibrate(eng, cfg: dict, figs: set[str]) -> tuple[CostModel, list, dict]:
 
 def core_real_points(result: dict, eng, cfg: dict, cost: CostModel, kw: dict, out: Path) -> None:
     """Fig. 12 validation: each system at 0.7x its replayed sustainable rate, served for real."""
-    for w in ("sharegpt", "alpaca"):
+    span = cfg.get("real_span_s", 60.0)
+    for w in cfg.get("real_workloads", ("sharegpt", "alpaca")):
         pts = {}
         for s in SYSTEMS:
             rate = 0.7 * (result[f"fig12_{w}"]["systems"][s]["sustainable_rate"] or
                           result[f"fig12_{w}"]["rates"][0])
-            # Cap the arrival span near 60 s so slow baselines stay affordable on CPU.
-            n_real = int(min(cfg["real_requests"], max(8, round(60 * rate))))
+            # Cap the arrival span (60 s on CPU) so slow baselines stay affordable.
+            n_real = int(min(cfg["real_requests"], max(8, round(span * rate))))
             trace = validation_trace(cfg, w, n_real, rate)
             print(f"real {w}/{s} @ {rate:.3f} req/s ...", flush=True)
             real, _ = run_real(eng, s, trace, cost=cost)
@@ -204,29 +226,55 @@ def fig19b_real(result: dict, eng, cfg: dict, cost: CostModel, kw: dict, rate: f
             json.dump(result, open(out, "w"), indent=1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    from bench.paper.engine_setup import MODELS
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CPU-sized run")
+    ap.add_argument("--preset", choices=("cpu", "gpu"), default="cpu",
+                    help="gpu: the paper's full lengths, 2048 context, 16-token blocks (setup_gpu)")
+    ap.add_argument("--model", choices=MODELS, default="demo",
+                    help="demo (SmolLM2 GGUF) or seeded random weights (13b-random, tiny-random)")
+    ap.add_argument("--dtype", default=None, help="weights/compute dtype (random models: bfloat16)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out-dir", type=Path, default=None, help="default bench/results/<device>/paper")
     ap.add_argument("--no-real", action="store_true", help="skip validation points (debug)")
-    ap.add_argument("--num-blocks", type=int, default=128, help="KV pool in blocks of 8 tokens")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV pool in blocks (cpu preset: 128 blocks of 8 tokens; gpu: 896 of 16)")
+    for name in ("replay_requests", "calib_requests", "real_requests"):
+        ap.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="override the preset")
+    ap.add_argument("--calib-rate", type=float, default=None,
+                    help="req/s of the finite-rate calibration run (16 requests; cpu preset 0.3)")
     ap.add_argument("--figures", default="core",
                     help="'core' (Fig. 2, 12, 13, 18b) or a comma list of 14,16,17,19 (own JSON)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     figs = {"core"} if args.figures == "core" else set(args.figures.split(","))
     if not figs <= {"core", "14", "16", "17", "19"}:
         ap.error(f"--figures: unknown {sorted(figs - {'core', '14', '16', '17', '19'})}")
-    cfg = setup(args.quick, args.num_blocks)
-    tag = ("_quick" if args.quick else "") + (f"_pool{8 * args.num_blocks}" if args.num_blocks != 128 else "")
+    if args.preset == "gpu":
+        cfg = setup_gpu(args.num_blocks)
+        tag = f"_gpu_{args.model}"
+        prefix = ""
+    else:
+        nb = args.num_blocks or 128
+        cfg = setup(args.quick, nb)
+        tag = ("_quick" if args.quick else "") + (f"_pool{8 * nb}" if nb != 128 else "")
+        prefix = f"pool{8 * nb}_" if nb != 128 else ""
+        if args.model != "demo":
+            tag += f"_{args.model}"
+    for name in ("replay_requests", "calib_requests", "real_requests", "calib_rate"):
+        if getattr(args, name) is not None:
+            cfg[name] = getattr(args, name)
+    cfg["model"], cfg["dtype"] = args.model, args.dtype
     if "core" not in figs:
         tag += "_fig" + "-".join(sorted(figs, key=int))
-    prefix = f"pool{8 * args.num_blocks}_" if args.num_blocks != 128 else ""
-    outdir = Path("bench/results") / args.device / "paper"
+    outdir = args.out_dir or Path("bench/results") / args.device / "paper"
     outdir.mkdir(parents=True, exist_ok=True)
     out = outdir / f"paper{tag}.json"
     kw = engine_kw(cfg)
     t_start = time.time()
-    eng = build_llm(**kw).engine
+    eng = build_llm(**kw, model=args.model, dtype=args.dtype).engine
     cost, calib, calib_runs = calibrate(eng, cfg, figs)
     result = {"config": cfg, "device": args.device, "figures": sorted(figs),
               "threshold_rule": f"{THRESHOLD_X}x paged at lowest rate",
@@ -246,9 +294,10 @@ def main() -> None:
     from bench.paper.plots import plot_all, plot_more
 
     if "core" in figs:
-        plot_all(result, outdir, prefix)
+        if not args.no_plots:
+            plot_all(result, outdir, prefix)
         print(summary_text(result))
-    else:
+    elif not args.no_plots:
         plot_more(result, outdir, prefix)
 
 

@@ -1,0 +1,312 @@
+"""Stage ``e2e``: engine correctness against CPU goldens, then full-size serving performance.
+
+Part 1 (about half the budget): for each golden model (SmolLM2-135M shapes; Llama-3-8B layer
+shapes with 2 layers) the plan of :mod:`bench.gpu_suite.goldens` in fp32 (matmul precision
+"highest", so TF32 cannot hide in the comparison) and bf16 with ``attention_backend="pallas"``:
+chunked prefill, recompute and swap preemption, prefix caching and beam search, each checked
+against ``tests/data/gpu_goldens/<model>.json``. A weights fingerprint is checked first, so a
+numpy that draws other numbers is reported as such, not as an engine bug.
+
+Part 2: Llama-3-8B shapes (32 layers, device-drawn random weights, bf16, no goldens):
+decode step time vs the roofline (weights + KV bytes read at the measured copy bandwidth),
+offline throughput on ShareGPT-like lengths, and TTFT / inter-token latency under Poisson
+arrivals. Steps that compiled are counted and their time reported, not hidden.
+
+``--dry-run``: the tiny model on CPU, goldens computed in-process, XLA attention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.gpu_suite import goldens as G
+from bench.gpu_suite.common import Budget, Recorder
+from bench.gpu_suite.seeded import SPECS, NoTokenizer, device_random_params, fingerprint, seeded_params
+
+# Expected seconds for one (model, dtype) plan on an H100, compile included (guesses until a
+# GPU run measures them; the stage records the real figure in ``wall_s``).
+PLAN_COST_S = {"demo": 50, "llama3_8b_2l": 60, "tiny": 5}
+
+
+def _cast(params: dict, dtype: str) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    return params if dtype == "float32" else jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
+
+
+def plan_order(dry_run: bool) -> list[tuple[str, str]]:
+    """(model, dtype) pairs, most informative first, so a short budget drops the least."""
+    if dry_run:
+        return [("tiny", "float32"), ("tiny", "bfloat16")]
+    return [("demo", "float32"), ("llama3_8b_2l", "bfloat16"), ("demo", "bfloat16"),
+            ("llama3_8b_2l", "float32")]
+
+
+def correctness(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> None:
+    import jax
+
+    goldens: dict[str, dict | None] = {}
+    params: dict[str, dict] = {}
+    for name, dtype in plan_order(dry_run):
+        key = f"{name}/{dtype}"
+        spec = SPECS[name]
+        if not budget.allows(PLAN_COST_S[name]):
+            rec.summarize(f"goldens {key}", "not run: out of time", "skipped")
+            continue
+        if name not in goldens:
+            if dry_run:
+                params[name] = seeded_params(spec.config, spec.seed)
+                goldens[name] = G.compute_golden(spec, params[name])
+            else:
+                goldens[name] = G.load_golden(name)
+                fp = fingerprint(spec.config, spec.seed)
+                if fp != goldens[name]["fingerprint"]:
+                    rec.summarize(f"goldens {name}", f"weights differ from the golden's ({fp} vs "
+                                  f"{goldens[name]['fingerprint']}): numpy stream changed?", "FAIL")
+                    goldens[name] = None
+        golden = goldens[name]
+        if golden is None:
+            continue
+        if name not in params:  # both models' fp32 weights fit beside each other (~7 GB)
+            params[name] = seeded_params(spec.config, spec.seed)
+        partial: dict[str, Any] = {}
+
+        def on_result(run: str, res: dict, key=key, partial=partial) -> None:
+            partial[run] = res
+            rec.data.setdefault("goldens", {})[key] = dict(partial)
+            rec.save()
+
+        try:
+            prec = (jax.default_matmul_precision("highest") if dtype == "float32"
+                    else contextlib.nullcontext())
+            with prec:
+                res = G.run_plan(spec, _cast(params[name], dtype), golden, dtype, backend, on_result)
+        except Exception as e:  # one failing plan must not stop the others
+            err = f"{type(e).__name__}: {e}"[:400]
+            rec.data.setdefault("goldens", {})[key] = {**partial, "error": err}
+            rec.summarize(f"goldens {key}", f"error: {type(e).__name__}: {str(e)[:80]}", "FAIL")
+            continue
+        rec.data.setdefault("goldens", {})[key] = res
+        rec.save()
+        _summarize_plan(rec, key, res)
+
+
+def _summarize_plan(rec: Recorder, key: str, res: dict) -> None:
+    s = res["score"]
+    rec.summarize(f"{key} logprobs (top-8)",
+                  f"max |d| {s['max_abs_diff']:.2g} (tol {s['tol']:.2g}), {s['violations']} violations, "
+                  f"top-1 {s['top1_decisive']:.1%} decisive / {s['top1_raw']:.1%} raw",
+                  "pass" if s["ok"] else "FAIL")
+    for mode in ("recompute", "swap"):
+        g, f = res[f"greedy_{mode}"], res[f"greedy_{mode}"]["features"]
+        rec.summarize(f"{key} greedy, {mode}",
+                      f"{g['tokens_matched']}/{g['tokens']} tokens before divergence, "
+                      f"{len(g['unexplained'])} unexplained; preempt {f['preemptions']} "
+                      f"swap {f['blocks_swapped_out']} prefix-hit {f['prefix_hit_tokens']} "
+                      f"chunks {f['partial_prompt_chunks']}", "pass" if g["ok"] else "FAIL")
+    b = res["beam"]
+    rec.summarize(f"{key} beam search",
+                  f"{sum(x['identical'] for x in b['beams'])}/{len(b['beams'])} identical, max |d cum| "
+                  f"{max(x['abs_diff'] for x in b['beams']):.2g}, copies {b['features']['blocks_copied']}",
+                  "pass" if b["ok"] else "FAIL")
+
+
+# ---- part 2: full-size performance -------------------------------------------------------------
+def _serve(engine, reqs: list, budget: Budget, rate_based: bool) -> dict[str, Any]:
+    """Serve ``bench.workloads.Request``s (arrival offsets honoured when ``rate_based``); per-step
+    times and compile flags, per-request first-token time and token times."""
+    from pagedjax import SamplingParams
+    from pagedjax.worker.compile_stats import num_backend_compiles
+
+    pending = sorted(reqs, key=lambda r: r.arrival)
+    arrival, token_times, ntok = {}, {}, {}
+    steps = []
+    t0 = time.monotonic()
+    i = 0
+    aborted = False
+    while i < len(pending) or engine.has_unfinished_requests():
+        now = time.monotonic() - t0
+        while i < len(pending) and (not rate_based or pending[i].arrival <= now):
+            r = pending[i]
+            rid = str(r.index)
+            engine.add_request(rid, None, SamplingParams(max_tokens=r.output_len, ignore_eos=True,
+                                                         temperature=0.0),
+                               prompt_token_ids=r.prompt_token_ids)
+            arrival[rid] = time.monotonic() - t0
+            token_times[rid], ntok[rid] = [], 0
+            i += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(0.05, pending[i].arrival - now)))
+            continue
+        if not budget.allows(0):
+            engine.abort_request([str(r.index) for r in pending[:i]])
+            engine.step()
+            aborted = True
+            break
+        c0 = num_backend_compiles()
+        s0 = time.monotonic()
+        outs = engine.step()
+        s1 = time.monotonic()
+        steps.append((s1 - s0, num_backend_compiles() != c0, engine.last_step_tokens))
+        for o in outs:
+            n = len(o.outputs[0].token_ids) if o.outputs else 0
+            if n > ntok.get(o.request_id, 0):
+                token_times[o.request_id].extend([s1 - t0] * (n - ntok[o.request_id]))
+                ntok[o.request_id] = n
+    wall = time.monotonic() - t0
+    ttft = [token_times[r][0] - arrival[r] for r in token_times if token_times[r]]
+    itl = [b - a for r in token_times for a, b in zip(token_times[r], token_times[r][1:])]
+    compiled = [s for s in steps if s[1]]
+    out_tokens = sum(ntok.values())
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in pending[:i])
+    pct = lambda xs, q: float(np.percentile(xs, q)) if xs else math.nan  # noqa: E731
+    return {"requests_added": i, "requests": len(reqs), "aborted_at_deadline": aborted,
+            "wall_s": wall, "steps": len(steps), "output_tokens": out_tokens,
+            "prompt_tokens": prompt_tokens, "output_tok_s": out_tokens / wall,
+            "total_tok_s": (out_tokens + prompt_tokens) / wall,
+            "compile_steps": len(compiled), "compile_step_s": sum(s[0] for s in compiled),
+            "output_tok_s_excl_compile_steps": out_tokens / max(1e-9, wall - sum(s[0] for s in compiled)),
+            "step_ms_median": 1e3 * statistics.median([s[0] for s in steps if not s[1]] or [math.nan]),
+            "ttft_s": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
+            "itl_ms": {"p50": 1e3 * pct(itl, 50), "p90": 1e3 * pct(itl, 90), "p99": 1e3 * pct(itl, 99)}}
+
+
+def _decode_step_ms(runner, batch: int, ctx: int, iters: int) -> float:
+    """Median time of one decode step of ``batch`` sequences at context ``ctx`` (disjoint blocks)."""
+    import jax
+
+    from pagedjax.core.scheduler import ScheduledSeq
+    from pagedjax.worker.step_inputs import build_step_inputs
+
+    bs = runner.block_size
+    per = -(-ctx // bs)
+    seqs = [ScheduledSeq(i, str(i), [7], ctx - 1, list(range(i * per, (i + 1) * per)), True)
+            for i in range(batch)]
+    inputs = build_step_inputs(seqs, bs, runner.max_blocks_per_seq)
+    jax.block_until_ready(runner.execute(inputs))  # compile
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(runner.execute(inputs))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> None:
+    import jax.numpy as jnp
+
+    from bench.kernels import copy_bandwidth
+    from bench.workloads import make_requests
+    from pagedjax import LLM
+    from pagedjax.worker.model_runner import kv_bytes_per_block
+
+    spec = SPECS["tiny" if dry_run else "llama3_8b"]
+    cfg = spec.config
+    dtype = jnp.bfloat16
+    if not budget.allows(60 if not dry_run else 5):
+        rec.summarize(f"perf {spec.name}", "not run: out of time", "skipped")
+        return
+    copy_gbps = copy_bandwidth((1 << 22) if dry_run else (1 << 30), 3 if dry_run else 20)
+    num_blocks, max_seqs = (64, 8) if dry_run else (8192, 128)
+    mml = 256 if dry_run else 2048
+    t0 = time.monotonic()
+    params = device_random_params(cfg, spec.seed, dtype)
+    llm = LLM.from_params(cfg, params, NoTokenizer(), attention_backend=backend, block_size=16,
+                          num_gpu_blocks=num_blocks, max_num_seqs=max_seqs,
+                          max_num_batched_tokens=512 if dry_run else 2048, max_model_len=mml,
+                          enable_chunked_prefill=True, warmup=False)
+    eng = llm.engine
+    kv_tok = kv_bytes_per_block(cfg, 16, dtype) / 16
+    # Decode reads every weight but the embedding table (a gather of B rows).
+    w_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for k, a in _flat(params).items()
+                  if k != "embed" or cfg.tie_word_embeddings)
+    rec.set("perf", {"model": spec.name, "about": spec.about, "dtype": "bfloat16",
+                     "copy_gbps": copy_gbps, "weight_bytes_read_per_step": w_bytes,
+                     "kv_bytes_per_token": kv_tok, "num_gpu_blocks": num_blocks,
+                     "max_num_seqs": max_seqs, "max_model_len": mml,
+                     "setup_s": time.monotonic() - t0})
+    perf = rec.data["perf"]
+
+    roof = budget.sub(0.2)
+    points = [(1, 32), (4, 64)] if dry_run else [(1, 1024), (16, 1024), (64, 1024), (128, 1024), (32, 4096)]
+    perf["decode_vs_roofline"] = []
+    for b, c in points:
+        if not roof.allows(20 if not dry_run else 1):
+            break
+        ms = _decode_step_ms(eng.runner, b, c, 3 if dry_run else 10) * 1e3
+        roof_ms = (w_bytes + b * c * kv_tok) / (copy_gbps * 1e9) * 1e3
+        perf["decode_vs_roofline"].append({"batch": b, "context": c, "step_ms": ms, "roofline_ms": roof_ms,
+                                           "pct_of_roofline": 100 * roof_ms / ms})
+        rec.save()
+    for r in perf["decode_vs_roofline"]:
+        rec.summarize(f"{spec.name} decode b{r['batch']} ctx{r['context']}",
+                      f"{r['step_ms']:.2f} ms vs roofline {r['roofline_ms']:.2f} ms "
+                      f"({r['pct_of_roofline']:.0f}%)", "info")
+
+    vocab = cfg.vocab_size
+    n_off = 6 if dry_run else 256
+    scale = 0.05 if dry_run else 1.0
+    warm = make_requests("sharegpt", 4 if dry_run else 32, math.inf, vocab_size=vocab, max_model_len=mml,
+                         scale=scale, seed=3)
+    for r in warm:
+        r.output_len = min(r.output_len, 8 if dry_run else 64)
+    wb = budget.sub(0.15)
+    if wb.allows(5):
+        perf["warmup"] = _serve(eng, warm, wb, rate_based=False)
+        rec.save()
+    off = budget.sub(0.55)
+    reqs = make_requests("sharegpt", n_off, math.inf, vocab_size=vocab, max_model_len=mml,
+                         scale=scale, seed=4)
+    if off.allows(10 if not dry_run else 1):
+        perf["offline_sharegpt"] = res = _serve(eng, reqs, off, rate_based=False)
+        rec.save()
+        rec.summarize(f"{spec.name} offline ShareGPT-like",
+                      f"{res['output_tok_s']:.0f} out tok/s ({res['output_tok_s_excl_compile_steps']:.0f} "
+                      f"w/o {res['compile_steps']} compile steps), {res['requests_added']} req"
+                      f"{', cut at deadline' if res['aborted_at_deadline'] else ''}",
+                      "info" if res["output_tokens"] > 0 else "FAIL")
+    rate = 8.0 if dry_run else 4.0
+    online = make_requests("sharegpt", 8 if dry_run else 160, rate, vocab_size=vocab, max_model_len=mml,
+                           scale=scale, seed=5)
+    lat = budget.sub(1.0)
+    if lat.allows(10 if not dry_run else 1):
+        perf["online_sharegpt"] = res = _serve(eng, online, lat, rate_based=True)
+        res["rate"] = rate
+        rec.save()
+        rec.summarize(f"{spec.name} TTFT / ITL @ {rate:g} req/s",
+                      f"TTFT p50 {res['ttft_s']['p50'] * 1e3:.0f} p99 {res['ttft_s']['p99'] * 1e3:.0f} ms; "
+                      f"ITL p50 {res['itl_ms']['p50']:.1f} p99 {res['itl_ms']['p99']:.1f} ms", "info")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
+    from bench.gpu_suite.common import enable_compile_cache
+
+    rec = Recorder(out_dir, "e2e", meta)
+    on_gpu = meta["platform"] != "cpu"
+    if on_gpu:
+        enable_compile_cache()
+    backend = "pallas" if on_gpu else "xla"
+    rec.set("attention_backend", backend)
+    correctness(rec, budget.sub(0.55), dry_run, backend)
+    performance(rec, budget, dry_run, backend)
+    fails = [r for r in rec.data["summary"] if r["verdict"] == "FAIL"]
+    rec.finish("failed" if fails else "done")
+    return rec

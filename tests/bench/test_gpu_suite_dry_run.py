@@ -1,0 +1,200 @@
+"""The GPU suite's harness on CPU (``--dry-run``), and the committed GPU goldens kept current.
+
+No GPU runs in CI: these tests check that every stage of ``python -m bench.gpu_suite`` runs end
+to end, writes its JSON with measured (not placeholder) contents and exercises the engine
+features it claims to, and that the goldens the GPU compares with still match what the CPU
+engine computes for the seeded demo-shape model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from bench.gpu_suite import goldens as G
+from bench.gpu_suite.__main__ import main
+from bench.gpu_suite.common import Recorder
+from bench.gpu_suite.seeded import SPECS, fingerprint, seeded_numpy, tensor_shapes
+from bench.gpu_suite.stage_bench import launch_kwargs
+from bench.gpu_suite.stage_kernels import parse_pytest_log
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    rc = main(["--stage", "all", "--dry-run", "--out", str(out)])
+    return rc, out
+
+
+def _load(out, stage):
+    return json.loads((out / f"{stage}.json").read_text())
+
+
+def test_dry_run_passes_and_writes_every_stage(dry_run, capsys):
+    rc, out = dry_run
+    assert rc == 0
+    for stage in ("kernels", "bench", "e2e", "paper"):
+        rec = _load(out, stage)
+        assert rec["status"] == "done", (stage, rec["status"])
+        assert rec["dry_run"] is True and rec["platform"] == "cpu"
+        assert rec["summary"] and not [r for r in rec["summary"] if r["verdict"] == "FAIL"]
+
+
+def test_kernels_stage_ran_the_tests(dry_run):
+    rec = _load(dry_run[1], "kernels")
+    assert rec["interpret_mode"] is True  # CPU: interpreted
+    res = rec["pytest"]
+    assert res["returncode"] == 0 and res["passed"] >= 10 and res["failed"] == 0
+    assert res["summary_line"] and (dry_run[1] / "kernels_junit.xml").stat().st_size > 0
+
+
+def test_bench_stage_rows_and_tuning_file(dry_run):
+    out = dry_run[1]
+    rec = _load(out, "bench")
+    assert rec["copy_gbps"] > 0
+    timed = [r for r in rec["decode"] if "time_ms" in r]
+    assert {r["variant"] for r in timed} == {"paged", "contiguous", "xla_ref"}
+    assert all(r["time_ms"] > 0 and r["gbps"] > 0 for r in timed)
+    assert rec["ragged"] and all(r["mixed_ms"] > 0 and r["separate_ms"] > 0 for r in rec["ragged"])
+    tuning = json.loads((out / "tuning_cpu.json").read_text())
+    assert {r["kernel"] for r in tuning} == {"decode", "ragged"}
+    for r in tuning:
+        assert r["time_ms"] > 0 and r["chunk_tokens"] == r["pages_per_chunk"] * r["block_size"]
+        assert {"num_warps", "num_stages", "itemsize", "head_dim", "group", "arch"} <= set(r)
+    assert len(rec["tuning"]) == 2 * 3  # default launch + 2 configs, per kernel
+
+
+def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
+    rec = _load(dry_run[1], "e2e")
+    for dtype in ("float32", "bfloat16"):
+        res = rec["goldens"][f"tiny/{dtype}"]
+        assert res["ok"], dtype
+        assert res["score"]["positions"] > 100 and res["score"]["max_abs_diff"] <= res["tol"]
+        rc, sw, beam = res["greedy_recompute"], res["greedy_swap"], res["beam"]
+        assert rc["features"]["preemptions"] > 0 and sw["features"]["blocks_swapped_out"] > 0
+        assert rc["features"]["prefix_hit_tokens"] > 0 and rc["features"]["partial_prompt_chunks"] > 0
+        assert beam["features"]["blocks_copied"] > 0
+    assert rec["goldens"]["tiny/float32"]["score"]["max_abs_diff"] < 1e-4
+    perf = rec["perf"]
+    assert perf["decode_vs_roofline"] and all(r["step_ms"] > 0 for r in perf["decode_vs_roofline"])
+    assert perf["offline_sharegpt"]["output_tokens"] > 0
+    assert math.isfinite(perf["online_sharegpt"]["ttft_s"]["p50"])
+
+
+def test_paper_stage_result(dry_run):
+    out = dry_run[1]
+    rec = _load(out, "paper")
+    result = json.loads((out / rec["result_file"]).read_text())
+    assert result["config"]["model"] == "tiny-random"
+    for w in ("sharegpt", "alpaca"):
+        assert result[f"fig12_{w}"]["systems"]["paged"]["sustainable_rate"] > 0
+    assert set(rec["ratios"]) >= {"sharegpt/contiguous-oracle", "sharegpt/contiguous-max"}
+
+
+# ---- goldens -------------------------------------------------------------------------------
+def test_committed_goldens_are_small_and_match_the_weights():
+    total = 0
+    for name in G.GOLDEN_MODELS:
+        g = G.load_golden(name)
+        total += G.golden_path(name).stat().st_size
+        spec = SPECS[name]
+        assert g["fingerprint"] == fingerprint(spec.config, spec.seed)
+        assert g["config"] == spec.config.to_dict()
+        assert g["prompts"] == G.make_prompts(spec)
+        assert all(len(x) == G.GEN_TOKENS for x in g["greedy"])
+        assert sum(len(s["positions"]) for s in g["scored"]) > 150
+        for dtype in ("float32", "bfloat16"):
+            cal = g["cpu_calibration"][dtype]
+            assert all(cal["recheck_ok"].values())
+            assert cal["max_abs_diff"] < g["tolerance"][dtype]
+    assert total < 1 << 20
+
+
+def test_demo_golden_matches_the_cpu_engine_now():
+    """Recompute two prompts of the demo golden (fp32): a stale file fails here, not on a GPU."""
+    from bench.gpu_suite.seeded import seeded_params
+
+    spec = SPECS["demo"]
+    g = G.load_golden("demo")
+    llm = G.build_llm(spec, seeded_params(spec.config, spec.seed), G.GOLDEN_ENGINE, "xla")
+    few = {**g, "scored": g["scored"][:2]}
+    seqs = [p + c for p, c in zip(g["prompts"][:2], g["greedy"][:2])]
+    res = G.compare_scores(few, G.score(llm, seqs), g["tolerance"]["float32"], 1e-4)
+    assert res["ok"] and res["violations"] == 0 and res["top1_raw"] == 1.0, res
+    assert res["max_abs_diff"] < 1e-4
+    outs = llm.generate([{"prompt_token_ids": g["prompts"][0]}], G._greedy(8), use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == g["greedy"][0][:8]
+
+
+def test_compare_scores_flags_a_wrong_value_and_a_missing_id():
+    g = {"scored": [{"positions": [0], "top_ids": [[5, 6]], "top_lps": [[-1.0, -2.0]]}], "top1_min": 0.99}
+    ok = G.compare_scores(g, [[{5: -1.0005, 6: -2.0}]], 2e-3, 1e-4)
+    assert ok["ok"] and ok["violations"] == 0
+    off = G.compare_scores(g, [[{5: -1.1, 6: -2.0}]], 2e-3, 1e-4)
+    assert not off["ok"] and off["violations"] == 1
+    gone = G.compare_scores(g, [[{5: -1.0, 7: -1.5}]], 2e-3, 1e-4)  # id 6 (-2.0) fell below -1.5: fine
+    assert gone["violations"] == 0
+    wrong = G.compare_scores(g, [[{5: -1.0, 7: -3.0}]], 2e-3, 1e-4)  # id 6 missing but above the 8th
+    assert wrong["violations"] == 1
+
+
+def test_greedy_divergence_must_be_at_a_near_tie():
+    g = {"prompts": [[1, 2]], "greedy": [[3, 4, 5]],
+         "scored": [{"positions": [1, 2, 3], "top_ids": [[3], [4], [5]],
+                     "top_lps": [[-1.0, -3.0], [-1.0, -1.001], [-1.0, -2.0]]}]}
+    assert G.compare_greedy(g, [[3, 4, 5]], 0.01)["ok"]
+    assert G.compare_greedy(g, [[3, 9, 9]], 0.01)["ok"]  # diverged at a 0.001 margin
+    bad = G.compare_greedy(g, [[9, 9, 9]], 0.01)  # diverged where the golden was 2 nats sure
+    assert not bad["ok"] and bad["unexplained"][0]["at"] == 0
+
+
+# ---- helpers -------------------------------------------------------------------------------
+def test_fingerprint_hashes_each_streams_prefix():
+    spec = SPECS["tiny"]
+    flat = seeded_numpy(spec.config, spec.seed)
+    # The fingerprint reads 4096 values from a fresh stream; they are the tensor's first values.
+    for index, (path, _) in enumerate(tensor_shapes(spec.config)):
+        if not path.endswith("norm"):
+            head = np.random.default_rng([spec.seed, index]).random(4096, dtype=np.float32)
+            want = (head - np.float32(0.5)) * np.float32(2 * 0.02 * 3**0.5)
+            np.testing.assert_array_equal(flat[path].reshape(-1)[:4096], want)
+    assert abs(float(flat["embed"].std()) - 0.02) < 1e-3
+    assert fingerprint(spec.config, spec.seed) != fingerprint(spec.config, spec.seed + 1)
+
+
+def test_parse_pytest_log_counts_partial_and_final_output():
+    partial = ("tests/kernels/test_a.py::test_x[1] PASSED  [ 10%]\n"
+               "tests/kernels/test_a.py::test_x[2] SKIPPED (no gpu) [ 20%]\n"
+               "tests/kernels/test_a.py::test_y FAILED [ 30%]\n")
+    res = parse_pytest_log(partial)
+    assert (res["passed"], res["skipped"], res["failed"]) == (1, 1, 1)
+    assert res["failures"] == ["tests/kernels/test_a.py::test_y"] and res["summary_line"] is None
+    final = parse_pytest_log(partial + "==== 1 failed, 70 passed, 2 skipped in 12.3s ====\n")
+    assert (final["passed"], final["failed"], final["skipped"]) == (70, 1, 2)
+
+
+def test_launch_kwargs_follow_the_kernel_signature():
+    def old(q, *, num_warps=4, num_stages=2, pages_per_chunk=None, block_q=None):
+        return q
+
+    def new(q, *, num_warps=None, num_stages=None, chunk_tokens=None):
+        return q
+
+    cfg = {"num_warps": 8, "num_stages": 3, "pages_per_chunk": 4, "block_q": 32}
+    assert launch_kwargs(old, 16, cfg) == cfg
+    assert launch_kwargs(new, 16, cfg) == {"num_warps": 8, "num_stages": 3, "chunk_tokens": 64}
+    assert launch_kwargs(old, 16, {}) == {}
+
+
+def test_recorder_rewrites_complete_json_after_each_row(tmp_path):
+    rec = Recorder(tmp_path, "x", {"device": "cpu"})
+    rec.append("rows", {"a": 1})
+    assert json.loads((tmp_path / "x.json").read_text())["rows"] == [{"a": 1}]
+    rec.append("rows", {"a": float("inf")})
+    rec.summarize("item", "result", "pass")
+    data = json.loads((tmp_path / "x.json").read_text())
+    assert data["rows"][1] == {"a": "inf"} and data["status"] == "running"
+    assert not list(tmp_path.glob("*.tmp"))
