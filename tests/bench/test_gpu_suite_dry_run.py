@@ -20,6 +20,7 @@ from bench.gpu_suite.common import Recorder
 from bench.gpu_suite.seeded import SPECS, fingerprint, seeded_numpy, tensor_shapes
 from bench.gpu_suite.stage_bench import launch_kwargs
 from bench.gpu_suite.stage_kernels import parse_pytest_log
+from bench.gpu_suite.stage_paper import summarize as paper_summary
 
 
 @pytest.fixture(scope="module")
@@ -198,3 +199,18 @@ def test_recorder_rewrites_complete_json_after_each_row(tmp_path):
     data = json.loads((tmp_path / "x.json").read_text())
     assert data["rows"][1] == {"a": "inf"} and data["status"] == "running"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_paper_verdict_is_the_issue_target(tmp_path):
+    def result(oracle, mx):
+        systems = {"paged": 4.0, "contiguous-oracle": oracle, "contiguous-pow2": 1.0,
+                   "contiguous-max": mx, "static": 0.5}
+        return {"cost_model": {"coef_s": [0.02], "in_sample_step_mape": 0.1},
+                "fig12_sharegpt": {"systems": {s: {"sustainable_rate": r} for s, r in systems.items()}}}
+
+    for (oracle, mx), verdict in (((2.0, 1.0), "pass"), ((2.1, 1.0), "FAIL"), ((1.0, 1.1), "FAIL")):
+        rec = Recorder(tmp_path, f"p{oracle}{mx}", {})
+        paper_summary(rec, result(oracle, mx), judge=True)
+        row = next(r for r in rec.data["summary"] if r["item"].startswith("fig12 sharegpt"))
+        assert row["verdict"] == verdict, (oracle, mx, row)
+        assert rec.data["ratios"]["sharegpt/contiguous-oracle"] == 4.0 / oracle
