@@ -4,8 +4,16 @@ PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
 PYTEST_ARGS ?=
+# The deviceless GPU compile tier (pagedjax.aot) lives in its own venv: jax's CUDA plugin and
+# NVIDIA's compiler wheels next to a CPU jax, so the main venv never tries to load CUDA.
+AOT_VENV := .venv-aot
+AOT_STAMP := $(AOT_VENV)/.installed
+AOT_ENV := JAX_PLATFORMS=cpu TF_CPP_VMODULE=nvjitlink=3 TF_CPP_MIN_LOG_LEVEL=0
+TARGETS ?= h100,a100,b200
+# make gpu-suite STAGE=kernels|bench|e2e|paper|all [DRY_RUN=1] (docs/gpu.md)
+STAGE ?= all
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv aot-venv demo test lint bench clean aot-report gpu-suite
 
 $(PYTHON):
 	"$$(tools/find_python.sh)" -m venv $(VENV)
@@ -18,17 +26,36 @@ $(STAMP): pyproject.toml | $(PYTHON)
 
 venv: $(STAMP)
 
+$(AOT_VENV)/bin/python:
+	"$$(tools/find_python.sh)" -m venv $(AOT_VENV)
+
+$(AOT_STAMP): pyproject.toml | $(AOT_VENV)/bin/python
+	$(AOT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(AOT_VENV)/bin/python -m pip install --quiet -e '.[aot]'
+	touch $(AOT_STAMP)
+
+aot-venv: $(AOT_STAMP)
+
 demo: venv
 	$(VENV)/bin/pagedjax fetch-demo
 	$(VENV)/bin/pagedjax generate "$(PROMPT)"
 
-test: venv
+test: venv aot-venv
 	$(VENV)/bin/pagedjax fetch-demo
 	$(VENV)/bin/ruff check pagedjax pallas_kernels models tests bench tools
 	$(VENV)/bin/python -m pytest -n 2 --timeout 1200 --ignore=tests/aot $(PYTEST_ARGS)
+	$(AOT_ENV) $(AOT_VENV)/bin/python -m pytest -n 2 --timeout 1800 tests/aot
+
+# Rebuild the committed compile reports (bench/results/aot-<target>/report.json).
+aot-report: aot-venv
+	$(AOT_ENV) $(AOT_VENV)/bin/python -m pagedjax.aot --targets $(TARGETS)
+
+# The one command for a lent GPU (docs/gpu.md); DRY_RUN=1 runs it at toy shapes on CPU.
+gpu-suite: venv
+	$(PYTHON) -m bench.gpu_suite --stage $(STAGE) $(if $(DRY_RUN),--dry-run)
 
 lint: venv
 	$(VENV)/bin/ruff check pagedjax pallas_kernels models tests bench tools
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(AOT_VENV) .pytest_cache .ruff_cache

@@ -70,12 +70,22 @@ def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, 
     return k, v, tok
 
 
+# Pages gathered into one chunk at most, when the chunk size comes from the tuning table:
+# every page is a separately addressed row block, and 16 pages of 8 tokens made the ragged
+# kernel spill on sm_90a (bench/results/aot-h100) where 8 pages did not.
+MAX_PAGES_PER_CHUNK = 8
+
+
 def resolve_chunk_tokens(chunk_tokens: int | None, pages_per_chunk: int | None,
                          block_size: int, tuned: int) -> int:
+    """Explicit ``chunk_tokens`` or ``pages_per_chunk`` as given; otherwise the tuned size,
+    capped at :data:`MAX_PAGES_PER_CHUNK` pages (never below 16 tokens)."""
     if chunk_tokens is not None and pages_per_chunk is not None:
         raise ValueError("pass chunk_tokens or pages_per_chunk, not both")
     if pages_per_chunk is not None:
         if next_pow2(pages_per_chunk) != pages_per_chunk:
             raise ValueError(f"pages_per_chunk must be a power of two; got {pages_per_chunk}")
         chunk_tokens = pages_per_chunk * block_size
-    return tuned if chunk_tokens is None else chunk_tokens
+    if chunk_tokens is None:
+        chunk_tokens = max(16, min(tuned, MAX_PAGES_PER_CHUNK * block_size))
+    return chunk_tokens

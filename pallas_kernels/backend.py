@@ -24,6 +24,11 @@ Backend = Literal["pallas", "xla"]
 BACKENDS: tuple[str, ...] = ("pallas", "xla")
 ENV_BACKEND = "PAGEDJAX_ATTENTION_BACKEND"
 ENV_INTERPRET = "PAGEDJAX_PALLAS_INTERPRET"
+# Which Pallas GPU lowering runs the attention kernels. Triton is the portable path (Ampere
+# and up; deprecated upstream since jax 0.11 but shipped through 0.12); a Mosaic GPU variant
+# (Hopper/Blackwell: TMA, wgmma) registers beside it under "mosaic" when it exists.
+ENV_LOWERING = "PAGEDJAX_PALLAS_LOWERING"
+LOWERINGS: tuple[str, ...] = ("triton",)
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -63,6 +68,14 @@ def interpret_mode() -> bool:
     if forced is not None and forced != "":
         return forced not in ("0", "false", "False")
     return not is_gpu_target()
+
+
+def pallas_lowering() -> str:
+    """The Pallas GPU lowering to use: ``PAGEDJAX_PALLAS_LOWERING`` or Triton."""
+    choice = (os.environ.get(ENV_LOWERING) or "triton").lower()
+    if choice not in LOWERINGS:
+        raise ValueError(f"{ENV_LOWERING}={choice!r}; expected one of {LOWERINGS}")
+    return choice
 
 
 def triton_params(num_warps: int = 4, num_stages: int = 2):

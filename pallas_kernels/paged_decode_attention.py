@@ -35,7 +35,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tuning
 from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
-from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
+from pallas_kernels.backend import (
+    interpret_mode,
+    pallas_lowering,
+    resolve_backend,
+    triton_params,
+)
 
 # Target number of programs per launch when choosing the split count automatically
 # (about two waves on a 132-SM H100).
@@ -279,7 +284,8 @@ def paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, lay, scale=float(scale)
         )
     tuned = tuning.lookup("decode", k_cache.dtype, q.shape[-1])
-    return _decode_pallas(
+    impl = {"triton": _decode_pallas}[pallas_lowering()]
+    return impl(
         q, k_cache, v_cache, block_tables, context_lens, lay,
         scale=float(scale), num_splits=num_splits,
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],

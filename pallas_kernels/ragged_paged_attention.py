@@ -29,7 +29,12 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tuning
 from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
-from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
+from pallas_kernels.backend import (
+    interpret_mode,
+    pallas_lowering,
+    resolve_backend,
+    triton_params,
+)
 
 _XLA_BLOCK_Q = 32
 
@@ -126,11 +131,11 @@ def _ragged_kernel(
     plgpu.store(out_ref.at[head, row_slice, :], out, mask=row_valid[:, None])
 
 
-def ragged_block_q(block_q: int | None, group: int, tuned_block_q: int) -> int:
+def ragged_block_q(block_q: int | None, group: int, q_rows: int) -> int:
     """Query tokens per program: the tuned row count divided by the padded GQA group."""
     group_p = next_pow2(group)
     if block_q is None:
-        block_q = max(1, tuned_block_q // group_p)
+        block_q = max(1, q_rows // group_p)
     if block_q * group_p < 16 or next_pow2(block_q) != block_q:
         raise ValueError("block_q must be a power of two with block_q * group_p >= 16")
     return block_q
@@ -305,9 +310,10 @@ def ragged_paged_attention(
         )
     tuned = tuning.lookup("ragged", k_cache.dtype, q.shape[-1])
     group = q.shape[1] // k_cache.shape[-4]
-    return _ragged_pallas(
+    impl = {"triton": _ragged_pallas}[pallas_lowering()]
+    return impl(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-        scale=float(scale), block_q=ragged_block_q(block_q, group, tuned.block_q),
+        scale=float(scale), block_q=ragged_block_q(block_q, group, tuned.q_rows),
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
                                           tuned.chunk_tokens),
         num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages,

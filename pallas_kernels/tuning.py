@@ -1,7 +1,8 @@
 """Launch parameters of the attention kernels, per GPU architecture and shape class.
 
 The kernels take ``num_warps``, ``num_stages``, ``chunk_tokens`` (KV tokens per inner-loop
-step) and, for the ragged kernel, ``block_q`` (query tokens per program). Defaults come from
+step) and, for the ragged kernel, ``q_rows`` (query rows per program: query tokens times the
+padded GQA group). Defaults come from
 this table instead of constants because the right values depend on the chip (shared memory
 per SM, registers) and on the tile's bytes (head_dim x dtype): a 64-token chunk of fp32 K and
 V at head_dim 256 is 128 KiB per pipeline stage, more than an A100 has.
@@ -10,7 +11,7 @@ Every entry is checked by the deviceless compile tier (``python -m pagedjax.aot`
 ``make test``): it compiles each configuration the engine can pick for H100 and A100 and
 fails on spills or shared-memory overflow. The GPU suite (``make gpu-suite STAGE=bench``)
 re-tunes the table from timings; ``PAGEDJAX_TUNING_FILE`` points at such a measured JSON
-(rows ``{arch, kernel, itemsize, head_dim, num_warps, num_stages, chunk_tokens, block_q}``),
+(rows ``{arch, kernel, itemsize, head_dim, num_warps, num_stages, chunk_tokens, q_rows}``),
 whose rows override the built-in ones.
 """
 
@@ -34,7 +35,7 @@ class KernelTuning:
     num_warps: int
     num_stages: int
     chunk_tokens: int  # KV tokens per inner-loop step (a power of two >= 16)
-    block_q: int = 0  # ragged only: query rows per program = block_q * padded GQA group
+    q_rows: int = 0  # ragged only: query rows per program = block_q * padded GQA group
 
 
 def target_device_kind() -> str:
@@ -59,36 +60,40 @@ def arch_of(device_kind: str) -> str:
     return "sm80" if "NVIDIA" in kind else "generic"
 
 
-# (kernel, itemsize, head_dim) -> tuning, per architecture. Chosen so that K+V tiles times
-# pipeline stages fit shared memory and the fp32 score/accumulator tiles fit registers
-# without spills; see bench/results/aot-*/ for each configuration's registers and smem.
+# (kernel, itemsize, head_dim) -> tuning, per architecture, as found by
+# `python -m pagedjax.aot.tune --target h100|a100`: the first launch in preference order
+# (bigger KV chunk, more query rows, more pipeline stages, fewer warps) that compiles with no
+# register spills and within shared memory at block sizes 16 and 256. Compile-clean, not yet
+# timed: the GPU suite's bench stage re-ranks by measured time. fp32 caches (exact, non-TF32
+# dots on CUDA cores) only fit one stage. bench/results/aot-*/report.json has every
+# configuration's registers and shared memory.
 _SM90 = {
     ("decode", 2, 64): KernelTuning(4, 3, 128),
-    ("decode", 2, 128): KernelTuning(4, 3, 64),
-    ("decode", 2, 256): KernelTuning(8, 2, 64),
-    ("decode", 4, 64): KernelTuning(4, 2, 64),
-    ("decode", 4, 128): KernelTuning(4, 2, 64),
-    ("decode", 4, 256): KernelTuning(8, 2, 32),
-    ("ragged", 2, 64): KernelTuning(4, 3, 64, 64),
-    ("ragged", 2, 128): KernelTuning(4, 2, 64, 64),
-    ("ragged", 2, 256): KernelTuning(8, 2, 32, 64),
-    ("ragged", 4, 64): KernelTuning(4, 2, 64, 64),
-    ("ragged", 4, 128): KernelTuning(8, 2, 32, 64),
-    ("ragged", 4, 256): KernelTuning(8, 2, 16, 32),
+    ("decode", 2, 128): KernelTuning(4, 3, 128),
+    ("decode", 2, 256): KernelTuning(8, 3, 128),
+    ("decode", 4, 64): KernelTuning(8, 1, 128),
+    ("decode", 4, 128): KernelTuning(8, 1, 32),
+    ("decode", 4, 256): KernelTuning(8, 1, 64),
+    ("ragged", 2, 64): KernelTuning(4, 3, 128, 64),
+    ("ragged", 2, 128): KernelTuning(4, 3, 128, 64),
+    ("ragged", 2, 256): KernelTuning(8, 2, 128, 32),
+    ("ragged", 4, 64): KernelTuning(8, 1, 128, 32),
+    ("ragged", 4, 128): KernelTuning(8, 1, 64, 32),
+    ("ragged", 4, 256): KernelTuning(8, 1, 64, 16),
 }
 _SM80 = {
-    ("decode", 2, 64): KernelTuning(4, 2, 64),
-    ("decode", 2, 128): KernelTuning(4, 2, 64),
-    ("decode", 2, 256): KernelTuning(8, 2, 32),
-    ("decode", 4, 64): KernelTuning(4, 2, 64),
-    ("decode", 4, 128): KernelTuning(4, 2, 32),
-    ("decode", 4, 256): KernelTuning(8, 2, 16),
-    ("ragged", 2, 64): KernelTuning(4, 2, 64, 64),
-    ("ragged", 2, 128): KernelTuning(4, 2, 32, 64),
-    ("ragged", 2, 256): KernelTuning(8, 2, 16, 32),
-    ("ragged", 4, 64): KernelTuning(4, 2, 32, 64),
-    ("ragged", 4, 128): KernelTuning(8, 2, 16, 32),
-    ("ragged", 4, 256): KernelTuning(8, 1, 16, 32),
+    ("decode", 2, 64): KernelTuning(4, 3, 128),
+    ("decode", 2, 128): KernelTuning(4, 3, 128),
+    ("decode", 2, 256): KernelTuning(8, 3, 128),
+    ("decode", 4, 64): KernelTuning(8, 1, 128),
+    ("decode", 4, 128): KernelTuning(8, 1, 64),
+    ("decode", 4, 256): KernelTuning(8, 1, 64),
+    ("ragged", 2, 64): KernelTuning(4, 3, 128, 64),
+    ("ragged", 2, 128): KernelTuning(8, 3, 128, 64),
+    ("ragged", 2, 256): KernelTuning(8, 3, 128, 32),
+    ("ragged", 4, 64): KernelTuning(8, 1, 128, 32),
+    ("ragged", 4, 128): KernelTuning(8, 1, 64, 32),
+    ("ragged", 4, 256): KernelTuning(8, 1, 64, 16),
 }
 TABLE: dict[str, dict[tuple[str, int, int], KernelTuning]] = {
     "sm90": _SM90, "sm100": _SM90, "sm80": _SM80, "generic": _SM80,
@@ -101,7 +106,7 @@ def _measured(path: str) -> dict[tuple[str, str, int, int], KernelTuning]:
     return {
         (r["arch"], r["kernel"], int(r["itemsize"]), int(r["head_dim"])): KernelTuning(
             int(r["num_warps"]), int(r["num_stages"]), int(r["chunk_tokens"]),
-            int(r.get("block_q", 0)))
+            int(r.get("q_rows", 0)))
         for r in rows
     }
 

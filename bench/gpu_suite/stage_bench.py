@@ -122,11 +122,10 @@ def tune(rec: Recorder, budget: Budget, dry_run: bool, iters: int, out_dir: Path
     """Time every config of every class (default launch first); write the best per class."""
     import jax.numpy as jnp
 
-    try:
-        from pallas_kernels.tuning import arch_of
-        arch = arch_of(device_kind)
-    except ImportError:  # the tuning table is newer than some checkouts
-        arch = "unknown"
+    from pallas_kernels._common import next_pow2
+    from pallas_kernels.tuning import arch_of
+
+    arch = arch_of(device_kind)
     best_rows: list[dict] = []
     tuning_path = out_dir / f"tuning_{tag}.json"
     classes = tuning_classes(dry_run)
@@ -162,7 +161,10 @@ def tune(rec: Recorder, budget: Budget, dry_run: bool, iters: int, out_dir: Path
                 "num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
                 "pages_per_chunk": cfg["pages_per_chunk"],
                 "chunk_tokens": cfg["pages_per_chunk"] * cls["block_size"],
-                "block_q": cfg.get("block_q", 0), "time_ms": row["time_ms"],
+                "block_q": cfg.get("block_q", 0),
+                # tuning.py reads query rows per program (block_q x padded GQA group)
+                "q_rows": cfg.get("block_q", 0) * next_pow2(cls["hq"] // cls["hkv"]),
+                "time_ms": row["time_ms"],
                 "default_time_ms": default, "configs_timed": len(ok),
                 "shape": {k: v for k, v in cls.items()
                           if k not in ("kernel", "dtype", "head_dim", "block_size")}}

@@ -23,7 +23,7 @@ from pagedjax.aot.resources import KernelResources, compile_with_resources
 from pagedjax.aot.target import compile_only_devices
 from pallas_kernels import copy_blocks, paged_decode_attention, ragged_paged_attention, tuning, write_kv
 from pallas_kernels._common import next_pow2
-from pallas_kernels._kv_chunks import chunk_layout
+from pallas_kernels._kv_chunks import chunk_layout, resolve_chunk_tokens
 from pallas_kernels.paged_decode_attention import decode_plan
 from pallas_kernels.ragged_paged_attention import ragged_block_q
 
@@ -33,8 +33,9 @@ GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 DTYPES = ("bfloat16", "float16", "float32")
 NUM_KV_HEADS = 2
 NUM_BLOCKS = 64
-# Table widths: one that gives a single decode split and one that gives several.
-DECODE_TABLE_PAGES = (1, 64)
+# Decode table width: 64 pages gives several flash-decoding splits of several chunks each.
+# The split count only sets the grid and a loop-bound constant, so one width covers them.
+DECODE_TABLE_PAGES = (64,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,13 @@ class KernelCase:
     def tuned(self, arch: str) -> tuning.KernelTuning:
         return self.launch or tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
 
+    def chunk_tokens(self, arch: str) -> int:
+        """The chunk size the kernel runs with (the tuned one is capped for small pages)."""
+        t = self.tuned(arch)
+        if self.launch is not None:
+            return t.chunk_tokens
+        return resolve_chunk_tokens(None, None, self.block_size, t.chunk_tokens)
+
     def key(self, arch: str) -> tuple:
         """What determines the compiled Triton kernel (see module docstring)."""
         if self.kernel not in ("decode", "ragged"):
@@ -58,9 +66,9 @@ class KernelCase:
         if self.kernel == "decode":
             group_p, block_q = max(16, next_pow2(self.group)), 1
         else:
-            group_p, block_q = next_pow2(self.group), ragged_block_q(None, self.group, t.block_q)
+            group_p, block_q = next_pow2(self.group), ragged_block_q(None, self.group, t.q_rows)
         return (self.kernel, self.dtype, self.head_dim, self.block_size, group_p, block_q,
-                t.chunk_tokens, t.num_warps, t.num_stages)
+                self.chunk_tokens(arch), t.num_warps, t.num_stages)
 
 
 def engine_cases() -> list[KernelCase]:
@@ -83,7 +91,7 @@ def _lower(case: KernelCase, device, table_pages: int, arch: str):
         t = case.launch
         launch = dict(num_warps=t.num_warps, num_stages=t.num_stages, chunk_tokens=t.chunk_tokens)
         if case.kernel == "ragged":
-            launch["block_q"] = ragged_block_q(None, case.group, t.block_q)
+            launch["block_q"] = ragged_block_q(None, case.group, t.q_rows)
     if case.kernel == "decode":
         fn = lambda q, k, v, bt, lens, layer: paged_decode_attention(
             q, k, v, bt, lens, scale=0.1, layer=layer, backend="pallas", **launch)
@@ -144,14 +152,15 @@ def _launch_extra(case: KernelCase, arch: str, pages: int) -> dict:
     if case.kernel not in ("decode", "ragged"):
         return {}
     t = case.tuned(arch)
-    ppc, cpp = chunk_layout(case.block_size, t.chunk_tokens)
-    extra = dict(num_warps=t.num_warps, num_stages=t.num_stages, chunk_tokens=t.chunk_tokens,
+    chunk = case.chunk_tokens(arch)
+    ppc, cpp = chunk_layout(case.block_size, chunk)
+    extra = dict(num_warps=t.num_warps, num_stages=t.num_stages, chunk_tokens=chunk,
                  pages_per_chunk=ppc, chunks_per_page=cpp)
     if case.kernel == "decode":
-        splits, _, _ = decode_plan(4, NUM_KV_HEADS, pages, case.block_size, t.chunk_tokens, None)
+        splits, _, _ = decode_plan(4, NUM_KV_HEADS, pages, case.block_size, chunk, None)
         extra["num_splits"] = splits
     else:
-        extra["block_q"] = ragged_block_q(None, case.group, t.block_q)
+        extra["block_q"] = ragged_block_q(None, case.group, t.q_rows)
     return extra
 
 

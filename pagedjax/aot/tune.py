@@ -33,19 +33,20 @@ def _clean(case: KernelCase, target: str, arch: str) -> bool:
 
 
 def search(target: str, kernel: str, dtype: str, head_dim: int, log=print) -> dict | None:
-    """First clean candidate in preference order, checked at block sizes 16 and 256 with a
-    GQA group of 8 (the largest tile rows the engine builds)."""
+    """First clean candidate in preference order, checked at block sizes 16 and 256 and GQA
+    groups 1 and 8 (one query token per row vs eight rows per token: the same tile size
+    allocates differently; group 1 spilled on sm_80 where group 8 did not)."""
     arch = tuning.arch_of(compile_only_devices(target)[0].device_kind)
     rows = RAGGED_ROWS if kernel == "ragged" else (0,)
     for chunk, r, stages, warps in itertools.product(CHUNKS, rows, STAGES, WARPS):
         launch = tuning.KernelTuning(warps, stages, chunk, r)
-        ok = all(_clean(KernelCase(kernel, dtype, head_dim, bs, 8, launch), target, arch)
-                 for bs in (16, 256))
+        ok = all(_clean(KernelCase(kernel, dtype, head_dim, bs, g, launch), target, arch)
+                 for bs in (16, 256) for g in (1, 8))
         log(f"{target} {kernel} {dtype} d={head_dim} {launch}: {'ok' if ok else 'no'}")
         if ok:
             return dict(arch=arch, kernel=kernel, itemsize=4 if dtype == "float32" else 2,
                         head_dim=head_dim, num_warps=warps, num_stages=stages,
-                        chunk_tokens=chunk, block_q=r)
+                        chunk_tokens=chunk, q_rows=r)
     return None
 
 

@@ -140,3 +140,44 @@ def test_backend_env_override(monkeypatch):
     assert resolve_backend("xla") == "xla"
     with pytest.raises(ValueError):
         resolve_backend("cudnn")
+
+
+def test_pallas_lowering_env(monkeypatch):
+    from pallas_kernels.backend import ENV_LOWERING, pallas_lowering
+
+    monkeypatch.delenv(ENV_LOWERING, raising=False)
+    assert pallas_lowering() == "triton"
+    monkeypatch.setenv(ENV_LOWERING, "cutlass")
+    with pytest.raises(ValueError, match=ENV_LOWERING):
+        pallas_lowering()
+
+
+def test_tuning_table_lookup():
+    """Every architecture answers every shape class; the measured-file override wins."""
+    from pallas_kernels import tuning
+
+    for arch in tuning.TABLE:
+        for kernel in ("decode", "ragged"):
+            for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+                for d in (64, 96, 128, 256):
+                    t = tuning.lookup(kernel, dtype, d, arch)
+                    assert t.chunk_tokens in (16, 32, 64, 128) and t.num_warps in (4, 8)
+                    assert (t.q_rows > 0) == (kernel == "ragged")
+    assert tuning.arch_of("NVIDIA H100 80GB HBM3") == "sm90"
+    assert tuning.arch_of("NVIDIA A100-SXM4-80GB") == "sm80"
+    assert tuning.arch_of("NVIDIA B200") == "sm100"
+    assert tuning.arch_of("cpu") == "generic"
+
+
+def test_tuning_file_overrides_table(tmp_path, monkeypatch):
+    import json
+
+    from pallas_kernels import tuning
+
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps([dict(arch="sm90", kernel="decode", itemsize=2, head_dim=128,
+                                     num_warps=8, num_stages=4, chunk_tokens=32)]))
+    monkeypatch.setenv(tuning.ENV_TUNING_FILE, str(path))
+    assert tuning.lookup("decode", jnp.bfloat16, 128, "sm90") == tuning.KernelTuning(8, 4, 32)
+    assert tuning.lookup("decode", jnp.float32, 128, "sm90") == tuning.TABLE["sm90"][
+        ("decode", 4, 128)]
