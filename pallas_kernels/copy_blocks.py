@@ -1,9 +1,9 @@
 """Copy whole cache blocks (copy-on-write after a fork), every layer and head in one launch.
 
 The grid is ``(layer * kv_head, pair, tile)``: each program copies one contiguous row tile
-of a ``[block_size, head_dim]`` block of K and of V (whole small blocks, a slice of a large
-one, so no program holds more than a few KiB in registers). The caches are aliased input->output so a
-donating caller updates them in place. Pairs with a negative source (or destination) are
+of a ``[block_size, head_dim]`` block of K and of V (a whole small block, or a slice of a
+large one, so no program holds more than a few KiB in registers). The caches are aliased
+input->output so a donating caller updates them in place. Pairs with a negative source (or destination) are
 padding. Destinations must be distinct and must not be sources of other pairs in the same
 call (true for copy-on-write, whose destinations are freshly allocated blocks).
 """

@@ -53,6 +53,7 @@ def build(target: str, kernels: bool = True, steps: bool = True, log=print) -> d
                 shapes = None if tp == 1 else [s for s in step.step_shapes(4096)
                                                if s.name in ("decode_b64", "mixed_512+63")]
                 report["steps"] += step.compile_step(model, target, tp=tp, shapes=shapes, log=log)
+            report["steps"] += step.compile_swap(model, target, log=log)
     report["summary"] = summarize(report)
     return report
 

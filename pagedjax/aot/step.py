@@ -135,6 +135,43 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
     return rows
 
 
+def compile_swap(model: str, target: str, dtype=jnp.bfloat16, block_size: int = 16,
+                 num_blocks: int = 1024, blocks: int = 64, log=print) -> list[dict]:
+    """The swap path's device halves (gather of the blocks to swap out, donated scatter of
+    the blocks swapped in) at the model's full cache shape."""
+    from pallas_kernels import swap
+
+    c = MODELS[model]
+    device = compile_only_devices(target)[0]
+    sh = SingleDeviceSharding(device)
+    cache = jax.ShapeDtypeStruct((c.num_layers, c.num_kv_heads, num_blocks, block_size,
+                                  c.head_dim), dtype, sharding=sh)
+    moved = jax.ShapeDtypeStruct((c.num_layers, c.num_kv_heads, blocks, block_size, c.head_dim),
+                                 dtype, sharding=sh)
+    ids = jax.ShapeDtypeStruct((blocks,), jnp.int32, sharding=sh)
+    rows = []
+    for name, fn, args in (("swap_out", swap._gather, (cache, cache, ids)),
+                           ("swap_in", swap._scatter, (cache, cache, moved, moved, ids))):
+        t0 = time.perf_counter()
+        try:
+            with jax.default_device(device):
+                _, kernels, _ = compile_with_resources(fn.lower(*args))
+            err = None
+        except Exception as e:
+            kernels, err = {}, f"{type(e).__name__}: {str(e)[:2000]}"
+        rows.append(dict(model=model, target=target, tp=1, dtype=jnp.dtype(dtype).name,
+                         block_size=block_size, shape=f"{name}_{blocks}_blocks", error=err,
+                         compile_s=round(time.perf_counter() - t0, 2), kernels=len(kernels),
+                         max_registers=max((k.registers for k in kernels.values()), default=0),
+                         spilling=sorted(n for n, k in kernels.items() if k.spills),
+                         max_smem=max((k.smem for k in kernels.values()), default=0),
+                         attention_kernels=[], sampler_rows=0, sampler_compile_s=0.0,
+                         sampler_error=None, sampler_spilling=[]))
+        log(f"  {target} {model} {name}: {rows[-1]['compile_s']} s, spills in "
+            f"{rows[-1]['spilling'] or 'none'}{'  ERROR ' + err[:200] if err else ''}")
+    return rows
+
+
 @functools.cache
 def _sampler_report(rows: int, vocab: int, device) -> dict:
     """Compile `sample` for a mixed batch: greedy, top-k/top-p/min-p, penalties, logprobs."""
