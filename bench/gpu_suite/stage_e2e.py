@@ -182,8 +182,7 @@ def _serve(engine, reqs: list, budget: Budget, rate_based: bool) -> dict[str, An
 
 def _decode_step_ms(runner, batch: int, ctx: int, iters: int) -> float:
     """Median time of one decode step of ``batch`` sequences at context ``ctx`` (disjoint blocks)."""
-    import jax
-
+    from bench.kernels import bench
     from pagedjax.core.scheduler import ScheduledSeq
     from pagedjax.worker.step_inputs import build_step_inputs
 
@@ -192,13 +191,7 @@ def _decode_step_ms(runner, batch: int, ctx: int, iters: int) -> float:
     seqs = [ScheduledSeq(i, str(i), [7], ctx - 1, list(range(i * per, (i + 1) * per)), True)
             for i in range(batch)]
     inputs = build_step_inputs(seqs, bs, runner.max_blocks_per_seq)
-    jax.block_until_ready(runner.execute(inputs))  # compile
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(runner.execute(inputs))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return bench(lambda: runner.execute(inputs), iters, warmup=1)  # the warm-up compiles
 
 
 def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> None:
