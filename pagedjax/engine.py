@@ -357,6 +357,7 @@ class LLMEngine:
                                               req.counter, index)) for req, seq, index, _ in row_info]
         meta = SamplingMetadata.from_params(rows, pad_to=len(inputs.logits_indices),
                                             vocab_size=self.model_config.vocab_size,
+                                            eos_token_ids=sorted(self.eos_token_ids),
                                             engine_seed=self.engine_config.seed)
         k = max((req.params.logprobs or 0) for req, *_ in row_info)
         beams = self._beam_candidates(logits, row_info)

@@ -117,13 +117,16 @@ class SamplingMetadata:
         vocab_size: int,
         *,
         eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         engine_seed: int = 0,
     ) -> SamplingMetadata:
         """Build the host-side (numpy) metadata for one step.
 
         ``rows[i]`` describes batch row ``i``; rows ``len(rows)..pad_to-1`` are
         padding. Call once per step: ``step`` and the histories come from the
-        sequences' current ``output_token_ids``.
+        sequences' current ``output_token_ids``. ``eos_token_id`` / ``eos_token_ids`` (a model
+        may have several, as Llama 3 does) are banned with the stop ids while a row is short of
+        its ``min_tokens``, unless it ignores EOS.
         """
         b, v = pad_to, vocab_size
         if len(rows) > b:
@@ -165,8 +168,8 @@ class SamplingMetadata:
                 repetition[i] = p.repetition_penalty
             if n_out < p.min_tokens:
                 ids = list(p.stop_token_ids or [])
-                if eos_token_id is not None and not p.ignore_eos:
-                    ids.append(eos_token_id)
+                if not p.ignore_eos:
+                    ids += [e for e in (eos_token_id, *eos_token_ids) if e is not None]
                 if ids:
                     banned[i] = ids
 

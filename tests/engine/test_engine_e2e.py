@@ -183,8 +183,14 @@ def test_stops_logprobs_and_streaming(demo_model, demo_tokenizer):
     first = base.token_ids[2]
     st = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first]))[0].outputs[0]
     assert st.token_ids == base.token_ids[:3] and st.stop_reason == first
-    mt = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24, min_tokens=20, ignore_eos=False))
-    assert len(mt[0].outputs[0].token_ids) >= 20
+    mt = llm.chat(chat, SamplingParams(temperature=0, max_tokens=24, min_tokens=20,
+                                       ignore_eos=False))[0].outputs[0]
+    # The unconstrained answer ends with EOS well before 20 tokens; with min_tokens every EOS
+    # id is banned until then (not sampled and skipped over), so the text runs on past it.
+    eos = llm.engine.eos_token_ids
+    assert len(base.token_ids) < 20 and base.token_ids[-1] in eos
+    assert len(mt.token_ids) >= 20 and not set(mt.token_ids[:20]) & eos
+    assert mt.token_ids[: len(base.token_ids) - 1] == base.token_ids[:-1]
     lp = llm.chat(chat, SamplingParams(temperature=0, max_tokens=5, logprobs=3))[0].outputs[0]
     assert len(lp.logprobs) == 5
     for tok, entry in zip(lp.token_ids, lp.logprobs):

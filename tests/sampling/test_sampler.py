@@ -267,6 +267,23 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     assert meta.banned_token_ids.shape[1] == 0  # nothing banned once reached
 
 
+def test_min_tokens_bans_every_eos_id() -> None:
+    """Models with several EOS ids (Llama 3: <|end_of_text|>, <|eot_id|>) get all banned."""
+    eos_ids = (2, 7)
+    logits = np.zeros((1, V), np.float32)
+    logits[0, 7] = 30.0
+    logits[0, 2] = 29.0
+    logits[0, 11] = 28.0
+    p = [SamplingParams(temperature=0, min_tokens=2)]
+    early = meta_for(p, [st([5])], pad_to=1, eos_token_ids=eos_ids)
+    assert int(sample(logits, early).token_ids[0]) == 11
+    done = meta_for(p, [st([5, 5])], pad_to=1, eos_token_ids=eos_ids)
+    assert int(sample(logits, done).token_ids[0]) == 7
+    ignore = meta_for([SamplingParams(temperature=0, min_tokens=2, ignore_eos=True)], [st([5])],
+                      pad_to=1, eos_token_ids=eos_ids)
+    assert int(sample(logits, ignore).token_ids[0]) == 7
+
+
 def test_unseeded_rows_follow_engine_seed_and_request_counter() -> None:
     logits = np.zeros((4, V), np.float32)
     params = [SamplingParams(temperature=1.0)] * 4
