@@ -164,6 +164,9 @@ class BlockManager:
             pinned_hits = sum(1 for e in hits if self._pinned[e.block_id])
             need += nblocks - len(hits) + revived
             need_never += nblocks - pinned_hits
+            if hits and self._first_write_shared(seq, hits):
+                need += 1  # copy-on-write of the block the recomputed last token lands in
+                need_never += 1
         if len(seqs) == 1 and len(group.seqs) == 1 and group.n > 1:
             # Children forked from this prompt each copy-on-write the last block.
             need += group.n - 1
@@ -174,6 +177,13 @@ class BlockManager:
         if self.gpu.get_num_free() - need >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
+
+    def _first_write_shared(self, seq: Sequence, hits: list) -> bool:
+        """Whether the first token left to compute lands in a cached block that someone
+        already references (a fully cached prompt recomputes its last token there), so that
+        writing it needs a copy-on-write block."""
+        idx = self._cached_len(seq, len(hits)) // self.block_size
+        return idx < len(hits) and self.gpu.ref_count(hits[idx].block_id) > 0
 
     def allocate(self, group: SequenceGroup) -> None:
         """Give every unfinished sequence blocks for all its tokens, reusing cached prefixes.

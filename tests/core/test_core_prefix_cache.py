@@ -197,3 +197,17 @@ def test_srtf_prefers_cache_hits():
     e.add("hit", shared + [7], max_tokens=1)  # arrives later but has 1 token left
     out = e.step()
     assert [s.request_id for s in out.scheduled][0] == "hit"
+
+
+def test_fully_cached_prompt_counts_its_copy_on_write_block_at_admission():
+    """A fully cached prompt recomputes its last token in a block another request still holds,
+    which costs one copy-on-write block. Admission must count it: with every free block taken
+    by the running request, the newcomer waits instead of failing inside schedule()."""
+    e = FakeEngine(num_gpu_blocks=3, block_size=BS, enable_prefix_caching=True)
+    prompt = list(range(1, 2 * BS + 1))
+    e.add("a", prompt, max_tokens=5)
+    e.step()  # a: 2 blocks, published; its next token needs the last free block
+    e.add("b", prompt, max_tokens=5)
+    e.run()
+    assert e.outputs_of("b") == e.outputs_of("a") == [reference_output(prompt, 5)]
+    assert e.bm.gpu.get_num_free() == 3  # every block back (cached blocks count as free)
