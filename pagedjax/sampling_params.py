@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -32,6 +33,10 @@ class SamplingType(enum.IntEnum):
     RANDOM = 1
     RANDOM_SEED = 2
     BEAM = 3
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "length_penalty")
 
 
 @dataclass(repr=False)
@@ -90,6 +95,13 @@ class SamplingParams:
 
         def is_int(x: Any) -> bool:
             return isinstance(x, int) and not isinstance(x, bool)
+
+        # Real, finite numbers first: inf would pass the range checks below (inf >= 0) and
+        # turn into NaN logits on the device; a string would make them raise TypeError.
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            need(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v),
+                 name, "must be a finite number")
 
         need(is_int(self.n) and self.n >= 1, "n", "must be an int >= 1")
         need(is_int(self.best_of) and self.best_of >= self.n, "best_of", "must be an int >= n")

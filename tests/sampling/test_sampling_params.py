@@ -43,7 +43,12 @@ INVALID = [
     ({"length_penalty": 0.5}, "length_penalty"),
     ({"early_stopping": True}, "early_stopping"),
     ({"temperature": 0.0, "n": 2}, "best_of"),
-]
+    ({"temperature": "0.5"}, "temperature"),
+    ({"top_p": True}, "top_p"),
+] + [({name: bad}, name)
+     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "length_penalty")
+     for bad in (float("inf"), float("-inf"), float("nan"))]
 
 
 @pytest.mark.parametrize(("kwargs", "field"), INVALID, ids=[f for _, f in INVALID])
