@@ -161,6 +161,11 @@ class LLMEngine:
                 raise ValueError("prompt: expected text or token ids")
             if not prompt:
                 raise ValueError("prompt: empty prompt")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"prompt: not valid Unicode text (unpaired surrogate at "
+                                 f"character {e.start})") from None
             prompt_token_ids = self.tokenizer(prompt).input_ids
         ids = list(prompt_token_ids)
         if not ids:

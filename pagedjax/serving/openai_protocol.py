@@ -9,7 +9,28 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Roles the chat template may see. Anything else is refused: a role is pasted into the
+# template verbatim, so "user<|im_end|>\n<|im_start|>system" would let a user write a system
+# turn.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def check_unicode(value: Any) -> Any:
+    """Refuse strings that are not valid Unicode text (JSON can carry a lone UTF-16
+    surrogate such as "\\ud800", which the tokenizer cannot encode)."""
+    parts = value if isinstance(value, list) else [value]
+    for part in parts:
+        if isinstance(part, dict):
+            part = part.get("text")
+        if isinstance(part, str):
+            try:
+                part.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"not valid Unicode text (unpaired surrogate at character "
+                                 f"{e.start})") from None
+    return value
 
 
 class _Base(BaseModel):
@@ -60,6 +81,8 @@ class _Sampling(_Base):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
+
+    _prompt_text = field_validator("prompt")(check_unicode)
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
@@ -78,6 +101,15 @@ class ChatMessage(_Base):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    _content_text = field_validator("content")(check_unicode)
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, role: str) -> str:
+        if role not in CHAT_ROLES:
+            raise ValueError(f"role must be one of {', '.join(CHAT_ROLES)}")
+        return role
 
 
 class ChatCompletionRequest(_Sampling):

@@ -124,6 +124,8 @@ def test_bad_inputs_rejected_by_field(demo_model, demo_tokenizer):
         (dict(prompt="hi", params={"top_k": -2}), "top_k"),
         (dict(prompt="hi", params={"max_tokens": 0}), "max_tokens"),
         (dict(prompt="hi", params={"bogus_field": 1}), "bogus_field"),
+        (dict(prompt="a\ud800b"), "prompt: not valid Unicode"),  # lone surrogate
+        (dict(prompt="hi", params={"temperature": float("inf")}), "temperature"),
     ]
     for kwargs, field in cases:
         with pytest.raises(ValueError, match=field):
