@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, RequestStream, to_params
 from pagedjax.serving.errors import InvalidRequestError, NotReadyError, ServingError
@@ -71,6 +72,14 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
         param = loc[0] if loc else None
         return error_response(400, f"{'.'.join(loc)}: {err.get('msg', 'invalid request')}",
                               "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException):
+        # Framework errors (a body that is not UTF-8, an unknown route, a wrong method) in the
+        # OpenAI error shape rather than FastAPI's {"detail": ...}.
+        type_ = "invalid_request_error" if exc.status_code == 400 else {
+            404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "error")
+        return error_response(exc.status_code, str(exc.detail), type_)
 
     @app.exception_handler(ServingError)
     async def _serving(_request, exc: ServingError):

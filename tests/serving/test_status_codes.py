@@ -81,3 +81,11 @@ def test_http_status_codes(fake_server):
     assert all(list(w)[-1].finished for w in waiting)
     bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and "error" in bad_json.json()
+    # Bodies that are not UTF-8, and unknown routes/methods, get the OpenAI error shape too.
+    for body in (b'{"prompt": "\xff\xfe"}', b"\xff\xfe\x00"):
+        r = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    r = httpx.get(url)  # GET on a POST route
+    assert r.status_code == 405 and "error" in r.json() and "detail" not in r.json(), r.text
+    r = httpx.get(url.replace("/v1/completions", "/v1/nowhere"))
+    assert r.status_code == 404 and "error" in r.json() and "detail" not in r.json(), r.text
