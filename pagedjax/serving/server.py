@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
@@ -56,6 +57,38 @@ class ServerOptions:
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
+class Undecodable:
+    """Stands in for request bytes that do not parse as the method's message, so the handler
+    can answer INVALID_ARGUMENT (a deserializer that raises makes grpc answer UNKNOWN)."""
+
+    def __init__(self, message: str, error: str):
+        self.message, self.error = message, error
+
+
+def _tolerant_parser(message_cls):
+    def parse(data: bytes):
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(message_cls.DESCRIPTOR.name, str(e))
+    return parse
+
+
+def add_servicer(servicer: PagedJaxServicer, server) -> None:
+    """`add_PagedJaxServicer_to_server`, with request parsing that never raises (above)."""
+    methods = {
+        "Generate": (grpc.unary_stream_rpc_method_handler, pb.GenerateRequest, pb.GenerateResponse),
+        "Abort": (grpc.unary_unary_rpc_method_handler, pb.AbortRequest, pb.AbortResponse),
+        "GetModelInfo": (grpc.unary_unary_rpc_method_handler, pb.ModelInfoRequest, pb.ModelInfo),
+        "GetStats": (grpc.unary_unary_rpc_method_handler, pb.StatsRequest, pb.Stats),
+    }
+    handlers = {name: make(getattr(servicer, name), request_deserializer=_tolerant_parser(req),
+                           response_serializer=resp.SerializeToString)
+                for name, (make, req, resp) in methods.items()}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 class PagedJaxServicer(pb_grpc.PagedJaxServicer):
     """RPC handlers; `aengine` stays None until the model is loaded (→ UNAVAILABLE)."""
 
@@ -65,13 +98,16 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
     async def _fail(self, context, err: ServingError):
         await context.abort(GRPC_CODES.get(err.kind, grpc.StatusCode.INTERNAL), err.message)
 
-    async def _engine(self, context) -> AsyncEngine:
+    async def _engine(self, context, request=None) -> AsyncEngine:
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request: not a valid {request.message} ({request.error})")
         if self.aengine is None:
             await self._fail(context, NotReadyError("model is loading"))
         return self.aengine
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        aeng = await self._engine(context)
+        aeng = await self._engine(context, request)
         rid = request.request_id or f"req-{uuid.uuid4().hex}"
         which = request.WhichOneof("input")
         prompt = request.prompt if which == "prompt" else None
@@ -101,7 +137,7 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                 aeng.abort(rid)
 
     async def Abort(self, request: pb.AbortRequest, context):
-        aeng = await self._engine(context)
+        aeng = await self._engine(context, request)
         aborted, unknown = [], []
         for rid in request.request_ids:
             (aborted if aeng.abort(rid) else unknown).append(rid)
@@ -111,7 +147,7 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
         return pb.AbortResponse(aborted=aborted)
 
     async def GetModelInfo(self, request, context):
-        eng = (await self._engine(context)).engine
+        eng = (await self._engine(context, request)).engine
         ec = eng.engine_config
         return pb.ModelInfo(model=eng.model_name, dtype=np.dtype(eng.dtype).name,
                             max_model_len=eng.max_model_len, block_size=ec.block_size,
@@ -120,7 +156,7 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                             vocab_size=eng.model_config.vocab_size, max_num_seqs=ec.max_num_seqs)
 
     async def GetStats(self, request, context):
-        aeng = await self._engine(context)
+        aeng = await self._engine(context, request)
         s = aeng.get_stats()
         return pb.Stats(num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
                         num_gpu_blocks=s.num_gpu_blocks, num_free_gpu_blocks=s.num_free_gpu_blocks,
@@ -162,7 +198,7 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     server = grpc.aio.server()
     servicer = PagedJaxServicer()
     health = HealthServicer()
-    pb_grpc.add_PagedJaxServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"]
                                          .full_name, reflection.SERVICE_NAME], server)

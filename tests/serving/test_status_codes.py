@@ -89,3 +89,21 @@ def test_http_status_codes(fake_server):
     assert r.status_code == 405 and "error" in r.json() and "detail" not in r.json(), r.text
     r = httpx.get(url.replace("/v1/completions", "/v1/nowhere"))
     assert r.status_code == 404 and "error" in r.json() and "detail" not in r.json(), r.text
+
+
+def test_undecodable_protobuf_is_invalid_argument(fake_server):
+    """Bytes that do not parse as the method's message are the client's error
+    (INVALID_ARGUMENT naming the message), not UNKNOWN; the server keeps serving."""
+    _, srv, client = fake_server
+    raw = dict(request_serializer=lambda b: b, response_deserializer=lambda b: b)
+    with grpc.insecure_channel(srv.target) as ch:
+        for method, stream in (("Generate", True), ("Abort", False), ("GetModelInfo", False),
+                               ("GetStats", False)):
+            make = ch.unary_stream if stream else ch.unary_unary
+            call = make(f"/pagedjax.v1.PagedJax/{method}", **raw)
+            code, details = _code(lambda call=call, stream=stream: (
+                list(call(b"\xff\xff\xff\xff", timeout=10)) if stream
+                else call(b"\xff\xff\xff\xff", timeout=10)))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
+            assert details.startswith("request: not a valid"), details
+    assert [o for o in client.generate_stream("hi", {"max_tokens": 2})][-1].finished
