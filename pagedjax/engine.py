@@ -44,6 +44,8 @@ from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.model_runner import ModelRunner
 from pagedjax.worker.step_inputs import build_step_inputs
 
+MAX_REQUEST_ID_CHARS = 256
+
 logger = logging.getLogger(__name__)
 
 
@@ -185,6 +187,10 @@ class LLMEngine:
         """Queue a request. Raises ValueError naming the bad field; the engine is unaffected."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
+        if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
+            # Ids reach logs and metrics labels: bounded, and no newlines to forge log lines.
+            raise ValueError(f"request_id: must be at most {MAX_REQUEST_ID_CHARS} printable "
+                             "characters")
         if request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         if isinstance(prompt, (list, tuple)) and prompt_token_ids is None:

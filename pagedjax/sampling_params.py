@@ -26,6 +26,11 @@ from typing import Any, Literal
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Bounds on what one request may ask the engine to check every step: stop strings are matched
+# against each new piece of text, so 200k of them slowed every other stream 3x.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingType(enum.IntEnum):
@@ -115,6 +120,12 @@ class SamplingParams:
         need(self.min_tokens <= self.max_tokens, "min_tokens", "must be <= max_tokens")
         need(all(isinstance(s, str) and s for s in self._stop_list), "stop",
              "must be a non-empty string or a list of non-empty strings")
+        need(len(self._stop_list) <= MAX_STOP_STRINGS, "stop",
+             f"must have at most {MAX_STOP_STRINGS} strings")
+        need(all(len(s) <= MAX_STOP_STRING_CHARS for s in self._stop_list), "stop",
+             f"strings must have at most {MAX_STOP_STRING_CHARS} characters")
+        need(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"must have at most {MAX_STOP_TOKEN_IDS} ids")
         need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
              "must be non-negative ints")
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")

@@ -133,6 +133,9 @@ def test_bad_inputs_rejected_by_field(demo_model, demo_tokenizer):
     eng.add_request("dup", "hello", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request_id"):
         eng.add_request("dup", "hello", SamplingParams(max_tokens=2))
+    for rid in ("forged\nINFO request done", "x" * 257):  # log-line forging, unbounded ids
+        with pytest.raises(ValueError, match="request_id"):
+            eng.add_request(rid, "hello", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="preemption_mode"):
         LLM.from_params(config, params, demo_tokenizer, preemption_mode="drop")
     while eng.has_unfinished_requests():

@@ -44,6 +44,9 @@ INVALID = [
     ({"early_stopping": True}, "early_stopping"),
     ({"temperature": 0.0, "n": 2}, "best_of"),
     ({"temperature": "0.5"}, "temperature"),
+    ({"stop": ["x"] * 65}, "stop"),
+    ({"stop": ["x" * 1025]}, "stop"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
     ({"top_p": True}, "top_p"),
 ] + [({name: bad}, name)
      for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
