@@ -612,12 +612,14 @@ class LLMEngine:
     def update_params(self, new_params: dict) -> None:
         """Swap weights in place: same shapes/dtypes, so no recompilation and the KV cache stays.
 
-        Cached prefixes were computed with the old weights: the prefix cache is reset and new
+        All KV was computed with the old weights: in-flight requests are preempted and
+        recomputed (tokens generated so far are kept), the prefix cache is reset, and new
         block hashes carry the new weights version, so old KV is never reused."""
         old = jax.tree.map(lambda x: (x.shape, x.dtype), self._param_spec)
         new = jax.tree.map(lambda x: (x.shape, x.dtype), new_params)
         if jax.tree.structure(old) != jax.tree.structure(new) or old != new:
             raise ValueError("params: new params must have the same structure, shapes and dtypes")
+        self.scheduler.recompute_all()
         self.runner.params = self.runner.place_params(new_params)
         self._weights_version += 1
         self.block_manager.reset_prefix_cache()

@@ -159,6 +159,29 @@ class Scheduler:
                 pass
         return True
 
+    def recompute_all(self) -> list[str]:
+        """Forget the KV of every in-flight request (the weights changed): running and swapped
+        groups go back to the front of the waiting queue, in priority order, and are
+        recomputed from their prompt and the tokens generated so far.
+
+        A group with several live sequences (n > 1 after the fork, beams) shares blocks
+        between them and cannot be recomputed one sequence at a time; if any is in flight
+        this raises before changing anything."""
+        groups = self.running + self.swapped
+        multi = [g.request_id for g in groups if len(g.get_unfinished_seqs()) > 1]
+        if multi:
+            raise ValueError(f"params: cannot change weights while requests with several "
+                             f"live sequences are in flight ({multi[:4]}); wait for them or "
+                             f"abort them")
+        for g in sorted(groups, key=self._priority, reverse=True):
+            for seq in g.get_unfinished_seqs():
+                self.bm.free(seq)
+                seq.reset_for_recompute()
+            self.waiting.appendleft(g)
+        self.running, self.swapped = [], []
+        self.num_preemptions_total += len(groups)
+        return [g.request_id for g in groups]
+
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.staging or self.running or self.swapped)
 

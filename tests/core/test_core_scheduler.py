@@ -324,3 +324,28 @@ def test_schedule_is_linear_in_running():
     for _ in range(3):
         out = e.step()
         assert len(out.scheduled) == 256 and out.num_batched_tokens == 256
+
+
+def test_recompute_all_forgets_kv_and_refuses_forked_groups():
+    """Weight swap: single-sequence groups go back to waiting with no KV and finish with the
+    same tokens; a forked group in flight makes it raise before anything changes."""
+    e = FakeEngine(num_gpu_blocks=16, block_size=4)
+    e.add("a", [1, 2, 3], max_tokens=6)
+    e.add("b", list(range(5, 14)), max_tokens=6)
+    e.step()
+    e.step()
+    assert sorted(e.sched.recompute_all()) == ["a", "b"]
+    assert e.bm.get_num_free_gpu_blocks() == 16 and not e.sched.running
+    assert all(s.num_computed_tokens == 0 for g in e.sched.waiting for s in g.seqs)
+    e.run()
+    assert e.outputs_of("a") == [reference_output([1, 2, 3], 6)]
+    assert e.outputs_of("b") == [reference_output(list(range(5, 14)), 6)]
+    e.add("r", list(range(1, 7)), max_tokens=3, n=3)
+    e.step()
+    _fork_after_prefill(e, "r", 3)
+    used = e.bm.gpu.get_num_used()
+    with pytest.raises(ValueError, match="params"):
+        e.sched.recompute_all()
+    assert e.bm.gpu.get_num_used() == used and len(e.sched.running) == 1
+    e.run()
+    assert e.bm.get_num_free_gpu_blocks() == 16

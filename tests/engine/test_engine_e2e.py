@@ -281,3 +281,38 @@ def test_contiguous_baselines_give_same_outputs(demo_model, demo_tokenizer, refe
     assert llm.engine.block_manager.get_num_free_gpu_blocks() == 64
     with pytest.raises(ValueError, match="kv_policy"):
         LLM.from_params(config, params, demo_tokenizer, kv_policy="segmented")
+
+
+def test_update_params_mid_flight_recomputes_in_flight_requests(demo_model, demo_tokenizer):
+    """Tokens after a weight swap come from the new weights over the whole context: each
+    continuation equals the new model's greedy continuation of prompt + tokens so far (no
+    request mixes KV computed with the old weights into the new ones)."""
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8)
+    eng = llm.engine
+    prompts, _ = _workload(5, 3, config.vocab_size)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", None, sp, prompt_token_ids=p)
+    so_far: dict[str, list[int]] = {}
+    while not so_far or min(len(t) for t in so_far.values()) < 4:
+        for out in eng.step():
+            so_far[out.request_id] = list(out.outputs[0].token_ids)
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    new_params = jax.tree.unflatten(tree, [
+        x + 0.1 * jax.numpy.std(x) * jax.random.normal(k, x.shape, x.dtype)
+        for x, k in zip(leaves, keys)])
+    llm.update_params(new_params)
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = list(out.outputs[0].token_ids)
+    ref = ReferenceGenerator(config, new_params)
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        k = len(so_far[rid])
+        assert final[rid][:k] == so_far[rid]
+        assert final[rid][k:] == ref.generate([p + so_far[rid]], 10 - k)[0], rid
+    assert_pool_whole(llm)
