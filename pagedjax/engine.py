@@ -45,6 +45,7 @@ from pagedjax.worker.model_runner import ModelRunner
 from pagedjax.worker.step_inputs import build_step_inputs
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_CHARS_PER_TOKEN = 64
 
 logger = logging.getLogger(__name__)
 
@@ -157,17 +158,31 @@ class LLMEngine:
         return cls(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
 
     # ---- requests ----------------------------------------------------------
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longest prompt text accepted: far more than `max_model_len` tokens can hold, so
+        nothing valid is refused, but a 10 MB prompt is refused before tokenizing it (which
+        took 12-17 s and stalled every stream)."""
+        return MAX_CHARS_PER_TOKEN * self.max_model_len
+
+    def check_prompt_text(self, prompt, field: str = "prompt") -> None:
+        """Checks a prompt's text before any tokenization: type, emptiness, size, Unicode."""
+        if not isinstance(prompt, str):
+            raise ValueError(f"{field}: expected text or token ids")
+        if not prompt:
+            raise ValueError(f"{field}: empty prompt")
+        if len(prompt) > self.max_prompt_chars:
+            raise ValueError(f"{field}: {len(prompt)} characters, at most {self.max_prompt_chars} "
+                             f"({MAX_CHARS_PER_TOKEN} per token of max_model_len)")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{field}: not valid Unicode text (unpaired surrogate at "
+                             f"character {e.start})") from None
+
     def _validate_prompt(self, prompt: str | None, prompt_token_ids) -> list[int]:
         if prompt_token_ids is None:
-            if not isinstance(prompt, str):
-                raise ValueError("prompt: expected text or token ids")
-            if not prompt:
-                raise ValueError("prompt: empty prompt")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:
-                raise ValueError(f"prompt: not valid Unicode text (unpaired surrogate at "
-                                 f"character {e.start})") from None
+            self.check_prompt_text(prompt)
             prompt_token_ids = self.tokenizer(prompt).input_ids
         ids = list(prompt_token_ids)
         if not ids:

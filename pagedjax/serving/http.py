@@ -115,19 +115,32 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
             raise InvalidRequestError("prompt: empty prompt list", "prompt")
         if body.echo or body.suffix:
             raise NotImplementedErrorHttp("echo" if body.echo else "suffix")
-        return await front.run(body, [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompts],
-                               body.sampling_params(), chat=False, request=request)
+        jobs = []
+        for p in prompts:
+            if isinstance(p, str):  # sized and checked first, then tokenized off the event loop
+                front.check_text(p, "prompt")
+                jobs.append((p, await asyncio.to_thread(lambda p=p: front.engine().tokenizer(p).input_ids)))
+            else:
+                jobs.append((None, list(p)))
+        return await front.run(body, jobs, body.sampling_params(), chat=False, request=request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         front.check_model(body.model)
         tok = front.engine().tokenizer
-        try:
-            text = tok.apply_chat_template(body.conversation(), tokenize=False, add_generation_prompt=True)
-        except Exception as exc:
-            msg = f"messages: cannot apply the chat template: {exc}"
-            raise InvalidRequestError(msg, "messages") from None
-        ids = tok(text).input_ids
+        conversation = body.conversation()
+        front.check_text("".join(m["content"] for m in conversation) or " ", "messages")
+
+        def template() -> tuple[str, list[int]]:  # run off the event loop
+            try:
+                text = tok.apply_chat_template(conversation, tokenize=False,
+                                               add_generation_prompt=True)
+            except Exception as exc:
+                msg = f"messages: cannot apply the chat template: {exc}"
+                raise InvalidRequestError(msg, "messages") from None
+            return text, tok(text).input_ids
+
+        text, ids = await asyncio.to_thread(template)
         params = body.sampling_params()
         params.setdefault("max_tokens", max(1, front.engine().max_model_len - len(ids)))
         return await front.run(body, [(text, ids)], params, chat=True, request=request)
@@ -186,6 +199,13 @@ class HttpFrontDoor:
                 await asyncio.wait_for(self._task, 10)
 
     # ---- request handling ----------------------------------------------------
+    def check_text(self, text: str, field: str) -> None:
+        """The engine's pre-tokenization checks (size, Unicode) as a 400 naming ``field``."""
+        try:
+            self.engine().check_prompt_text(text, field)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), field) from None
+
     async def run(self, body, prompts: list[tuple[str | None, list[int] | None]], params: dict, chat: bool,
                   request: Request | None = None):
         if self.aengine is None:

@@ -24,7 +24,12 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, to_params
 from pagedjax.serving.convert import delta_to_proto, params_from_proto
-from pagedjax.serving.errors import NotReadyError, ServingError, UnknownRequestError
+from pagedjax.serving.errors import (
+    InvalidRequestError,
+    NotReadyError,
+    ServingError,
+    UnknownRequestError,
+)
 from pagedjax.serving.metrics import ServingMetrics
 from pagedjax.serving.proto import pagedjax_pb2 as pb
 from pagedjax.serving.proto import pagedjax_pb2_grpc as pb_grpc
@@ -114,6 +119,8 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
         ids = list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None
         try:
             sp = to_params(params_from_proto(request.params))
+            if ids is None:  # sized and checked first, then tokenized off the event loop
+                ids = await asyncio.to_thread(_checked_ids, aeng.engine, prompt)
             stream = await aeng.add_request_async(rid, prompt, sp, ids)
         except ServingError as err:
             logger.info("request %s refused: %s: %s", rid, err.kind, err.message)
@@ -164,6 +171,14 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                         num_steps=s.num_steps, prompt_tokens_total=s.prompt_tokens_total,
                         generation_tokens_total=s.generation_tokens_total,
                         num_in_flight=aeng.num_in_flight(), num_compiles=getattr(s, "num_compiles", 0))
+
+
+def _checked_ids(engine, prompt: str) -> list[int]:
+    try:
+        engine.check_prompt_text(prompt)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), "prompt") from None
+    return engine.tokenizer(prompt).input_ids
 
 
 def _response(rid: str, out, deltas) -> pb.GenerateResponse:

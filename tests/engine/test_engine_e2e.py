@@ -125,6 +125,7 @@ def test_bad_inputs_rejected_by_field(demo_model, demo_tokenizer):
         (dict(prompt="hi", params={"max_tokens": 0}), "max_tokens"),
         (dict(prompt="hi", params={"bogus_field": 1}), "bogus_field"),
         (dict(prompt="a\ud800b"), "prompt: not valid Unicode"),  # lone surrogate
+        (dict(prompt="x" * (64 * 256 + 1)), "prompt: 16385 characters"),  # before tokenizing
         (dict(prompt="hi", params={"temperature": float("inf")}), "temperature"),
     ]
     for kwargs, field in cases:

@@ -31,6 +31,14 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
         self.steps = 0
 
+    @staticmethod
+    def tokenizer(text):
+        return types.SimpleNamespace(input_ids=[1, 2, 3])
+
+    def check_prompt_text(self, prompt, field="prompt"):
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{field}: empty prompt")
+
     def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, arrival_time=None):
         self.thread_ids.add(threading.get_ident())
         if request_id in self._reqs:

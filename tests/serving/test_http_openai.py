@@ -123,6 +123,23 @@ def test_bad_roles_and_unencodable_text_are_400(server, model, path, body, param
     assert ok.status_code == 200
 
 
+def test_oversized_text_is_refused_before_tokenizing(server, oai, model):
+    """Text far beyond what max_model_len tokens can hold is a 400 at once (tokenizing a 10 MB
+    prompt used to stall every stream for seconds)."""
+    max_len = httpx.get(f"http://127.0.0.1:{server.ports['http_port']}/v1/models").json()[
+        "data"][0]["max_model_len"]
+    huge = "ab " * (64 * max_len // 3 + 1)
+    for create, kw, param in (
+            (oai.completions.create, dict(prompt=huge), "prompt"),
+            (oai.chat.completions.create, dict(messages=[{"role": "user", "content": huge}]),
+             "messages")):
+        with pytest.raises(openai.APIStatusError) as e:
+            create(model=model, max_tokens=2, **kw)
+        assert e.value.status_code == 400 and e.value.body["param"] == param
+        assert "characters" in e.value.body["message"]
+    assert oai.completions.create(model=model, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
 def test_disconnect_mid_stream_frees_blocks(server):
     client = server.client
     url = f"http://127.0.0.1:{server.ports['http_port']}/v1/completions"
