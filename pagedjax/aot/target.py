@@ -6,8 +6,6 @@ import functools
 import re
 from pathlib import Path
 
-import jax
-
 TARGETS_DIR = Path(__file__).parent / "targets"
 # Targets the compile tier must pass; b200 is attempted and reported when XLA accepts it.
 REQUIRED_TARGETS = ("h100", "a100")
@@ -42,13 +40,3 @@ def sm_version(name: str) -> str:
         raise ValueError(f"target {name!r} names no cuda_compute_capability")
     major, minor = int(m.group(1)), int(m.group(2) or 0)
     return f"sm_{major}{minor}{'a' if major >= 9 else ''}"
-
-
-def device_kind(name: str) -> str:
-    return compile_only_devices(name)[0].device_kind
-
-
-def check_cpu_only() -> None:
-    """The tier must not touch a real GPU: it runs with ``JAX_PLATFORMS=cpu``."""
-    if jax.default_backend() != "cpu":
-        raise RuntimeError("pagedjax.aot runs deviceless: set JAX_PLATFORMS=cpu")
