@@ -114,6 +114,23 @@ def comparable(report: dict) -> dict:
     )
 
 
+def differences(committed: dict, fresh: dict, most: int = 12) -> list[str]:
+    """Short description of where two reports' `comparable` parts differ (for a test
+    failure that says what changed instead of printing two 70k-line dicts)."""
+    a, b = comparable(committed), comparable(fresh)
+    out = []
+    for section in a.keys() | b.keys():
+        xs, ys = a.get(section, []), b.get(section, [])
+        if len(xs) != len(ys):
+            out.append(f"{section}: {len(xs)} committed vs {len(ys)} fresh entries")
+        for i, (x, y) in enumerate(zip(xs, ys)):
+            if x != y:
+                keys = sorted(k for k in x.keys() | y.keys() if x.get(k) != y.get(k))
+                out.append(f"{section}[{i}]: " + "; ".join(
+                    f"{k}: {str(x.get(k))[:80]} -> {str(y.get(k))[:80]}" for k in keys))
+    return out[:most]
+
+
 def write(report: dict, root: Path = REPORT_DIR) -> Path:
     path = report_path(report["target"], root)
     path.parent.mkdir(parents=True, exist_ok=True)

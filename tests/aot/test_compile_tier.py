@@ -26,5 +26,6 @@ def test_target_compiles_clean_and_matches_committed_report(target):
     path = report.report_path(target)
     assert path.exists(), f"missing {path}: run `make aot-report`"
     committed = json.loads(path.read_text())
-    assert report.comparable(committed) == report.comparable(fresh), (
-        f"{path} is stale: run `make aot-report TARGETS={target}` and commit it")
+    diffs = report.differences(committed, fresh)
+    assert not diffs, (f"{path} is stale (run `make aot-report TARGETS={target}` and commit "
+                       "it):\n" + "\n".join(diffs))
