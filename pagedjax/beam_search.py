@@ -44,12 +44,13 @@ class BeamCandidate(NamedTuple):
     cum_logprob: float
 
 
-@functools.partial(jax.jit, static_argnames=("num_candidates",))
+@functools.partial(jax.jit, static_argnames=("num_candidates", "normalized"))
 def beam_candidates(
     logits: jax.Array,
     cum_logprobs: jax.Array,
     live: jax.Array,
     num_candidates: int | None = None,
+    normalized: bool = False,
 ) -> BeamCandidates:
     """Top candidates per group from ``logits [G, W, V]``.
 
@@ -57,15 +58,42 @@ def beam_candidates(
     masks padded beams. Returns ``num_candidates`` (default ``2W``) candidates
     per group sorted by descending cumulative logprob; ties resolve to the
     lower flat index (lower parent, then lower token). Groups with too few live
-    candidates are padded with ``valid=False`` rows.
+    candidates are padded with ``valid=False`` rows. ``normalized``: ``logits`` are already
+    log-probabilities (the sampler's raw log-softmax).
     """
     g, w, v = logits.shape
     c = 2 * w if num_candidates is None else num_candidates
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    logp = logits.astype(jnp.float32) if normalized else jax.nn.log_softmax(
+        logits.astype(jnp.float32), axis=-1)
     scores = jnp.where(live[..., None], logp + cum_logprobs[..., None], -jnp.inf)
     top, idx = jax.lax.top_k(scores.reshape(g, w * v), c)
     idx = idx.astype(jnp.int32)
     return BeamCandidates(idx // v, idx % v, top, top > -jnp.inf)
+
+
+@functools.partial(jax.jit, static_argnames=("num_candidates",))
+def beam_candidates_from_rows(logprobs: jax.Array, rows: jax.Array, cum_logprobs: jax.Array,
+                              live: jax.Array, num_candidates: int) -> BeamCandidates:
+    """`beam_candidates` over ``logprobs[rows]``: ``logprobs [B, V]`` are the sampler's raw
+    log-softmax rows, ``rows [G, W]`` the row of each group's beam (padding masked by
+    ``live``). One jitted call, so the gather never compiles on its own."""
+    return beam_candidates(logprobs[rows], cum_logprobs, live, num_candidates, normalized=True)
+
+
+def beam_candidates_numpy(logprobs: np.ndarray, cum_logprobs: np.ndarray,
+                          num_candidates: int) -> BeamCandidates:
+    """Host version for one group ``logprobs [W, V]`` (all live), same order and tie rule:
+    used when a group's beams were computed in different steps (a rare token-budget split)."""
+    w, v = logprobs.shape
+    scores = (logprobs.astype(np.float32) + np.asarray(cum_logprobs, np.float32)[:, None]).ravel()
+    order = np.argsort(-scores, kind="stable")[:num_candidates]
+    top = scores[order]
+    pad = num_candidates - len(order)
+    if pad > 0:
+        order = np.concatenate([order, np.zeros(pad, order.dtype)])
+        top = np.concatenate([top, np.full(pad, -np.inf, np.float32)])
+    return BeamCandidates((order // v)[None].astype(np.int32), (order % v)[None].astype(np.int32),
+                          top[None], (top > -np.inf)[None])
 
 
 def length_penalized_score(cum_logprob: float, seq_len: int, length_penalty: float = 1.0) -> float:

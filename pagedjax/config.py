@@ -30,6 +30,12 @@ class EngineConfig:
     # Compile every decode/prefill shape bucket at start so serving never stalls on a
     # compile. None: on accelerators only (on CPU each of ~12 compiles takes seconds).
     warmup: bool | None = None
+    # Decoder layers as one `scan` ("scan": one compiled layer body, fast compiles) or a loop
+    # over per-layer weights ("unrolled": no per-step weight copies, see models/llama.py).
+    # None: $PAGEDJAX_LAYER_LOOP, else "unrolled" on a single CPU device, where it makes decode
+    # 1.7x faster; "scan" on GPUs and under tensor parallelism until a GPU run has measured
+    # the loop there (`worker.model_runner.resolve_layer_loop`).
+    layer_loop: str | None = None
     # CPU has no device-memory budget to measure; this caps the automatic sizing there.
     cpu_kv_cache_gb: float = 0.5
 
@@ -54,6 +60,8 @@ class EngineConfig:
              f"must be 'fcfs' or 'srtf'; got {self.scheduling_policy!r}")
         need(self.attention_backend in (None, "pallas", "xla"), "attention_backend",
              f"must be 'pallas', 'xla' or None; got {self.attention_backend!r}")
+        need(self.layer_loop in (None, "scan", "unrolled"), "layer_loop",
+             f"must be 'scan', 'unrolled' or None; got {self.layer_loop!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         from pagedjax.core.policies import KV_POLICIES
 

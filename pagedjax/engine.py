@@ -30,7 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import LlamaConfig
-from pagedjax.beam_search import beam_candidates, length_penalized_score, should_stop, split_candidates
+from pagedjax.beam_search import (
+    beam_candidates_from_rows,
+    beam_candidates_numpy,
+    length_penalized_score,
+    should_stop,
+    split_candidates,
+)
 from pagedjax.config import EngineConfig
 from pagedjax.core import SchedulerConfig, Sequence, SequenceGroup
 from pagedjax.core.block_manager import PrefixHandle
@@ -39,9 +45,10 @@ from pagedjax.core.sequence import SequenceStatus
 from pagedjax.detokenizer import DetokState, detokenize_incrementally, flush
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampler import SamplingMetadata, SeqSamplingState, prompt_logprobs, sample
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.model_runner import ModelRunner
+from pagedjax.worker.shapes import pow2_at_least
 from pagedjax.worker.step_inputs import build_step_inputs
 
 MAX_REQUEST_ID_CHARS = 256
@@ -86,7 +93,7 @@ class _Request:
     beam_finished: list[tuple[float, Sequence]] = dataclasses.field(default_factory=list)
     # Prompt logprobs by position p (the distribution that predicted prompt token p + 1).
     prompt_lp: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
-    beam_pending: dict[int, jax.Array] = dataclasses.field(default_factory=dict)
+    beam_pending: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def is_beam(self) -> bool:
@@ -116,10 +123,6 @@ class LLMEngine:
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 4096)
         self._param_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.runner = ModelRunner(config, params, ec, dtype, self.max_model_len)
-        warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
-        if warm:
-            n = self.runner.warmup(ec.max_num_seqs, ec.max_num_batched_tokens)
-            logger.info("warmed up %d step shapes", n)
         # kv_policy "paged" is the paper's design; the others are the contiguous-cache
         # baselines of its evaluation (same engine, same kernels, different memory manager).
         self.block_manager = make_kv_manager(
@@ -133,6 +136,12 @@ class LLMEngine:
         self.eos_token_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        # Fixed widths of the sampler's ban lists and penalty histories (see sampler.py):
+        # every request fits, so their shapes never depend on requests.
+        self._ban_width = pow2_at_least(MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
+        warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
+        if warm:
+            self.warmup()
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []
         self._seq_ids = itertools.count()
@@ -156,6 +165,45 @@ class LLMEngine:
             validate_tp(read_config(model), tp)
         config, params, path = load_model(model, dtype, tensor_parallel_size=tp)
         return cls(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
+
+    # ---- warm-up -----------------------------------------------------------
+    def warmup(self) -> int:
+        """Compile everything serving can run, so no request ever waits on a compile: the
+        step at every shape of the runner's `ShapePlan`, block copies and swaps, and for every
+        logits shape the sampler (plain and penalised/banned variants), prompt logprobs and
+        beam candidate selection. Returns the number of XLA compilations it took."""
+        before = num_backend_compiles()
+        plan = self.runner.shape_plan
+        with_prompt_lp = not self.engine_config.enable_prefix_caching
+        shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp)
+        vocab = self.model_config.vocab_size
+        dummy = SamplingParams(max_tokens=1)
+        full = SamplingParams(max_tokens=2, min_tokens=1, repetition_penalty=1.1)
+        dev = jax.local_devices()[0]  # the step's logits are committed there: same jit key
+        for _t, s, _m, r, decode in shapes:
+            logits = jax.device_put(jnp.zeros((r, vocab), jnp.float32), dev)
+            for b in {self._sample_batch(1, s, decode), plan.seq_cap}:
+                for p in (dummy, full):
+                    meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
+                    jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
+                                                 rows=np.zeros(b, np.int32)))
+            if r > s:
+                jax.block_until_ready(prompt_logprobs(logits, np.zeros(r, np.int32), MAX_LOGPROBS,
+                                                      rows=np.zeros(r, np.int32)))
+        for b in plan.sample_buckets:  # beam groups of padded width w: g * w <= 4b (see below)
+            lp = jax.device_put(jnp.zeros((b, vocab), jnp.float32), dev)
+            w = 2
+            while w <= b:
+                g = 1
+                while g * w <= 4 * b:
+                    z = np.zeros((g, w), np.int32)
+                    jax.block_until_ready(beam_candidates_from_rows(
+                        lp, z, z.astype(np.float32), z.astype(bool), 2 * w))
+                    g *= 2
+                w *= 2
+        n = num_backend_compiles() - before
+        logger.info("warm-up: %d step shapes, %d compilations", len(shapes), n)
+        return n
 
     # ---- requests ----------------------------------------------------------
     @property
@@ -314,9 +362,12 @@ class LLMEngine:
                 outputs.append(self._make_output(req, final=done))
         return outputs
 
-    def _rows_for(self, sched) -> tuple[list[int], list[tuple]]:
-        """Rows to sample per scheduled sequence; a fresh prompt of an n>1 request fans out."""
-        rows_per_seq, row_info = [], []
+    def _rows_for(self, sched) -> tuple[list[int], list[tuple], list[int]]:
+        """Logits rows per scheduled sequence (1 if it samples, else 0), the sampled rows, and
+        the logits row of each sampled row: a fresh prompt of an n>1 request has one logits
+        row and fans out into n sampled rows, so the step's shape never depends on n."""
+        rows_per_seq, row_info, row_src = [], [], []
+        n_logits = 0
         for s in sched.scheduled:
             if not s.needs_logits:
                 rows_per_seq.append(0)
@@ -325,12 +376,13 @@ class LLMEngine:
             group = req.group
             fan_out = (not req.is_beam and len(group.seqs) == 1 and req.num_samples > 1
                        and not group.seqs[0].output_token_ids)
-            n = req.num_samples if fan_out else 1
-            rows_per_seq.append(n)
             seq = next(q for q in group.seqs if q.seq_id == s.seq_id)
-            for j in range(n):
+            for j in range(req.num_samples if fan_out else 1):
                 row_info.append((req, seq, j if fan_out else req.seq_index[seq.seq_id], fan_out))
-        return rows_per_seq, row_info
+                row_src.append(n_logits)
+            rows_per_seq.append(1)
+            n_logits += 1
+        return rows_per_seq, row_info, row_src
 
     def _prompt_rows(self, sched) -> tuple[list[int], list[tuple[_Request, int]]]:
         """Flat token rows whose logits score the next prompt token, for requests that asked
@@ -352,14 +404,14 @@ class LLMEngine:
         return rows, plan
 
     def _score_prompt(self, logits: jax.Array, first_row: int, plan) -> jax.Array:
-        """Launch prompt-logprob scoring on device for rows `first_row...` (no sync here)."""
+        """Launch prompt-logprob scoring on device for rows `first_row...` (no sync here).
+        Shapes follow the step's logits only: top-`MAX_LOGPROBS`, sliced per request."""
         next_ids = np.zeros(logits.shape[0], np.int32)
         rows = np.zeros(logits.shape[0], np.int32)
         for i, (req, pos) in enumerate(plan):
             next_ids[i] = req.prompt_token_ids[pos + 1]
             rows[i] = first_row + i
-        k = max(req.params.prompt_logprobs for req, _ in plan)
-        return prompt_logprobs(logits[rows], next_ids, k)
+        return prompt_logprobs(logits, next_ids, MAX_LOGPROBS, rows=rows)
 
     def _record_prompt_logprobs(self, plan, scored) -> None:
         for i, (req, pos) in enumerate(plan):
@@ -368,37 +420,56 @@ class LLMEngine:
             entry[req.prompt_token_ids[pos + 1]] = float(scored.token_logprobs[i])
             req.prompt_lp[pos] = entry
 
+    def _sample_batch(self, num_rows: int, seq_pad: int, decode_only: bool) -> int:
+        """Padded sampler batch: the step's sequence bucket for decodes; the largest bucket
+        for steps with prefill or fan-out (a fresh prompt may fan out into up to
+        max_num_seqs samples), so a logits shape meets at most two sampler batch sizes."""
+        return seq_pad if decode_only and num_rows <= seq_pad else self.runner.shape_plan.seq_cap
+
+    def _sampling_metadata(self, rows: list[tuple], pad_to: int) -> SamplingMetadata:
+        meta = SamplingMetadata.from_params(
+            rows, pad_to=pad_to, vocab_size=self.model_config.vocab_size,
+            eos_token_ids=sorted(self.eos_token_ids), engine_seed=self.engine_config.seed,
+            history_width=self.max_model_len, ban_width=self._ban_width)
+        want = any(p.logprobs for p, _ in rows)
+        return meta.replace(want_topk=np.bool_(want))
+
     def _execute(self, sched):
-        rows_per_seq, row_info = self._rows_for(sched)
+        rows_per_seq, row_info, row_src = self._rows_for(sched)
         p_rows, p_plan = self._prompt_rows(sched)
         inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
-                                   self.runner.max_blocks_per_seq, rows_per_seq, p_rows)
+                                   self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
+                                   plan=self.runner.shape_plan)
         logits = self.runner.execute(inputs)
-        scored = self._score_prompt(logits, len(row_info), p_plan) if p_plan else None
+        scored = self._score_prompt(logits, sum(rows_per_seq), p_plan) if p_plan else None
         if not row_info:
             if scored is not None:
                 self._record_prompt_logprobs(p_plan, jax.device_get(scored))
             return None
+        b_pad = self._sample_batch(len(row_info), inputs.shape_key[1], inputs.meta.decode_only)
+        src = np.zeros(b_pad, np.int32)
+        src[: len(row_src)] = row_src
         rows = [(req.params, SeqSamplingState(seq.prompt_token_ids, seq.output_token_ids,
                                               req.counter, index)) for req, seq, index, _ in row_info]
-        meta = SamplingMetadata.from_params(rows, pad_to=len(inputs.logits_indices),
-                                            vocab_size=self.model_config.vocab_size,
-                                            eos_token_ids=sorted(self.eos_token_ids),
-                                            engine_seed=self.engine_config.seed)
-        k = max((req.params.logprobs or 0) for req, *_ in row_info)
-        beams = self._beam_candidates(logits, row_info)
+        meta = self._sampling_metadata(rows, b_pad)
+        out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
+        beams = self._beam_candidates(out.raw_logprobs, row_info)
         # The step's one host sync (sampled tokens and beam candidates together).
-        out, cands, scored = jax.device_get(
-            (sample(logits, meta, num_logprobs=k), beams[1] if beams else None, scored))
+        small, cands, scored = jax.device_get(
+            (out._replace(raw_logprobs=None), beams[1] if beams else None, scored))
         if scored is not None:
             self._record_prompt_logprobs(p_plan, scored)
-        return row_info, out, (beams[0], cands) if beams else None
+        if beams:
+            cands = [jax.tree.map(lambda x, g=g: x[g], cands) for g in range(len(beams[0]))]
+            cands += beams[2]
+        return row_info, small, (beams[0] + beams[3], cands) if beams else None
 
-    def _beam_candidates(self, logits: jax.Array, row_info: list[tuple]):
-        """Launch on-device candidate selection for every beam group whose live beams all have logits.
+    def _beam_candidates(self, logprobs: jax.Array, row_info: list[tuple]):
+        """Launch on-device candidate selection for every beam group whose live beams all have
+        logprobs rows in this step (rows of the sampler's raw log-softmax ``[B, V]``).
 
-        Returns ``(groups, candidates)`` with ``groups[g] = (req, live beams in column order)``,
-        or None when no beam group is ready this step.
+        Returns ``(groups, device candidates, host candidates, host groups)`` or None; a group
+        whose beams were split over steps by the token budget is finished on the host.
         """
         rows: dict[str, dict[int, int]] = {}
         for r, (req, seq, _index, _fan) in enumerate(row_info):
@@ -406,39 +477,42 @@ class LLMEngine:
                 rows.setdefault(req.request_id, {})[seq.seq_id] = r
         if not rows:
             return None
-        ready: list[tuple[_Request, list[Sequence]]] = []
-        extra: list[jax.Array] = []
-        cols: list[list[int]] = []
-        n_rows = logits.shape[0]
+        ready: list[tuple[_Request, list[Sequence], list[int]]] = []
+        host_groups: list[tuple[_Request, list[Sequence]]] = []
+        host_cands = []
         for rid, by_seq in rows.items():
             req = self._requests[rid]
             live = req.group.get_unfinished_seqs()
-            if not all(s.seq_id in by_seq or s.seq_id in req.beam_pending for s in live):
-                for sid, r in by_seq.items():  # wait for the siblings' logits
-                    req.beam_pending[sid] = logits[r]
+            if all(s.seq_id in by_seq for s in live):
+                ready.append((req, live, [by_seq[s.seq_id] for s in live]))
                 continue
-            col = []
-            for s in live:
-                if s.seq_id in by_seq:
-                    col.append(by_seq[s.seq_id])
-                else:
-                    col.append(n_rows + len(extra))
-                    extra.append(req.beam_pending.pop(s.seq_id))
-            ready.append((req, live))
-            cols.append(col)
-        if not ready:
+            # Split group (rare): keep these rows on the host until the siblings arrive.
+            got = np.asarray(jax.device_get(logprobs[np.asarray(list(by_seq.values()))]))
+            for sid, row in zip(by_seq, got):
+                req.beam_pending[sid] = row
+            if all(s.seq_id in req.beam_pending for s in live):
+                lp = np.stack([req.beam_pending.pop(s.seq_id) for s in live])
+                host_cands.append(beam_candidates_numpy(
+                    lp, [s.cumulative_logprob for s in live], 2 * req.params.beam_width))
+                host_groups.append((req, live))
+        if not ready and not host_groups:
             return None
-        width = max(req.params.beam_width for req, _ in ready)
-        g_pad = 1 << (len(ready) - 1).bit_length()
+        groups = [(req, live) for req, live, _ in ready]
+        if not ready:
+            return groups, None, [jax.tree.map(lambda x: x[0], c) for c in host_cands], host_groups
+        # Candidates come from 2 * width columns: at least twice the widest beam_width (on
+        # the first step a group has one live beam but needs 2 * beam_width candidates).
+        width = pow2_at_least(max(max(len(cols), req.params.beam_width) for req, _, cols in ready))
+        g_pad = pow2_at_least(len(ready))
         idx = np.zeros((g_pad, width), np.int32)
         live_mask = np.zeros((g_pad, width), bool)
         cum = np.zeros((g_pad, width), np.float32)
-        for g, ((_req, live), col) in enumerate(zip(ready, cols)):
-            idx[g, : len(col)] = col
-            live_mask[g, : len(col)] = True
-            cum[g, : len(col)] = [s.cumulative_logprob for s in live]
-        source = jnp.concatenate([logits, jnp.stack(extra)]) if extra else logits
-        return ready, beam_candidates(source[idx], cum, live_mask)
+        for g, (_req, live, cols) in enumerate(ready):
+            idx[g, : len(cols)] = cols
+            live_mask[g, : len(cols)] = True
+            cum[g, : len(cols)] = [s.cumulative_logprob for s in live]
+        cands = beam_candidates_from_rows(logprobs, idx, cum, live_mask, 2 * width)
+        return groups, cands, [jax.tree.map(lambda x: x[0], c) for c in host_cands], host_groups
 
     def _apply_samples(self, sched, sampled) -> set[str]:
         row_info, out, beams = sampled
@@ -460,9 +534,10 @@ class LLMEngine:
                                out.topk_ids[r], out.topk_logprobs[r])
         if beams is not None:
             groups, cands = beams
-            for g, (req, live) in enumerate(groups):
-                self._advance_beams(req, live, cands.parent[g], cands.token_ids[g],
-                                    cands.cum_logprobs[g], cands.valid[g])
+            for (req, live), c in zip(groups, cands):
+                k = 2 * req.params.beam_width  # the top 2W of the padded width's candidates
+                self._advance_beams(req, live, c.parent[:k], c.token_ids[:k],
+                                    c.cum_logprobs[:k], c.valid[:k])
         return touched
 
     def _advance_beams(self, req: _Request, live: list[Sequence], parents, tokens, cums, valid) -> None:
@@ -535,7 +610,8 @@ class LLMEngine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         if p.logprobs is not None:
-            entry = {int(i): float(v) for i, v in zip(topk_ids[: p.logprobs], topk_logprobs[: p.logprobs])}
+            entry = {int(i): float(v)
+                     for i, v in zip(topk_ids[: p.logprobs], topk_logprobs[: p.logprobs])}
             entry[token] = logprob
             req.logprobs[seq.seq_id].append(entry)
         state = req.detok[seq.seq_id]

@@ -2,10 +2,12 @@
 
 One jitted :func:`sample` call turns the last-position logits ``[B, V]`` of a
 padded decode batch into next tokens. Every per-request knob lives in a
-:class:`SamplingMetadata` pytree of fixed-shape arrays, so mixing greedy,
-seeded, penalised and filtered requests in one batch does not recompile; only
-the few static flags (``all_greedy``, ``do_top_k_top_p``, ``do_min_p``,
-``do_penalties``) and the power-of-two history buckets pick a variant.
+:class:`SamplingMetadata` pytree of arrays, so mixing greedy, seeded, penalised
+and filtered requests in one batch does not recompile: whether any row samples,
+filters or wants top-k logprobs is data (``lax.cond`` skips the work when none
+does), and the only variants are array shapes. The engine passes fixed widths
+(``history_width``, ``ban_width``), so a batch bucket has exactly four variants:
+with or without penalty histories, with or without min-tokens bans.
 
 Pipeline (matches vLLM's order)::
 
@@ -104,10 +106,16 @@ class SamplingMetadata:
     output_token_ids: jax.Array  # [B, Lo] i32, Lo a power-of-two bucket or 0
     prompt_token_ids: jax.Array  # [B, Lp] i32 (repetition penalty only)
     banned_token_ids: jax.Array  # [B, S] i32, ids masked to -inf (min_tokens)
-    all_greedy: bool = struct.field(pytree_node=False, default=True)
-    do_top_k_top_p: bool = struct.field(pytree_node=False, default=False)
-    do_min_p: bool = struct.field(pytree_node=False, default=False)
-    do_penalties: bool = struct.field(pytree_node=False, default=False)
+    # Batch-wide switches, as data: flipping one never recompiles.
+    all_greedy: jax.Array = True  # [] bool
+    do_top_k_top_p: jax.Array = False  # [] bool
+    do_min_p: jax.Array = False  # [] bool
+    want_topk: jax.Array = True  # [] bool: compute the top-`num_logprobs` ids/logprobs
+
+    @property
+    def do_penalties(self) -> bool:
+        """Static, by shape: penalty histories are present (width 0 when no row is penalised)."""
+        return self.output_token_ids.shape[-1] > 0
 
     @classmethod
     def from_params(
@@ -119,6 +127,8 @@ class SamplingMetadata:
         eos_token_id: int | None = None,
         eos_token_ids: Sequence[int] = (),
         engine_seed: int = 0,
+        history_width: int | None = None,
+        ban_width: int | None = None,
     ) -> SamplingMetadata:
         """Build the host-side (numpy) metadata for one step.
 
@@ -126,7 +136,10 @@ class SamplingMetadata:
         padding. Call once per step: ``step`` and the histories come from the
         sequences' current ``output_token_ids``. ``eos_token_id`` / ``eos_token_ids`` (a model
         may have several, as Llama 3 does) are banned with the stop ids while a row is short of
-        its ``min_tokens``, unless it ignores EOS.
+        its ``min_tokens``, unless it ignores EOS. ``history_width`` / ``ban_width`` fix the
+        widths of the penalty histories and ban lists when any row needs them (the engine
+        passes ``max_model_len`` and the longest possible ban list, so shapes never depend
+        on requests); by default they are power-of-two buckets of what this batch holds.
         """
         b, v = pad_to, vocab_size
         if len(rows) > b:
@@ -173,17 +186,27 @@ class SamplingMetadata:
                 if ids:
                     banned[i] = ids
 
-        def pack(lists: dict[int, Sequence[int]]) -> np.ndarray:
-            width = _bucket(max((len(x) for x in lists.values()), default=0))
+        # With fixed widths the histories and ban lists are all present (at those widths)
+        # iff any row is penalised or banned: two variants per batch size, not eight.
+        full = bool(penalised or banned)
+        prompt_lists = {i: rows[i][1].prompt_token_ids for i in penalised if repetition[i] != 1.0}
+        out_lists = {i: rows[i][1].output_token_ids for i in penalised}
+
+        def pack(lists: dict[int, Sequence[int]], fixed: int | None) -> np.ndarray:
+            longest = max((len(x) for x in lists.values()), default=0)
+            if fixed is None:
+                width = _bucket(longest)
+            else:
+                width = fixed if full else 0
+                if longest > width:
+                    raise ValueError(f"{longest} ids exceed the fixed width {width}")
             out = np.full((b, width), -1, np.int32)
             for i, ids in lists.items():
                 out[i, : len(ids)] = np.asarray(ids, np.int32)
             return out
 
-        out_hist = pack({i: rows[i][1].output_token_ids for i in penalised})
-        prompt_hist = pack(
-            {i: rows[i][1].prompt_token_ids for i in penalised if repetition[i] != 1.0}
-        )
+        out_hist = pack(out_lists, history_width)
+        prompt_hist = pack(prompt_lists, history_width)
         return cls(
             temperature=temperature,
             top_k=top_k,
@@ -200,11 +223,11 @@ class SamplingMetadata:
             repetition_penalty=repetition,
             output_token_ids=out_hist,
             prompt_token_ids=prompt_hist,
-            banned_token_ids=pack(banned),
-            all_greedy=all_greedy,
-            do_top_k_top_p=bool((top_k < v).any() or (top_p < 1.0).any()),
-            do_min_p=bool((min_p > 0.0).any()),
-            do_penalties=bool(penalised),
+            banned_token_ids=pack(banned, ban_width),
+            all_greedy=np.bool_(all_greedy),
+            do_top_k_top_p=np.bool_((top_k < v).any() or (top_p < 1.0).any()),
+            do_min_p=np.bool_((min_p > 0.0).any()),
+            want_topk=np.bool_(True),
         )
 
 
@@ -214,6 +237,8 @@ class SamplerOutput(NamedTuple):
     ranks: jax.Array  # [B] i32, 1-based rank of the chosen token under raw logprobs
     topk_logprobs: jax.Array  # [B, K] f32
     topk_ids: jax.Array  # [B, K] i32
+    # [B, V] f32 raw log-softmax, left on device: beam search ranks candidates from it.
+    raw_logprobs: jax.Array | None = None
 
 
 class PromptLogprobs(NamedTuple):
@@ -268,8 +293,8 @@ def filter_logits(
     top_p: jax.Array,
     min_p: jax.Array,
     *,
-    do_top_k_top_p: bool = True,
-    do_min_p: bool = True,
+    do_top_k_top_p: bool | jax.Array = True,
+    do_min_p: bool | jax.Array = True,
 ) -> jax.Array:
     """Mask (to -inf) tokens outside top-k, then top-p (nucleus), then min-p.
 
@@ -282,9 +307,10 @@ def filter_logits(
     the renormalisation of earlier filters.
     """
     v = logits.shape[-1]
-    threshold = jnp.full(logits.shape[:1], _NEG_INF, logits.dtype)
-    if do_top_k_top_p:
-        desc = -jnp.sort(-logits, axis=-1)  # single [B, V] sort
+    no_threshold = jnp.full(logits.shape[:1], _NEG_INF, logits.dtype)
+
+    def top_k_top_p(x):
+        desc = -jnp.sort(-x, axis=-1)  # single [B, V] sort
         k = jnp.clip(top_k, 1, v)
         kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
         desc = jnp.where(desc >= kth, desc, _NEG_INF)
@@ -293,13 +319,13 @@ def filter_logits(
         # top_p == 1 must be a no-op even where fp32 cumsum rounds up to 1.
         keep = (desc > _NEG_INF) & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
         n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-        threshold = jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
-        row_max = desc[:, 0]
-    else:
-        row_max = jnp.max(logits, axis=-1)
-    if do_min_p:
-        min_p_thr = jnp.where(min_p > 0, row_max + jnp.log(min_p), _NEG_INF)
-        threshold = jnp.maximum(threshold, min_p_thr)
+        return jnp.take_along_axis(desc, (n_keep - 1)[:, None], axis=-1)[:, 0]
+
+    # The sort is the sampler's most expensive op: skipped (at run time) when no row filters.
+    threshold = jax.lax.cond(do_top_k_top_p, top_k_top_p, lambda x: no_threshold, logits)
+    row_max = jnp.max(logits, axis=-1)
+    min_p_thr = jnp.where(min_p > 0, row_max + jnp.log(min_p), _NEG_INF)
+    threshold = jnp.where(do_min_p, jnp.maximum(threshold, min_p_thr), threshold)
     return jnp.where(logits >= threshold[:, None], logits, _NEG_INF)
 
 
@@ -324,25 +350,35 @@ def row_keys(meta: SamplingMetadata) -> jax.Array:
 
 
 def _logprob_info(
-    raw_logprobs: jax.Array, token_ids: jax.Array, k: int
+    raw_logprobs: jax.Array, token_ids: jax.Array, k: int, want_topk: jax.Array | bool = True
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     lp = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     rank = jnp.sum(raw_logprobs > lp[:, None], axis=-1).astype(jnp.int32) + 1
-    if k > 0:
-        top_lp, top_ids = jax.lax.top_k(raw_logprobs, k)
-    else:
-        top_lp = jnp.zeros((raw_logprobs.shape[0], 0), raw_logprobs.dtype)
-        top_ids = jnp.zeros((raw_logprobs.shape[0], 0), jnp.int32)
-    return lp, rank, top_lp, top_ids.astype(jnp.int32)
+    n = raw_logprobs.shape[0]
+
+    def top(x):
+        top_lp, top_ids = jax.lax.top_k(x, k)
+        return top_lp, top_ids.astype(jnp.int32)
+
+    def none(x):
+        return jnp.zeros((n, k), x.dtype), jnp.zeros((n, k), jnp.int32)
+
+    top_lp, top_ids = jax.lax.cond(want_topk, top, none, raw_logprobs) if k > 0 else none(raw_logprobs)
+    return lp, rank, top_lp, top_ids
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0) -> SamplerOutput:
-    """Sample one token per row of ``logits [B, V]``.
+def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
+           rows: jax.Array | None = None) -> SamplerOutput:
+    """Sample one token per row of ``logits [B, V]`` (or of ``logits[rows]``).
 
-    ``num_logprobs`` (static) is the max ``logprobs`` over the batch; the caller
-    slices each row's top-k down to what that request asked for.
+    ``num_logprobs`` (static) is how many top logprobs to return per row; the engine always
+    asks for ``MAX_LOGPROBS`` and turns the work off with ``meta.want_topk`` when no row
+    wants them, and each request slices what it asked for. ``rows [B]`` picks (and may
+    repeat) rows of ``logits``: the n samples of a fresh prompt share its one logits row.
     """
+    if rows is not None:
+        logits = logits[rows]
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = logits
@@ -352,23 +388,29 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0) -> 
                             meta.repetition_penalty)
     if meta.banned_token_ids.shape[-1]:
         x = ban_tokens(x, meta.banned_token_ids)
-    tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    if not meta.all_greedy:
+    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    def random(x):
         greedy = meta.temperature < _GREEDY_EPS
         x = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
         x = filter_logits(x, meta.top_k, meta.top_p, meta.min_p,
                           do_top_k_top_p=meta.do_top_k_top_p, do_min_p=meta.do_min_p)
         sampled = jax.vmap(jax.random.categorical)(row_keys(meta), x).astype(jnp.int32)
-        tokens = jnp.where(greedy, tokens, sampled)
-    lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs)
-    return SamplerOutput(tokens, lp, rank, top_lp, top_ids)
+        return jnp.where(greedy, greedy_tokens, sampled)
+
+    tokens = jax.lax.cond(meta.all_greedy, lambda x: greedy_tokens, random, x)
+    lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs, meta.want_topk)
+    return SamplerOutput(tokens, lp, rank, top_lp, top_ids, raw_logprobs)
 
 
 @functools.partial(jax.jit, static_argnames=("k",))
-def prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array, k: int = 0) -> PromptLogprobs:
-    """Raw logprobs of prompt tokens: row ``t`` of ``logits [T, V]`` is scored
-    against ``next_token_ids[t]`` (i.e. prompt token ``t + 1``), plus its rank
+def prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array, k: int = 0,
+                    rows: jax.Array | None = None) -> PromptLogprobs:
+    """Raw logprobs of prompt tokens: row ``t`` of ``logits [T, V]`` (or of ``logits[rows]``)
+    is scored against ``next_token_ids[t]`` (i.e. prompt token ``t + 1``), plus its rank
     and the row's top-``k``.
     """
+    if rows is not None:
+        logits = logits[rows]
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return PromptLogprobs(*_logprob_info(raw, next_token_ids.astype(jnp.int32), k))

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 DATA = Path(__file__).parent / "data"
+
+# Serving on CPU defaults to the unrolled layer loop, whose step shapes compile ~9x slower;
+# the suite compiles hundreds of shapes, so it runs the scan unless a test asks for the loop
+# (tests/engine/test_layer_loop.py checks both give the same tokens).
+os.environ.setdefault("PAGEDJAX_LAYER_LOOP", "scan")
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,7 @@ from pagedjax.aot.target import compile_only_devices
 from pagedjax.config import EngineConfig
 from pagedjax.core.scheduler import ScheduledSeq
 from pagedjax.sampler import SamplingMetadata, SeqSamplingState, sample
-from pagedjax.sampling_params import SamplingParams
+from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedjax.worker.model_runner import ModelRunner
 from pagedjax.worker.step_inputs import build_step_inputs
 
@@ -72,14 +72,15 @@ def _inputs(shape: StepShape, runner: ModelRunner):
         table = list(range(nxt, nxt + pages))
         nxt += pages
         sched.append(ScheduledSeq(i, "aot", [0] * q, ctx - q, table, True))
-    return build_step_inputs(sched, bs, runner.max_blocks_per_seq), nxt
+    return build_step_inputs(sched, bs, runner.max_blocks_per_seq, plan=runner.shape_plan), nxt
 
 
-def _sampler(rows: int, vocab: int, device) -> dict:
-    """The sampler compiles once per row bucket; later steps of that bucket reuse it."""
-    fresh = (rows, vocab, device) not in _seen
-    _seen.add((rows, vocab, device))
-    return dict(_sampler_report(rows, vocab, device), _fresh=fresh)
+def _sampler(logit_rows: int, rows: int, vocab: int, max_model_len: int, device) -> dict:
+    """The sampler compiles once per (logits rows, batch) pair; later steps reuse it."""
+    key = (logit_rows, rows, vocab, max_model_len, device)
+    fresh = key not in _seen
+    _seen.add(key)
+    return dict(_sampler_report(*key), _fresh=fresh)
 
 
 _seen: set = set()
@@ -96,7 +97,8 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
     config = MODELS[model]
     devices = compile_only_devices(target, tp)
     engine_config = EngineConfig(block_size=block_size, tensor_parallel_size=tp,
-                                 attention_backend="pallas", num_gpu_blocks=1)
+                                 attention_backend="pallas", num_gpu_blocks=1,
+                                 max_num_seqs=256, max_num_batched_tokens=2048)
     runner = ModelRunner.compile_only(config, engine_config, dtype, max_model_len, devices)
     rows = []
     for shape in shapes or step_shapes(max_model_len):
@@ -126,7 +128,11 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
         row["max_smem"] = max((k.smem for k in kernels.values()), default=0)
         row["attention_kernels"] = sorted(
             n for n in kernels if n.startswith(("paged_decode", "ragged_paged", "write_kv")))
-        row.update(_sampler(len(inputs.logits_indices), config.vocab_size, devices[0]))
+        # The engine's sampler batch (LLMEngine._sample_batch): the step's sequence bucket
+        # for decodes, the largest bucket otherwise.
+        batch = inputs.shape_key[1] if inputs.meta.decode_only else runner.shape_plan.seq_cap
+        row.update(_sampler(len(inputs.logits_indices), batch, config.vocab_size,
+                            max_model_len, devices[0]))
         row["sampler_compile_s"] = row["sampler_compile_s"] if row.pop("_fresh") else 0.0
         log(f"  {target} {model} tp={tp} {shape.name}: {row['compile_s']} s, "
             f"{row['kernels']} kernels, spills in {row['spilling'] or 'none'}"
@@ -173,20 +179,24 @@ def compile_swap(model: str, target: str, dtype=jnp.bfloat16, block_size: int = 
 
 
 @functools.cache
-def _sampler_report(rows: int, vocab: int, device) -> dict:
-    """Compile `sample` for a mixed batch: greedy, top-k/top-p/min-p, penalties, logprobs."""
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=50,
-              top_p=0.9, min_p=0.05, presence_penalty=0.5, repetition_penalty=1.1)]
+def _sampler_report(logit_rows: int, rows: int, vocab: int, max_model_len: int, device) -> dict:
+    """Compile the engine's `sample` variant with penalty histories and bans (the larger
+    one): greedy, top-k/top-p/min-p, penalties, min_tokens, top-20 logprobs."""
+    params = [SamplingParams(temperature=0.0, min_tokens=2),
+              SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
+                             presence_penalty=0.5, repetition_penalty=1.1)]
     states = [SeqSamplingState([1, 2, 3], [4, 5], 0, 0), SeqSamplingState([1], [2], 1, 0)]
     meta = SamplingMetadata.from_params(list(zip(params, states)), pad_to=rows,
-                                        vocab_size=vocab)
+                                        vocab_size=vocab, eos_token_ids=[2],
+                                        history_width=max_model_len, ban_width=2048)
     sh = SingleDeviceSharding(device)
     abstract = jax.tree.map(lambda x: _abstract(jnp.asarray(x), sh), meta)
-    logits = jax.ShapeDtypeStruct((rows, vocab), jnp.float32, sharding=sh)
+    logits = jax.ShapeDtypeStruct((logit_rows, vocab), jnp.float32, sharding=sh)
+    src = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)
     t0 = time.perf_counter()
     try:
         with jax.default_device(device):
-            lowered = sample.lower(logits, abstract, num_logprobs=5)
+            lowered = sample.lower(logits, abstract, num_logprobs=MAX_LOGPROBS, rows=src)
             _, kernels, _ = compile_with_resources(lowered)
         err = None
     except Exception as e:

@@ -298,7 +298,9 @@ class Scheduler:
             )
             st.budget -= d
             out.num_batched_tokens += d
-        st.num_seqs += len(plan)
+        # A lone prompt of an n>1 request fans out into n sampled rows when its prefill ends:
+        # reserve its n slots every step, so no step ever samples more than max_num_seqs rows.
+        st.num_seqs += max(len(plan), g.max_num_running_seqs())
         out.scheduled_groups.append(g)
 
     def _fits_blocks(self, g: SequenceGroup, plan: list[tuple[Sequence, int]]) -> bool:
@@ -319,7 +321,7 @@ class Scheduler:
         if st.budget <= 0:
             return False
         plan = self._plan(g, st.budget, allow_chunk=True)
-        if not plan or st.num_seqs + len(plan) > self.config.max_num_seqs:
+        if not plan or st.num_seqs + max(len(plan), g.max_num_running_seqs()) > self.config.max_num_seqs:
             return False
         while not self._fits_blocks(g, plan):
             if victims:

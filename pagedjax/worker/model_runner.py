@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from functools import partial
 
 import jax
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
+from models.llama import LlamaForCausalLM, unstack_layers
 from pagedjax.config import EngineConfig
 from pagedjax.parallel import multihost
 from pagedjax.parallel.attention import ShardedPagedAttention, sharded_copy_blocks
@@ -35,10 +36,29 @@ from pagedjax.parallel.mesh import (
     vocab_sharded,
 )
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
+from pagedjax.worker.shapes import ShapePlan
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
+from pallas_kernels.backend import resolve_backend
 
 logger = logging.getLogger(__name__)
+
+
+LAYER_LOOP_ENV = "PAGEDJAX_LAYER_LOOP"
+
+
+def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
+    """`EngineConfig.layer_loop`, else $PAGEDJAX_LAYER_LOOP, else "unrolled" on one CPU device
+    (1.7x faster decode, but each step shape compiles in ~9 s instead of ~1 s for a 30-layer
+    model) and "scan" elsewhere (no GPU measurement yet; the test suite sets the variable to
+    "scan" to keep its many compiles cheap, and tests the loop explicitly)."""
+    choice = choice or os.environ.get(LAYER_LOOP_ENV) or None
+    if choice not in (None, "scan", "unrolled"):
+        raise ValueError(f"{LAYER_LOOP_ENV}: must be 'scan' or 'unrolled'; got {choice!r}")
+    if choice is None:
+        platform = (devices[0] if devices else jax.devices()[0]).platform
+        choice = "unrolled" if tp == 1 and platform == "cpu" else "scan"
+    return choice
 
 
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
@@ -54,7 +74,9 @@ class ModelRunner:
             params = shard_params(params, config, self.mesh, shard_vocab)
         # Committed placement: `update_params` keeps shardings, so the step sees arguments of
         # identical type before and after a weight swap (no retrace, no recompile).
-        self.params = params if self.mesh is not None else jax.device_put(params, jax.local_devices()[0])
+        if self.mesh is None:
+            params = jax.device_put(params, jax.local_devices()[0])
+        self.params = unstack_layers(params) if not self.scan_layers else params
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
                                   // kv_bytes_per_block(config, self.block_size, dtype))
@@ -89,7 +111,13 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = engine_config.block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
-        self.model = LlamaForCausalLM(config, attn, dtype)
+        self.shape_plan = ShapePlan(
+            engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
+            self.max_blocks_per_seq,
+            fixed_width=resolve_backend(engine_config.attention_backend) == "pallas",
+            block_size=self.block_size)
+        self.scan_layers = resolve_layer_loop(engine_config.layer_loop, self.tp, devices) == "scan"
+        self.model = LlamaForCausalLM(config, attn, dtype, scan_layers=self.scan_layers)
 
     @classmethod
     def compile_only(cls, config: LlamaConfig, engine_config: EngineConfig, dtype,
@@ -119,6 +147,8 @@ class ModelRunner:
             params = abstract_sharded_params(params, self.model_config, self.mesh,
                                              self.shard_vocab)
             cache = jax.ShapeDtypeStruct(shape, self.dtype, sharding=cache_sharding(self.mesh))
+        if not self.scan_layers:
+            params = unstack_layers(params)
         return params, cache, cache
 
     def _zeros_cache(self, num_blocks: int) -> jax.Array:
@@ -133,8 +163,10 @@ class ModelRunner:
         """Put a checkpoint-layout params pytree where this runner keeps its params (for
         `update_params`: under TP this shards it and replicates KV columns as needed)."""
         if self.mesh is None:
-            return jax.tree.map(lambda n, o: jax.device_put(n, o.sharding), params, self.params)
-        return shard_params(params, self.model_config, self.mesh, self.shard_vocab)
+            placed = jax.device_put(params, jax.local_devices()[0])
+        else:
+            placed = shard_params(params, self.model_config, self.mesh, self.shard_vocab)
+        return placed if self.scan_layers else unstack_layers(placed)
 
     # ---- sizing ------------------------------------------------------------
     def _profile_num_blocks(self) -> int:
@@ -185,38 +217,51 @@ class ModelRunner:
             v_cache = jax.lax.with_sharding_constraint(v_cache, cache_sharding(self.mesh))
         return logits, k_cache, v_cache
 
-    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-        """Compile the step for every decode batch bucket and every prefill token bucket
-        (at the smallest blocks-per-sequence bucket) before serving; returns the count.
+    def warmup(self, prompt_logprobs: bool = True) -> list[tuple]:
+        """Compile the step at every shape of `shape_plan` (with or without the prompt-logprob
+        row variants); returns the shapes. After this, serving never compiles a step.
 
-        Writes go nowhere (slot -1) and context lengths are 0 for padding rows, so the KV
-        cache is untouched. Larger blocks-per-sequence buckets (one per doubling of the
-        longest context) still compile on first use.
+        Each dummy step writes nowhere (slot -1) and reads nothing (context lengths 0), so the
+        KV cache is untouched.
         """
         from pagedjax.core.scheduler import ScheduledSeq
         from pagedjax.worker.step_inputs import build_step_inputs
 
-        shapes = []
-        s = 8
-        while True:  # decode buckets: s sequences, one token each
-            shapes.append([ScheduledSeq(i, "warmup", [0], 0, [0], True) for i in range(min(s, max_num_seqs))])
-            if s >= max_num_seqs:
-                break
-            s *= 2
-        t = 16
-        while True:  # prefill buckets: one sequence of t tokens
-            n = min(t, max_num_batched_tokens)
-            shapes.append([ScheduledSeq(0, "warmup", [0] * n, 0,
-                                        [0] * min(4, math.ceil(n / self.block_size)), True)])
-            if t >= max_num_batched_tokens:
-                break
-            t *= 2
-        for fake in shapes:
-            inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq)
+        plan = self.shape_plan
+        shapes = plan.step_shapes(prompt_logprobs)
+        for t, s, m, r, decode in shapes:
+            if decode:
+                fake = [ScheduledSeq(i, "warmup", [0], 0, [0] * m, True) for i in range(s)]
+                extra = None
+            else:  # t tokens over as few sequences as hold them (m blocks each)
+                cap = m * self.block_size
+                n_tok = min(t, s * cap)  # > t / 2: still bucket t (see ShapePlan.step_shapes)
+                sizes = [cap] * (n_tok // cap) + ([n_tok % cap] if n_tok % cap else [])
+                fake = [ScheduledSeq(i, "warmup", [0] * n, 0, [0] * m, True)
+                        for i, n in enumerate(sizes)]
+                extra = list(range(r - s)) or None
+            inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq,
+                                       extra_rows=extra, plan=plan)
+            assert inputs.shape_key == (t, s, m, r, decode), (inputs.shape_key, (t, s, m, r))
             inputs.meta.slot_mapping[:] = -1
             inputs.meta.kv_lens[:] = 0
             jax.block_until_ready(self.execute(inputs))
-        return len(shapes)
+        for n in plan.copy_buckets(self.num_gpu_blocks):
+            self._copy_local(self._pad_pairs([(0, 0)] * n))  # block 0 onto itself: a no-op
+        if self.num_cpu_blocks and self.mesh is None:
+            # Swap gathers/scatters, one per power-of-two bucket of blocks (pallas_kernels.swap):
+            # the gather reads block 0, the scatter targets a block past the end (dropped).
+            n = 8
+            while True:
+                swap_out(self.k_cache, self.v_cache, np.zeros(n, np.int32))
+                host = np.zeros(self.k_cache.shape[:2] + (n,) + self.k_cache.shape[3:],
+                                self.k_cache.dtype)
+                self.k_cache, self.v_cache = swap_in(self.k_cache, self.v_cache, host, host,
+                                                     np.full(n, self.num_gpu_blocks, np.int32))
+                if n >= self.num_cpu_blocks:
+                    break
+                n *= 2
+        return shapes
 
     def execute(self, inputs: StepInputs) -> jax.Array:
         """Run the model on one step; returns device logits [R, vocab] (no host sync).

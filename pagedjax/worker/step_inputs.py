@@ -1,8 +1,8 @@
 """Host-side construction of one step's padded arrays from the scheduler's output.
 
-Shapes are padded to power-of-two buckets (tokens, sequences, blocks per sequence, sampled
-rows), so the jitted step compiles once per bucket and steady-state serving never
-recompiles. Everything here is numpy: the only device transfer is the final `device_put`.
+Shapes come from the runner's `ShapePlan` (pagedjax/worker/shapes.py), a fixed set that
+warm-up compiles, so serving never recompiles. Everything here is numpy: the only device
+transfer is the final `device_put`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 
 from pagedjax.core.scheduler import ScheduledSeq
 from pagedjax.worker.paged_attention import PagedMeta
+from pagedjax.worker.shapes import ShapePlan, pow2_at_least
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -35,13 +36,15 @@ class StepInputs:
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks_per_seq: int,
                       rows_per_seq: list[int] | None = None,
-                      extra_rows: list[int] | None = None) -> StepInputs:
+                      extra_rows: list[int] | None = None,
+                      plan: ShapePlan | None = None) -> StepInputs:
     """Flatten scheduled sequences into a ragged token batch.
 
     `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
     n when a prompt fans out into n samples); default: 1 if `needs_logits` else 0.
     `extra_rows` are flat token indices whose logits are wanted too (prompt logprobs); they
-    follow the sampled rows in `logits_indices`.
+    follow the sampled rows in `logits_indices`. `plan` fixes the padded shapes (default: a
+    plan sized for this batch, for tools that build one step by hand).
     Vectorised over tokens: the only per-sequence Python work is copying its block table row
     (host overhead is on the critical path of every step).
     """
@@ -50,10 +53,23 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     start_pos = np.fromiter((s.start_pos for s in scheduled), np.int32, num_seqs)
     total = int(q_lens.sum())
     decode_only = total == num_seqs
-    s_pad = bucket(num_seqs, 8)
-    t_pad = s_pad if decode_only else bucket(total, 16)
     max_blocks = max(len(s.block_table) for s in scheduled)
-    m_pad = min(bucket(max_blocks, 4), max(max_blocks_per_seq, max_blocks))
+    if plan is None:
+        plan = ShapePlan(max(num_seqs, 8), max(total, 16), max(max_blocks_per_seq, max_blocks),
+                         fixed_width=False)
+    if rows_per_seq is None:
+        rows = np.fromiter((1 if s.needs_logits else 0 for s in scheduled), np.int32, num_seqs)
+    else:
+        rows = np.asarray(rows_per_seq, np.int32)
+    num_rows = int(rows.sum())
+    n_extra = len(extra_rows or ())
+    if decode_only:
+        t_pad, s_pad, r_pad = plan.decode(num_seqs)
+    else:
+        t_pad, s_pad, r_pad = plan.mixed(total, num_seqs, n_extra)
+    if num_rows + n_extra > r_pad:  # rows fanned out per sequence: hand-built steps only
+        r_pad = pow2_at_least(num_rows + n_extra)
+    m_pad = plan.width(max_blocks)
 
     cu_q_lens = np.full(s_pad + 1, total, np.int32)
     cu_q_lens[0] = 0
@@ -74,15 +90,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     kv_lens = np.zeros(s_pad, np.int32)
     kv_lens[:num_seqs] = start_pos + q_lens
 
-    if rows_per_seq is None:
-        rows = np.fromiter((1 if s.needs_logits else 0 for s in scheduled), np.int32, num_seqs)
-    else:
-        rows = np.asarray(rows_per_seq, np.int32)
     last_token = cu_q_lens[1 : num_seqs + 1] - 1
     logits_rows = np.repeat(last_token, rows)
     if extra_rows:
         logits_rows = np.concatenate([logits_rows, np.asarray(extra_rows, np.int32)])
-    r_pad = bucket(len(logits_rows), s_pad)
     logits_indices = np.zeros(r_pad, np.int32)
     logits_indices[: len(logits_rows)] = logits_rows
     sample_seq_pos = np.repeat(np.arange(num_seqs), rows).tolist()

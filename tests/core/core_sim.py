@@ -72,6 +72,9 @@ class FakeEngine:
         assert out.num_batched_tokens <= budget
         assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
         assert len(out.scheduled) <= self.sched.config.max_num_seqs
+        # Sampled rows, counting the n rows a lone n>1 prompt fans out into, fit too.
+        assert sum(max(g.max_num_running_seqs(), 1) for g in out.scheduled_groups) \
+            <= self.sched.config.max_num_seqs
         self._copy(self.gpu, self.cpu, out.blocks_to_swap_out)
         self._copy(self.cpu, self.gpu, out.blocks_to_swap_in)
         self._copy(self.gpu, self.gpu, out.blocks_to_copy)

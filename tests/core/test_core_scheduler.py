@@ -54,6 +54,22 @@ def test_max_num_seqs_limits_running():
         assert len(e.sched.running) <= 2
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_fan_out_slots_reserved_while_prompt_prefills(chunked):
+    """A lone n=3 prompt samples 3 rows when its prefill ends: it holds 3 of the 4 sequence
+    slots from its first chunk on, so a single-sample request waits rather than pushing the
+    step's sampled rows to 5 (the step's shapes are sized for max_num_seqs rows)."""
+    e = FakeEngine(max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
+    e.add("fan", [1] * 8, max_tokens=3, n=3)
+    e.add("a", [2, 3], max_tokens=3)
+    e.add("b", [4, 5], max_tokens=3)
+    first = e.step()
+    assert [s.request_id for s in first.scheduled] == ["fan"]
+    second = e.step()
+    assert sorted(s.request_id for s in second.scheduled) == ["a", "fan"]  # 3 + 1 slots
+    e.run()
+
+
 def test_preemption_order_latest_arrival_first():
     # 3 requests, 1 block each for the prompt; decodes soon need more blocks than exist.
     e = FakeEngine(num_gpu_blocks=4, block_size=2, preemption_mode="recompute")

@@ -258,12 +258,18 @@ def test_bad_tensor_parallel_config_fails_before_loading(demo_gguf, monkeypatch)
 def test_warmup_compiles_buckets_so_serving_does_not(demo_model, demo_tokenizer):
     config, params = demo_model
     llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8,
-                          max_num_batched_tokens=64, warmup=True)
+                          max_num_batched_tokens=64, max_model_len=256, warmup=True)
     shapes = set(llm.engine.runner.compiled_shapes)
-    assert {(8, 8, 4, 8, True), (64, 8, 4, 8, False)} <= shapes
+    plan = llm.engine.runner.shape_plan
+    assert shapes == set(plan.step_shapes())
+    # Decode from one sequence up; prefill steps' sequence and row counts follow the tokens.
+    assert {(1, 1, 4, 1, True), (8, 8, 16, 8, True), (64, 8, 4, 8, False),
+            (64, 8, 16, 72, False)} <= shapes
+    compiles = llm.engine.get_stats().num_compiles
     llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (7, 20, 33)],
                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert llm.engine.runner.compiled_shapes == shapes  # every step hit a warmed bucket
+    assert llm.engine.get_stats().num_compiles == compiles
     assert_pool_whole(llm)
 
 

@@ -1,0 +1,122 @@
+"""The fixed set of array shapes the serving step runs at.
+
+Every jitted call compiles once per argument shape, and a compile stalls every request
+(seconds on CPU). So the runner pads each step to one of a small, enumerable set of shapes
+and warm-up compiles exactly that set (`ShapePlan.step_shapes`); after it, serving never
+compiles. A step shape is ``(T, S, M, R, decode_only)``:
+
+- decode steps (one token per sequence): ``T = S = R`` = sequences rounded up to a power of
+  two (from 1: on CPU a lone decode padded to 8 rows is 1.5x slower);
+- steps with prefill tokens: ``T`` = tokens rounded up to a power of two >= 16, and ``S`` and
+  ``R`` follow from ``T`` (``min(T, seq cap)``, ``R + T`` when prompt logprobs are scored),
+  so mixed batches add one shape per token bucket, not one per combination;
+- ``M``, the block-table width: the Pallas kernels' cost follows each sequence's real
+  length, so on GPU the width is always `max_blocks_per_seq`; the XLA path (CPU) gathers the
+  whole table, so there it takes a few widths, each 4x the last.
+
+Sampled rows (``n`` samples of a fresh prompt share its logits row) are padded separately,
+to the sampler's batch buckets (`sample_buckets`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+def pow2_at_least(n: int, minimum: int = 1) -> int:
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+def _pow2_range(lo: int, hi: int) -> list[int]:
+    """lo, 2lo, ... up to the first power >= hi."""
+    out = [lo]
+    while out[-1] < hi:
+        out.append(out[-1] * 2)
+    return out
+
+
+MIN_PREFILL_TOKENS = 16
+WIDTH_STEP = 4  # XLA path: each block-table width is 4x the previous
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapePlan:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_blocks_per_seq: int
+    fixed_width: bool  # True where attention cost follows real lengths (Pallas kernels)
+    block_size: int = 16
+
+    @property
+    def seq_cap(self) -> int:
+        return pow2_at_least(self.max_num_seqs)
+
+    @property
+    def seq_buckets(self) -> list[int]:
+        return _pow2_range(1, self.max_num_seqs)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        return _pow2_range(MIN_PREFILL_TOKENS, self.max_num_batched_tokens)
+
+    @property
+    def widths(self) -> list[int]:
+        if self.fixed_width:
+            return [self.max_blocks_per_seq]
+        out, w = [], WIDTH_STEP
+        while w < self.max_blocks_per_seq:
+            out.append(w)
+            w *= WIDTH_STEP
+        return out + [self.max_blocks_per_seq]
+
+    def width(self, max_blocks: int) -> int:
+        if max_blocks > self.max_blocks_per_seq:
+            raise ValueError(f"{max_blocks} blocks exceed max_blocks_per_seq={self.max_blocks_per_seq}")
+        return next(w for w in self.widths if w >= max_blocks)
+
+    def decode(self, num_seqs: int) -> tuple[int, int, int]:
+        """(T, S, R) of a decode step."""
+        s = pow2_at_least(num_seqs)
+        return s, s, s
+
+    def mixed(self, num_tokens: int, num_seqs: int, extra_rows: int) -> tuple[int, int, int]:
+        """(T, S, R) of a step with prefill tokens; ``extra_rows`` (prompt logprobs) <= T."""
+        t = pow2_at_least(num_tokens, MIN_PREFILL_TOKENS)
+        s = min(t, self.seq_cap)
+        if num_seqs > s or extra_rows > t:
+            raise ValueError(f"step of {num_tokens} tokens has {num_seqs} sequences and "
+                             f"{extra_rows} extra rows")
+        return t, s, s + t if extra_rows else s
+
+    def step_shapes(self, prompt_logprobs: bool = True) -> list[tuple[int, int, int, int, bool]]:
+        """Every step shape serving can produce: what warm-up compiles."""
+        shapes = []
+        for m in self.widths:
+            for s in self.seq_buckets:
+                shapes.append((s, s, m, s, True))
+            for t in self.token_buckets:
+                s = min(t, self.seq_cap)
+                # More than half of t tokens (the bucket's least) cannot fit in s sequences
+                # of m blocks each: no step has this shape.
+                if t // 2 + 1 > min(s, self.max_num_seqs) * m * self.block_size:
+                    continue
+                shapes.append((t, s, m, s, False))
+                if prompt_logprobs:
+                    shapes.append((t, s, m, s + t, False))
+        return shapes
+
+    @property
+    def sample_buckets(self) -> list[int]:
+        """Batch sizes of the sampler: every sampled row is one of at most max_num_seqs."""
+        return self.seq_buckets
+
+    def copy_buckets(self, num_blocks: int) -> list[int]:
+        """Padded sizes of a step's copy-on-write list: at most one copy per sequence."""
+        return _pow2_range(8, min(self.max_num_seqs, num_blocks))
+
+    def logits_rows(self) -> list[int]:
+        """Every distinct R (row count of the step's logits), for warming the samplers."""
+        return sorted({r for _, _, _, r, _ in self.step_shapes()})

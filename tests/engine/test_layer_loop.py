@@ -1,0 +1,90 @@
+"""The unrolled layer loop (CPU serving default) computes what the scanned layers compute.
+
+The suite runs the scan (tests/conftest.py sets PAGEDJAX_LAYER_LOOP=scan for compile time);
+these tests pin the loop explicitly: per-layer params from `unstack_layers`, greedy outputs
+under preemption and weight swaps, and the demo model's HF chat goldens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.config import LlamaConfig
+from models.llama import unstack_layers
+from models.weights import abstract_params, assemble_params
+from pagedjax import LLM, SamplingParams
+from pagedjax.config import EngineConfig
+from pagedjax.reference import ReferenceGenerator
+from pagedjax.worker.model_runner import resolve_layer_loop
+from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
+from tests.parallel.tp_script import NoTokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    return config, assemble_params(config, random_hf_tensors(config, seed=5).get)
+
+
+def test_unstack_layers_splits_arrays_and_shapes(tiny):
+    config, params = tiny
+    flat = unstack_layers(params)
+    assert "layers" not in flat and set(params) - {"layers"} <= set(flat)
+    assert [k for k in flat if k.startswith("layer_")] == [f"layer_{i}" for i in range(config.num_layers)]
+    for i in range(config.num_layers):
+        for a, b in zip(jax.tree.leaves(flat[f"layer_{i}"]), jax.tree.leaves(params["layers"])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+    shapes = unstack_layers(abstract_params(config))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == \
+        jax.tree.map(lambda x: (x.shape, x.dtype), flat)
+
+
+def test_layer_loop_choice(monkeypatch):
+    monkeypatch.delenv("PAGEDJAX_LAYER_LOOP", raising=False)
+    assert resolve_layer_loop(None, 1) == "unrolled"  # one CPU device
+    assert resolve_layer_loop(None, 2) == "scan"
+    assert resolve_layer_loop("scan", 1) == "scan"
+    monkeypatch.setenv("PAGEDJAX_LAYER_LOOP", "scan")
+    assert resolve_layer_loop(None, 1) == "scan"
+    assert resolve_layer_loop("unrolled", 1) == "unrolled"  # the config wins
+    monkeypatch.setenv("PAGEDJAX_LAYER_LOOP", "loop")
+    with pytest.raises(ValueError, match="PAGEDJAX_LAYER_LOOP"):
+        resolve_layer_loop(None, 1)
+    with pytest.raises(ValueError, match="layer_loop"):
+        EngineConfig(layer_loop="unroll")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_unrolled_equals_reference_under_preemption_and_weight_swap(tiny, mode):
+    config, params = tiny
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, config.vocab_size, rng.integers(3, 40))]
+               for _ in range(6)]
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    # 12 blocks of 8 slots for six sequences of up to 60 tokens: preemption is forced.
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=12, block_size=8, max_num_seqs=6,
+                          preemption_mode=mode, layer_loop="unrolled")
+    assert not llm.engine.runner.scan_layers and "layer_0" in llm.engine.runner.params
+    out = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert llm.engine.get_stats().num_preemptions_total > 0
+    assert out == ReferenceGenerator(config, params).generate(prompts, 20)
+    new = jax.tree.map(lambda x: x * 1.05, params)
+    llm.update_params(new)
+    assert "layer_0" in llm.engine.runner.params
+    out = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert out == ReferenceGenerator(config, new).generate(prompts, 20)
+    assert llm.engine.block_manager.get_num_free_gpu_blocks() == 12
+
+
+def test_unrolled_demo_model_matches_hf_chat_goldens(demo_model, demo_tokenizer, hf_goldens):
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8,
+                          layer_loop="unrolled", dtype=jnp.float32)
+    cases = hf_goldens["chat"][:3]
+    outs = llm.generate([{"prompt_token_ids": c["input_ids"]} for c in cases],
+                        SamplingParams(temperature=0, max_tokens=48))
+    for out, case in zip(outs, cases):
+        assert out.outputs[0].token_ids == case["output_ids"], case["prompt"]
