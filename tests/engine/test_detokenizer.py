@@ -1,0 +1,69 @@
+"""Batched incremental detokenization: same text as decoding everything at once, deltas never
+split a character, and per-step work reads only a window of each sequence."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedjax.detokenizer import Detokenizer, DetokState, detokenize_incrementally, flush
+
+TEXTS = ["Grüße aus Köln 🎉🎉 — ça va? 東京タワー", "plain ascii words and numbers 12345",
+         "emoji🙂mixed🙂in👍🏽words", "\n\n  spaces\tand tabs  \n"]
+
+
+class CountingSeq:
+    """Token ids behind `get_token_slice`, recording how many ids each step reads."""
+
+    def __init__(self, prompt: list[int], out: list[int]) -> None:
+        self.prompt, self.out, self.n, self.read = prompt, out, 0, 0
+
+    def get(self, a: int, b: int) -> list[int]:
+        ids = (self.prompt + self.out[: self.n])[a:b]
+        self.read += len(ids)
+        return ids
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_batched_equals_one_by_one_and_whole_decode(demo_tokenizer, skip):
+    tok = demo_tokenizer
+    rng = np.random.default_rng(0)
+    seqs = []
+    for i, text in enumerate(TEXTS * 2):
+        ids = tok(text).input_ids
+        if i >= len(TEXTS):  # random ids too, incl. special tokens
+            ids = [int(t) for t in rng.integers(0, tok.vocab_size, 40)]
+        seqs.append(CountingSeq(tok("Q:").input_ids, ids))
+    det = Detokenizer(tok)
+    assert det._batch is not None  # the fast path is what runs in the engine
+    states = [DetokState("", max(0, len(s.prompt) - 5), len(s.prompt)) for s in seqs]
+    ref_states = [DetokState("", max(0, len(s.prompt) - 5), len(s.prompt)) for s in seqs]
+    for _ in range(max(len(s.out) for s in seqs)):
+        live = [i for i, s in enumerate(seqs) if s.n < len(s.out)]
+        for i in live:
+            seqs[i].n += 1
+        before = [s.read for s in seqs]
+        deltas = det.step([(seqs[i].get, len(seqs[i].prompt) + seqs[i].n, states[i], skip)
+                           for i in live])
+        for i, d in zip(live, deltas):
+            all_ids = seqs[i].prompt + seqs[i].out[: seqs[i].n]
+            assert d == detokenize_incrementally(tok, all_ids, ref_states[i], skip)
+            assert not d.endswith("\ufffd")
+            assert seqs[i].read - before[i] <= 2 * 16  # a window, not the whole sequence
+    for s, st, ref in zip(seqs, states, ref_states):
+        total = len(s.prompt) + len(s.out)
+        det.flush(s.get, total, st, skip)
+        flush(tok, s.prompt + s.out, ref, skip)
+        assert st.text == ref.text == tok.decode(s.out, skip_special_tokens=skip)
+
+
+def test_plain_decode_objects_work_without_backend():
+    class Plain:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    det = Detokenizer(Plain())
+    st = DetokState("", 0, 1)
+    ids = [7, 8, 9]
+    assert det.step([(lambda a, b: ids[a:b], 3, st, True)]) == [" 8 9"]
+    assert st.text == " 8 9"
