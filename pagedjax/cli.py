@@ -86,6 +86,7 @@ def cmd_serve(args) -> int:
     import asyncio
     import logging
 
+    from pagedjax.serving.auth import resolve_api_key
     from pagedjax.serving.server import ServerOptions, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,8 +94,9 @@ def cmd_serve(args) -> int:
                      if k.startswith("engine_") and v is not None}
     opts = ServerOptions(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
                          metrics_port=args.metrics_port, http_port=args.http_port,
-                         max_waiting_requests=args.max_waiting_requests, grace_s=args.grace,
-                         port_file=args.port_file, engine_kwargs=engine_kwargs)
+                         max_waiting_requests=args.max_waiting_requests or None, grace_s=args.grace,
+                         port_file=args.port_file, api_key=resolve_api_key(args.api_key),
+                         engine_kwargs=engine_kwargs)
     return asyncio.run(run_server(opts))
 
 
@@ -105,7 +107,7 @@ def cmd_client(args) -> int:
 
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
               "top_k": args.top_k, "seed": args.seed}
-    with Client(args.target, timeout=args.timeout) as client:
+    with Client(args.target, timeout=args.timeout, api_key=args.api_key) as client:
         try:
             for resp in client.generate_stream(args.prompt, params):
                 for d in resp.outputs:
@@ -124,9 +126,14 @@ def add_serving_parsers(sub) -> None:
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0: ephemeral)")
     s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: ephemeral)")
     s.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0: ephemeral)")
-    s.add_argument("--max-waiting-requests", type=int, default=None)
+    s.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests waiting for their first token before new ones are refused "
+                        "(429 / RESOURCE_EXHAUSTED); 0: unlimited")
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--port-file", default=None, help="write the bound ports as JSON here")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1 HTTP routes and gRPC calls "
+                        "(default: $PAGEDJAX_API_KEY; unset: no authentication)")
     _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -134,6 +141,7 @@ def add_serving_parsers(sub) -> None:
     c.add_argument("prompt")
     c.add_argument("--target", default="127.0.0.1:50051")
     c.add_argument("--timeout", type=float, default=None)
+    c.add_argument("--api-key", default=None, help="default: $PAGEDJAX_API_KEY")
     _add_sampling_args(c)
     c.set_defaults(func=cmd_client)
 

@@ -8,6 +8,7 @@ params as a `SamplingParams` or a dict of its fields.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 
@@ -86,12 +87,19 @@ def collect(responses: Iterable[pb.GenerateResponse]) -> GenerateResult:
     return c.result
 
 
+def _auth_metadata(api_key: str | None) -> tuple | None:
+    """`Authorization: Bearer` metadata for a server started with --api-key (None: none)."""
+    key = api_key if api_key is not None else os.environ.get("PAGEDJAX_API_KEY")
+    return (("authorization", f"Bearer {key}"),) if key else None
+
+
 class Client:
     """Blocking client; one channel, safe to share between threads."""
 
-    def __init__(self, target: str, timeout: float | None = None):
+    def __init__(self, target: str, timeout: float | None = None, api_key: str | None = None):
         self.target = target
         self.timeout = timeout
+        self.metadata = _auth_metadata(api_key)
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.PagedJaxStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -109,22 +117,23 @@ class Client:
                         timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
         """The streaming call: iterate it for deltas, `.cancel()` it to abort the request."""
         return self.stub.Generate(make_request(prompt, params, request_id, True),
-                                  timeout=timeout or self.timeout)
+                                  timeout=timeout or self.timeout, metadata=self.metadata)
 
     def generate(self, prompt: str | Sequence[int], params: Params = None, request_id: str = "",
                  timeout: float | None = None, stream: bool = False) -> GenerateResult:
         call = self.stub.Generate(make_request(prompt, params, request_id, stream),
-                                  timeout=timeout or self.timeout)
+                                  timeout=timeout or self.timeout, metadata=self.metadata)
         return collect(call)
 
     def abort(self, *request_ids: str) -> list[str]:
-        return list(self.stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=self.timeout).aborted)
+        return list(self.stub.Abort(pb.AbortRequest(request_ids=request_ids),
+                                    timeout=self.timeout, metadata=self.metadata).aborted)
 
     def model_info(self) -> pb.ModelInfo:
-        return self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.timeout)
+        return self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def stats(self) -> pb.Stats:
-        return self.stub.GetStats(pb.StatsRequest(), timeout=self.timeout)
+        return self.stub.GetStats(pb.StatsRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def health(self, service: str = "") -> str:
         """'SERVING' | 'NOT_SERVING' | ... ; 'UNAVAILABLE' if the server cannot be reached."""
@@ -145,9 +154,10 @@ class Client:
 class AsyncClient:
     """asyncio client (grpc.aio); create it inside the event loop that uses it."""
 
-    def __init__(self, target: str, timeout: float | None = None):
+    def __init__(self, target: str, timeout: float | None = None, api_key: str | None = None):
         self.target = target
         self.timeout = timeout
+        self.metadata = _auth_metadata(api_key)
         self.channel = grpc.aio.insecure_channel(target)
         self.stub = pb_grpc.PagedJaxStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
@@ -165,25 +175,27 @@ class AsyncClient:
                         timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """The streaming call: `async for` it, `.cancel()` it to abort the request."""
         return self.stub.Generate(make_request(prompt, params, request_id, True),
-                                  timeout=timeout or self.timeout)
+                                  timeout=timeout or self.timeout, metadata=self.metadata)
 
     async def generate(self, prompt: str | Sequence[int], params: Params = None, request_id: str = "",
                        timeout: float | None = None, stream: bool = False) -> GenerateResult:
         c = Collector()
         async for resp in self.stub.Generate(make_request(prompt, params, request_id, stream),
-                                             timeout=timeout or self.timeout):
+                                             timeout=timeout or self.timeout, metadata=self.metadata):
             c.add(resp)
         return c.result
 
     async def abort(self, *request_ids: str) -> list[str]:
-        resp = await self.stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=self.timeout)
+        resp = await self.stub.Abort(pb.AbortRequest(request_ids=request_ids),
+                                     timeout=self.timeout, metadata=self.metadata)
         return list(resp.aborted)
 
     async def model_info(self) -> pb.ModelInfo:
-        return await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.timeout)
+        return await self.stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self.timeout,
+                                            metadata=self.metadata)
 
     async def stats(self) -> pb.Stats:
-        return await self.stub.GetStats(pb.StatsRequest(), timeout=self.timeout)
+        return await self.stub.GetStats(pb.StatsRequest(), timeout=self.timeout, metadata=self.metadata)
 
     async def health(self, service: str = "") -> str:
         try:

@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, RequestStream, to_params
+from pagedjax.serving.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from pagedjax.serving.errors import InvalidRequestError, NotReadyError, ServingError
 from pagedjax.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
@@ -64,6 +65,14 @@ class _Job:
 
 def build_app(front: HttpFrontDoor) -> FastAPI:
     app = FastAPI(title="pagedjax OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def api_key(request: Request, call_next):
+        # /v1 routes only: /health and /metrics stay open for probes and scrapers (as vLLM).
+        if front.api_key and request.url.path.startswith("/v1") and not bearer_ok(
+                request.headers.get("authorization"), front.api_key):
+            return error_response(401, UNAUTHENTICATED_MESSAGE, "authentication_error")
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError):
@@ -158,8 +167,10 @@ class NotImplementedErrorHttp(ServingError):
 class HttpFrontDoor:
     """Owns the uvicorn server; `set_engine` makes it ready once the model is loaded."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int):
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 api_key: str | None = None):
         self.registry = registry
+        self.api_key = api_key
         self.host, self.port = host, port
         self.aengine: AsyncEngine | None = None
         self.created = int(time.time())

@@ -48,6 +48,9 @@ GRPC_CODES = {
 }
 
 
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+
+
 @dataclasses.dataclass
 class ServerOptions:
     model: str = "smollm2"
@@ -56,9 +59,12 @@ class ServerOptions:
     port: int = 50051
     metrics_port: int | None = None  # None: no metrics endpoint; 0: ephemeral
     http_port: int | None = None  # OpenAI front door (issue 9); None: off
-    max_waiting_requests: int | None = None
+    # Requests accepted but without a first token yet; more get RESOURCE_EXHAUSTED / HTTP 429
+    # instead of an unbounded queue (None: unlimited).
+    max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
     grace_s: float = 30.0
     port_file: str | None = None  # JSON with the bound ports, written once listening
+    api_key: str | None = None  # None: no authentication (see pagedjax/serving/auth.py)
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
@@ -210,7 +216,9 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
 
     `engine` skips loading (tests, embedding)."""
     loop = asyncio.get_running_loop()
-    server = grpc.aio.server()
+    from pagedjax.serving.auth import ApiKeyInterceptor
+
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(opts.api_key)] if opts.api_key else None)
     servicer = PagedJaxServicer()
     health = HealthServicer()
     add_servicer(servicer, server)
@@ -232,7 +240,7 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     if opts.http_port is not None:
         from pagedjax.serving.http import HttpFrontDoor
 
-        http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port)
+        http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port, api_key=opts.api_key)
         ports["http_port"] = await http.start()
     if opts.port_file:
         Path(opts.port_file).write_text(json.dumps(ports))
