@@ -10,6 +10,7 @@ per-request timings and draining live here so the gRPC and HTTP front doors shar
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -33,6 +34,7 @@ from pagedjax.serving.errors import (
 logger = logging.getLogger("pagedjax.serving")
 
 _END = object()
+_EMPTY = object()
 
 
 @dataclasses.dataclass
@@ -71,23 +73,48 @@ class RequestStream:
 
     Items are cumulative `RequestOutput`s; iteration ends after the finished one and raises
     `RequestFailedError` if the engine failed the request.
+
+    Bounded: because every output carries the whole result so far, an unfinished output that
+    the consumer has not taken yet is replaced by the next one (latest wins). A slow client
+    therefore holds at most one pending output plus the terminal items, whatever the
+    generation length, and simply sees larger deltas (`DeltaTracker` diffs against what it
+    last saw) — backpressure without blocking the engine thread.
     """
 
     def __init__(self, request_id: str, aloop: asyncio.AbstractEventLoop | None = None):
         self.request_id = request_id
         self._aloop = aloop
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._aq: asyncio.Queue | None = asyncio.Queue() if aloop is not None else None
+        self._lock = threading.Lock()
+        self._pending: collections.deque = collections.deque()
+        self._tready = threading.Event()
+        self._aready: asyncio.Event | None = asyncio.Event() if aloop is not None else None
         self.finished = False
+        self.coalesced = 0  # outputs replaced before the consumer took them
 
     def _put(self, item) -> None:  # engine thread
-        if self._aq is None:
-            self._q.put(item)
+        with self._lock:
+            last = self._pending[-1] if self._pending else None
+            if (isinstance(item, RequestOutput) and isinstance(last, RequestOutput)
+                    and not last.finished):
+                self._pending[-1] = item
+                self.coalesced += 1
+            else:
+                self._pending.append(item)
+        if self._aready is None:
+            self._tready.set()
             return
         try:
-            self._aloop.call_soon_threadsafe(self._aq.put_nowait, item)
+            self._aloop.call_soon_threadsafe(self._aready.set)
         except RuntimeError:  # the client's event loop is gone: nobody is listening
             pass
+
+    def _take(self):
+        with self._lock:
+            return self._pending.popleft() if self._pending else _EMPTY
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
 
     def _handle(self, item) -> RequestOutput:
         if item is _END:
@@ -99,26 +126,40 @@ class RequestStream:
         return item
 
     def __iter__(self) -> Iterator[RequestOutput]:
-        if self._aq is not None:
+        if self._aready is not None:
             raise TypeError("this stream was opened from asyncio: use `async for`")
         while not self.finished:
+            item = self._take()
+            if item is _EMPTY:
+                self._tready.clear()
+                item = self._take()  # a put between the take and the clear
+                if item is _EMPTY:
+                    self._tready.wait()
+                    continue
             try:
-                yield self._handle(self._q.get())
+                yield self._handle(item)
             except StopIteration:
                 return
 
     def __aiter__(self):
-        if self._aq is None:
+        if self._aready is None:
             raise TypeError("this stream was opened from a thread: use `for`")
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            return self._handle(await self._aq.get())
-        except StopIteration:
-            raise StopAsyncIteration from None
+        while not self.finished:
+            item = self._take()
+            if item is _EMPTY:
+                self._aready.clear()
+                item = self._take()
+                if item is _EMPTY:
+                    await self._aready.wait()
+                    continue
+            try:
+                return self._handle(item)
+            except StopIteration:
+                raise StopAsyncIteration from None
+        raise StopAsyncIteration
 
 
 @dataclasses.dataclass

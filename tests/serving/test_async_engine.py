@@ -178,3 +178,34 @@ def test_cancelled_before_acceptance_never_runs(fake):
         assert a.num_in_flight() == 0 and "gone" not in fake._reqs
     finally:
         a.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["thread", "asyncio"])
+def test_slow_consumer_holds_one_pending_output(mode):
+    """A client that reads nothing while 200 tokens are generated holds at most the latest
+    cumulative output (plus the end marker), and its deltas still add up to the final text."""
+    fake = FakeEngine()
+    a = AsyncEngine(fake).start()
+
+    async def via_asyncio():
+        stream = await a.add_request_async("slow", "hi", {"max_tokens": 200})
+        while a.num_in_flight():
+            assert stream.num_pending <= 2
+            await asyncio.sleep(0.001)
+        return stream, [o async for o in stream]
+
+    try:
+        if mode == "thread":
+            stream = a.add_request("slow", "hi", {"max_tokens": 200})
+            while a.num_in_flight():
+                assert stream.num_pending <= 2
+            outs = list(stream)
+        else:
+            stream, outs = asyncio.run(via_asyncio())
+    finally:
+        a.shutdown()
+    assert stream.coalesced > 0 and len(outs) <= 2
+    tracker = DeltaTracker(SamplingParams(max_tokens=200))
+    text = "".join(d.text for o in outs for d in tracker.update(o))
+    assert text == outs[-1].outputs[0].text == "".join(f"w{i} " for i in range(200))
+    assert outs[-1].outputs[0].finish_reason == "length"
