@@ -47,8 +47,9 @@ test: venv aot-venv
 	$(AOT_ENV) $(AOT_VENV)/bin/python -m pytest -n 2 --timeout 1800 tests/aot
 
 # Rebuild the committed compile reports (bench/results/aot-<target>/report.json).
+# AOT_ARGS=--reuse-kernels keeps the kernel sweep (a change to the engine step only).
 aot-report: aot-venv
-	$(AOT_ENV) $(AOT_VENV)/bin/python -m pagedjax.aot --targets $(TARGETS)
+	$(AOT_ENV) $(AOT_VENV)/bin/python -m pagedjax.aot --targets $(TARGETS) $(AOT_ARGS)
 
 # The one command for a lent GPU (docs/gpu.md); DRY_RUN=1 runs it at toy shapes on CPU.
 gpu-suite: venv

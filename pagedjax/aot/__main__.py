@@ -26,12 +26,20 @@ def main() -> int:
                         help=f"comma-separated, of {ALL_TARGETS}")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel sweep")
     parser.add_argument("--no-steps", action="store_true", help="skip the engine steps")
+    parser.add_argument("--reuse-kernels", action="store_true",
+                        help="keep the kernel sweep of the existing report (after a change that "
+                             "touches only the engine step) and rebuild the steps")
     parser.add_argument("--out", type=Path, default=report.REPORT_DIR)
     args = parser.parse_args()
     report.check_backend()
     failed = False
     for target in args.targets.split(","):
-        rep = report.build(target, kernels=not args.no_kernels, steps=not args.no_steps)
+        old = report.load(target, args.out) if args.reuse_kernels else None
+        rep = report.build(target, kernels=not (args.no_kernels or args.reuse_kernels),
+                           steps=not args.no_steps)
+        if old is not None:
+            rep["kernels"] = old["kernels"]
+            rep["summary"] = report.summarize(rep)
         path = report.write(rep, args.out)
         bad = report.problems(rep)
         print(f"{target}: {rep['summary']} -> {path}")

@@ -131,6 +131,11 @@ def differences(committed: dict, fresh: dict, most: int = 12) -> list[str]:
     return out[:most]
 
 
+def load(target: str, root: Path = REPORT_DIR) -> dict:
+    """The committed report of ``target``."""
+    return json.loads(report_path(target, root).read_text())
+
+
 def write(report: dict, root: Path = REPORT_DIR) -> Path:
     path = report_path(report["target"], root)
     path.parent.mkdir(parents=True, exist_ok=True)

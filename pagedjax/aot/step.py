@@ -186,7 +186,7 @@ def _sampler_report(logit_rows: int, rows: int, vocab: int, max_model_len: int, 
               SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
                              presence_penalty=0.5, repetition_penalty=1.1)]
     states = [SeqSamplingState([1, 2, 3], [4, 5], 0, 0), SeqSamplingState([1], [2], 1, 0)]
-    meta = SamplingMetadata.from_params(list(zip(params, states)), pad_to=rows,
+    meta = SamplingMetadata.from_params(list(zip(params, states))[:rows], pad_to=rows,
                                         vocab_size=vocab, eos_token_ids=[2],
                                         history_width=max_model_len, ban_width=2048)
     sh = SingleDeviceSharding(device)

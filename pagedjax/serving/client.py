@@ -87,6 +87,11 @@ def collect(responses: Iterable[pb.GenerateResponse]) -> GenerateResult:
     return c.result
 
 
+# Each client gets its own connection (gRPC otherwise shares one per target in a process):
+# the server scopes request ids to the connection, so two clients never see each other's.
+CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
+
+
 def _auth_metadata(api_key: str | None) -> tuple | None:
     """`Authorization: Bearer` metadata for a server started with --api-key (None: none)."""
     key = api_key if api_key is not None else os.environ.get("PAGEDJAX_API_KEY")
@@ -100,7 +105,7 @@ class Client:
         self.target = target
         self.timeout = timeout
         self.metadata = _auth_metadata(api_key)
-        self.channel = grpc.insecure_channel(target)
+        self.channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.PagedJaxStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 
@@ -158,7 +163,7 @@ class AsyncClient:
         self.target = target
         self.timeout = timeout
         self.metadata = _auth_metadata(api_key)
-        self.channel = grpc.aio.insecure_channel(target)
+        self.channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self.stub = pb_grpc.PagedJaxStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
 

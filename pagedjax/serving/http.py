@@ -63,16 +63,28 @@ class _Job:
     offset: int  # choice index of this prompt's first sample
 
 
+class _ApiKeyMiddleware:
+    """`--api-key` on /v1 routes (/health and /metrics stay open for probes and scrapers, as in
+    vLLM). Plain ASGI rather than `@app.middleware`: Starlette's BaseHTTPMiddleware wraps
+    `receive`, which hides client disconnects from the endpoints that poll for them."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not bearer_ok(auth, self.key):
+                resp = error_response(401, UNAUTHENTICATED_MESSAGE, "authentication_error")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(front: HttpFrontDoor) -> FastAPI:
     app = FastAPI(title="pagedjax OpenAI-compatible API", docs_url=None, redoc_url=None)
-
-    @app.middleware("http")
-    async def api_key(request: Request, call_next):
-        # /v1 routes only: /health and /metrics stay open for probes and scrapers (as vLLM).
-        if front.api_key and request.url.path.startswith("/v1") and not bearer_ok(
-                request.headers.get("authorization"), front.api_key):
-            return error_response(401, UNAUTHENTICATED_MESSAGE, "authentication_error")
-        return await call_next(request)
+    if front.api_key:
+        app.add_middleware(_ApiKeyMiddleware, key=front.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError):
@@ -223,10 +235,13 @@ class HttpFrontDoor:
             raise NotReadyError("model is loading")
         sp = to_params(params)
         base = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        # The client's id only labels the response: engine ids are the server's own, so no
+        # client can collide with, probe or abort another's requests (gRPC included).
+        internal = f"http-{uuid.uuid4().hex}"
         jobs: list[_Job] = []
         try:
             for i, (text, ids) in enumerate(prompts):
-                rid = base if len(prompts) == 1 else f"{base}-{i}"
+                rid = f"{internal}-{i}"
                 stream = await self.aengine.add_request_async(rid, text, sp, ids)
                 jobs.append(_Job(rid, stream, DeltaTracker(sp), i * sp.n))
         except BaseException:

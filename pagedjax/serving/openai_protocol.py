@@ -69,7 +69,8 @@ class _Sampling(_Base):
     early_stopping: bool | Literal["never"] | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
-    request_id: str | None = None
+    # Labels the response only (engine ids are the server's own): bounded, one printable line.
+    request_id: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
 
     def common_params(self) -> dict[str, Any]:
         keys = ("n", "best_of", "temperature", "top_p", "seed", "stop", "presence_penalty",

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, to_params
 from pagedjax.serving.convert import delta_to_proto, params_from_proto
 from pagedjax.serving.errors import (
+    DuplicateRequestError,
     InvalidRequestError,
     NotReadyError,
     ServingError,
@@ -35,6 +36,7 @@ from pagedjax.serving.proto import pagedjax_pb2 as pb
 from pagedjax.serving.proto import pagedjax_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("pagedjax.serving")
+MAX_REQUEST_ID_CHARS = 256  # as LLMEngine's ids: labels reach logs and responses
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
 GRPC_CODES = {
@@ -105,6 +107,10 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
 
     def __init__(self):
         self.aengine: AsyncEngine | None = None
+        # Engine request ids are the server's own ("grpc-<uuid>"); a client's `request_id` is a
+        # label scoped to its connection (`context.peer()`): one client can neither abort nor
+        # probe (by a duplicate-id error) another client's requests, on gRPC or HTTP.
+        self._labels: dict[tuple[str, str], str] = {}
 
     async def _fail(self, context, err: ServingError):
         await context.abort(GRPC_CODES.get(err.kind, grpc.StatusCode.INTERNAL), err.message)
@@ -119,41 +125,57 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context):
         aeng = await self._engine(context, request)
-        rid = request.request_id or f"req-{uuid.uuid4().hex}"
+        rid = f"grpc-{uuid.uuid4().hex}"
+        label = request.request_id or rid
+        if len(label) > MAX_REQUEST_ID_CHARS or not label.isprintable():
+            await self._fail(context, InvalidRequestError(
+                f"request_id: must be at most {MAX_REQUEST_ID_CHARS} printable characters",
+                "request_id"))
+        key = (context.peer(), label)
+        if key in self._labels:
+            await self._fail(context, DuplicateRequestError(
+                f"request_id: {label!r} is already in flight", "request_id"))
         which = request.WhichOneof("input")
         prompt = request.prompt if which == "prompt" else None
         ids = list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else None
+        self._labels[key] = rid
+        stream = None
         try:
-            sp = to_params(params_from_proto(request.params))
-            if ids is None:  # sized and checked first, then tokenized off the event loop
-                ids = await asyncio.to_thread(_checked_ids, aeng.engine, prompt)
-            stream = await aeng.add_request_async(rid, prompt, sp, ids)
-        except ServingError as err:
-            logger.info("request %s refused: %s: %s", rid, err.kind, err.message)
-            await self._fail(context, err)
-        tracker = DeltaTracker(sp)
-        try:
+            try:
+                sp = to_params(params_from_proto(request.params))
+                if ids is None:  # sized and checked first, then tokenized off the event loop
+                    ids = await asyncio.to_thread(_checked_ids, aeng.engine, prompt)
+                stream = await aeng.add_request_async(rid, prompt, sp, ids)
+            except ServingError as err:
+                logger.info("request %s refused: %s: %s", rid, err.kind, err.message)
+                await self._fail(context, err)
+            tracker = DeltaTracker(sp)
             final = None
             async for out in stream:
                 final = out
                 if request.stream:
                     deltas = tracker.update(out)
                     if deltas or out.finished:
-                        yield _response(rid, out, deltas)
+                        yield _response(label, out, deltas)
             if not request.stream and final is not None:
-                yield _response(rid, final, tracker.update(final))
+                yield _response(label, final, tracker.update(final))
         except ServingError as err:
             await self._fail(context, err)
         finally:
-            if not stream.finished:  # client cancelled or deadline expired
+            self._labels.pop(key, None)
+            if stream is not None and not stream.finished:  # cancelled or deadline expired
                 logger.info("request %s cancelled by the client", rid)
                 aeng.abort(rid)
 
     async def Abort(self, request: pb.AbortRequest, context):
+        """Aborts the caller's own requests, named by the ids it gave them; ids of other
+        connections are unknown here (NOT_FOUND), as are finished ones."""
         aeng = await self._engine(context, request)
         aborted, unknown = [], []
-        for rid in request.request_ids:
-            (aborted if aeng.abort(rid) else unknown).append(rid)
+        peer = context.peer()
+        for label in request.request_ids:
+            rid = self._labels.get((peer, label))
+            (aborted if rid is not None and aeng.abort(rid) else unknown).append(label)
         if unknown and not aborted:
             await self._fail(context, UnknownRequestError(f"request_ids: not in flight: {unknown}",
                                                           "request_ids"))
