@@ -71,6 +71,7 @@ class EngineStats:
     generation_tokens_total: int
     last_step_tokens: int
     num_compiles: int  # XLA compilations in this process so far
+    num_cache_rebuilds: int = 0  # KV caches lost in a failed step and reallocated
 
 
 @dataclasses.dataclass
@@ -150,6 +151,7 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._weights_version = 0
         self.num_steps = 0
+        self.num_cache_rebuilds = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_step_tokens = 0
@@ -345,11 +347,21 @@ class LLMEngine:
             sampled = self._execute(sched) if sched.scheduled else None
         except Exception as exc:  # one bad step fails its requests, never the engine
             logger.exception("step failed")
+            error = f"internal error: {type(exc).__name__}: {exc}"
             for g in sched.scheduled_groups:
                 req = self._requests.pop(g.request_id, None)
                 if req is not None:
                     self.scheduler.abort_seq_group(g.request_id)
-                    outputs.append(self._fail(req, f"internal error: {type(exc).__name__}: {exc}"))
+                    outputs.append(self._fail(req, error))
+            # Groups swapped out in this step may hold CPU blocks that were never written.
+            swapped_now = {g.request_id for g in self.scheduler.swapped} & set(sched.preempted)
+            for rid in swapped_now:
+                req = self._requests.pop(rid, None)
+                self.scheduler.abort_seq_group(rid)
+                if req is not None:
+                    outputs.append(self._fail(req, f"{error} (while swapping it out)"))
+            if self.runner.cache_lost():
+                outputs += self._rebuild_cache(error)
             return outputs
         self.num_steps += 1
         self.last_step_tokens = sched.num_batched_tokens
@@ -371,6 +383,22 @@ class LLMEngine:
             if done or not (req.final_only or req.is_beam
                             or (req.params.best_of and req.params.best_of > req.params.n)):
                 outputs.append(self._make_output(req, final=done))
+        return outputs
+
+    def _rebuild_cache(self, error: str) -> list[RequestOutput]:
+        """The failed call deleted the donated KV cache: allocate a fresh one so later steps
+        work. Requests holding KV on the device lose it and fail; waiting requests (no KV yet)
+        and swapped ones (their KV is in host memory) go on."""
+        logger.error("the device KV cache was lost in a failed step: rebuilding it")
+        outputs = []
+        for g in list(self.scheduler.running):
+            req = self._requests.pop(g.request_id, None)
+            self.scheduler.abort_seq_group(g.request_id)
+            if req is not None:
+                outputs.append(self._fail(req, f"{error} (the KV cache was lost and rebuilt)"))
+        self.runner.reset_cache()
+        self.block_manager.reset_prefix_cache()  # cached blocks held KV of the lost cache
+        self.num_cache_rebuilds += 1
         return outputs
 
     def _rows_for(self, sched) -> tuple[list[int], list[tuple], list[int]]:
@@ -753,4 +781,5 @@ class LLMEngine:
             kv_cache_usage=s.kv_cache_usage, num_preemptions_total=s.num_preemptions_total,
             num_steps=self.num_steps, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
-            last_step_tokens=self.last_step_tokens, num_compiles=num_backend_compiles())
+            last_step_tokens=self.last_step_tokens, num_compiles=num_backend_compiles(),
+            num_cache_rebuilds=self.num_cache_rebuilds)

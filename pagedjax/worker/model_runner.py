@@ -159,6 +159,16 @@ class ModelRunner:
             return jax.device_put(jnp.zeros(shape, self.dtype), jax.local_devices()[0])  # committed
         return jnp.zeros(shape, self.dtype, device=cache_sharding(self.mesh))
 
+    def cache_lost(self) -> bool:
+        """True when a failed call took the donated KV cache with it (its buffers deleted):
+        every later step would fail on them."""
+        return self.k_cache.is_deleted() or self.v_cache.is_deleted()
+
+    def reset_cache(self) -> None:
+        """A fresh zero KV cache of the same size (after `cache_lost`)."""
+        self.k_cache = self._zeros_cache(self.num_gpu_blocks)
+        self.v_cache = self._zeros_cache(self.num_gpu_blocks)
+
     def place_params(self, params: dict) -> dict:
         """Put a checkpoint-layout params pytree where this runner keeps its params (for
         `update_params`: under TP this shards it and replicates KV columns as needed)."""

@@ -88,3 +88,4 @@ def test_unrolled_demo_model_matches_hf_chat_goldens(demo_model, demo_tokenizer,
                         SamplingParams(temperature=0, max_tokens=48))
     for out, case in zip(outs, cases):
         assert out.outputs[0].token_ids == case["output_ids"], case["prompt"]
+
