@@ -37,8 +37,12 @@ def main() -> int:
         old = report.load(target, args.out) if args.reuse_kernels else None
         rep = report.build(target, kernels=not (args.no_kernels or args.reuse_kernels),
                            steps=not args.no_steps)
-        if old is not None:
+        if old is not None:  # same key order as a full build: kernels before steps
+            steps = rep.pop("steps", None)
+            rep.pop("summary")
             rep["kernels"] = old["kernels"]
+            if steps is not None:
+                rep["steps"] = steps
             rep["summary"] = report.summarize(rep)
         path = report.write(rep, args.out)
         bad = report.problems(rep)
