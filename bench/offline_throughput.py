@@ -10,7 +10,8 @@ greedy, EOS ignored so every engine generates exactly ``max_tokens``. All engine
 and take turns, job by job (A, B, C, then B, C, A, ...), so machine noise lands on all of them;
 each job runs once untimed first (compiles, caches). The run refuses to start on a busy
 machine (1-minute load > --max-load) unless told otherwise, and before every timed run it
-records the CPU share other processes used over half a second while every engine was idle.
+waits (up to a minute) until a half-second window shows the CPUs idle, since a peer may keep
+a core busy for a while after its own run, and records that window's busy share.
 Results: tokens/s per engine and workload (median over reps), per-rep ratios,
 time to first token for the 1-prompt workload, and how many greedy outputs are identical.
 
@@ -110,6 +111,17 @@ def busy_fraction(seconds: float = 0.5) -> float:
     return 1.0 - (i1 - i0) / max(1, t1 - t0)
 
 
+def wait_quiet(threshold: float = 0.1, timeout: float = 60.0) -> float:
+    """Wait until the CPUs are idle (a peer may keep polling for a while after its run: vLLM's
+    engine process does), so no engine starts on a core another still holds; returns the busy
+    share of the last window."""
+    deadline = time.monotonic() + timeout
+    while True:
+        busy = busy_fraction()
+        if busy < threshold or time.monotonic() > deadline:
+            return busy
+
+
 def cpu_model() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -170,7 +182,7 @@ def main() -> None:
                 order = engines[rep % len(engines):] + engines[: rep % len(engines)]
                 for e in order:
                     load = os.getloadavg()[0]
-                    other = busy_fraction()
+                    other = wait_quiet()
                     r = workers[e].run(job)
                     n_tok = sum(len(o) for o in r["outputs"])
                     runs.append({"rep": rep, "workload": name, "engine": e, "load_before": load,
