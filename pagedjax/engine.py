@@ -52,6 +52,7 @@ from pagedjax.worker.shapes import pow2_at_least
 from pagedjax.worker.step_inputs import build_step_inputs
 
 MAX_REQUEST_ID_CHARS = 256
+MAX_WARM_BEAM_WIDTH = 8
 MAX_CHARS_PER_TOKEN = 64
 
 logger = logging.getLogger(__name__)
@@ -194,10 +195,13 @@ class LLMEngine:
             if r > s:
                 jax.block_until_ready(prompt_logprobs(logits, np.zeros(r, np.int32), MAX_LOGPROBS,
                                                       rows=np.zeros(r, np.int32)))
-        for b in plan.sample_buckets:  # beam groups of padded width w: g * w <= 4b (see below)
+        # Beam selection per (batch, groups, width) bucket: padded widths up to 8 (wider beams
+        # compile on first use) and groups * width <= 4 * batch, which covers every mix of
+        # groups whose live beams fill the batch (padding each of groups and width at most 2x).
+        for b in plan.sample_buckets:
             lp = jax.device_put(jnp.zeros((b, vocab), jnp.float32), dev)
             w = 2
-            while w <= b:
+            while w <= min(b, MAX_WARM_BEAM_WIDTH):
                 g = 1
                 while g * w <= 4 * b:
                     z = np.zeros((g, w), np.int32)

@@ -6,8 +6,8 @@ padded decode batch into next tokens. Every per-request knob lives in a
 and filtered requests in one batch does not recompile: whether any row samples,
 filters or wants top-k logprobs is data (``lax.cond`` skips the work when none
 does), and the only variants are array shapes. The engine passes fixed widths
-(``history_width``, ``ban_width``), so a batch bucket has exactly four variants:
-with or without penalty histories, with or without min-tokens bans.
+(``history_width``, ``ban_width``), and the histories and ban lists are present
+together whenever any row needs either, so a batch bucket has exactly two variants.
 
 Pipeline (matches vLLM's order)::
 
@@ -103,7 +103,7 @@ class SamplingMetadata:
     repetition_penalty: jax.Array  # [B] f32
     # Histories as padded id lists; counts / masks are scatter-built on device,
     # so the host copies O(tokens) per penalised row, never O(V).
-    output_token_ids: jax.Array  # [B, Lo] i32, Lo a power-of-two bucket or 0
+    output_token_ids: jax.Array  # [B, Lo] i32, Lo: 0, a fixed width, or a power-of-two bucket
     prompt_token_ids: jax.Array  # [B, Lp] i32 (repetition penalty only)
     banned_token_ids: jax.Array  # [B, S] i32, ids masked to -inf (min_tokens)
     # Batch-wide switches, as data: flipping one never recompiles.

@@ -265,7 +265,10 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
         http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port, api_key=opts.api_key)
         ports["http_port"] = await http.start()
     if opts.port_file:
-        Path(opts.port_file).write_text(json.dumps(ports))
+        # Atomically: a reader polling for the file never sees it empty or half-written.
+        tmp = Path(f"{opts.port_file}.tmp")
+        tmp.write_text(json.dumps(ports))
+        tmp.replace(opts.port_file)
     logger.info("listening on %s:%d (%s); loading %s", opts.host, port, ports, opts.model)
     try:
         eng = engine if engine is not None else await loop.run_in_executor(None, load_engine, opts)

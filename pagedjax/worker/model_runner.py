@@ -257,7 +257,7 @@ class ModelRunner:
             inputs.meta.kv_lens[:] = 0
             jax.block_until_ready(self.execute(inputs))
         for n in plan.copy_buckets(self.num_gpu_blocks):
-            self._copy_local(self._pad_pairs([(0, 0)] * n))  # block 0 onto itself: a no-op
+            self.copy_blocks([(0, 0)] * n)  # block 0 onto itself: a no-op (broadcast when multi-process)
         if self.num_cpu_blocks and self.mesh is None:
             # Swap gathers/scatters, one per power-of-two bucket of blocks (pallas_kernels.swap):
             # the gather reads block 0, the scatter targets a block past the end (dropped).

@@ -28,7 +28,7 @@ class InProcessServer:
     def start(self, timeout: float = 30.0) -> InProcessServer:
         self.thread.start()
         deadline = time.monotonic() + timeout
-        while not self.port_file.exists():
+        while not self.port_file.exists() or not self.port_file.read_text():
             if time.monotonic() > deadline:
                 raise TimeoutError("server did not bind")
             time.sleep(0.02)
