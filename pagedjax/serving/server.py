@@ -23,6 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, to_params
+from pagedjax.serving.auth import ApiKeyInterceptor
 from pagedjax.serving.convert import delta_to_proto, params_from_proto
 from pagedjax.serving.errors import (
     DuplicateRequestError,
@@ -238,8 +239,6 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
 
     `engine` skips loading (tests, embedding)."""
     loop = asyncio.get_running_loop()
-    from pagedjax.serving.auth import ApiKeyInterceptor
-
     server = grpc.aio.server(interceptors=[ApiKeyInterceptor(opts.api_key)] if opts.api_key else None)
     servicer = PagedJaxServicer()
     health = HealthServicer()
