@@ -38,6 +38,8 @@ _FINISHED = frozenset(
         SequenceStatus.FINISHED_IGNORED,
     }
 )
+# `is_finished` compares values: the FINISHED_* members must stay last in the enum.
+assert all((m.value >= _FIRST_FINISHED) == (m in _FINISHED) for m in SequenceStatus)
 
 
 class Sequence:
