@@ -33,7 +33,7 @@ def cmd_generate(args) -> int:
 
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
-              num_gpu_blocks=args.num_gpu_blocks)
+              num_gpu_blocks=args.num_gpu_blocks, layer_loop=args.layer_loop)
     sp = _sampling(args)
     if args.raw:
         outs = llm.generate(args.prompt, sp)
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true",
                    help="complete the raw text instead of applying the chat template")
     _add_model_args(g)
+    g.add_argument("--layer-loop", choices=["scan", "unrolled"], default="scan",
+                   help="scan (default here): a one-shot run compiles more than it decodes, and "
+                        "the scan compiles ~9x faster; unrolled decodes ~1.7x faster on CPU")
     g.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="shard heads and MLP over this many devices")
     g.add_argument("--num-gpu-blocks", type=int, default=None,
