@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import sys
 import time
-import traceback
+
+from protocol import claim_stdout, serve
 
 
 def main() -> None:
@@ -35,9 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, required=True)
     args = ap.parse_args()
 
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = claim_stdout()
 
     import torch
     import transformers
@@ -51,7 +48,7 @@ def main() -> None:
     pad = base.pad_token_id if base.pad_token_id is not None else min(eos_ids, default=0)
     versions = {"transformers": transformers.__version__, "torch": torch.__version__}
 
-    def generate(prompts: list[list[int]], max_tokens: int, ignore_eos: bool):
+    def generate(prompts: list[list[int]], max_tokens: int, ignore_eos: bool, job=None):
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[pad] * (width - len(p)) + list(map(int, p)) for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -79,25 +76,7 @@ def main() -> None:
     generate([[1, 2, 3, 4]], 4, True)  # warm-up
     print(f"hf_worker ready: threads={torch.get_num_threads()} {versions}", file=sys.stderr)
 
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            job = json.loads(line)
-            prompts = job["prompt_ids"]
-            max_tokens = int(job.get("max_tokens", 128))
-            ignore_eos = bool(job.get("ignore_eos", True))
-            ttft = None
-            if len(prompts) == 1:
-                ttft, _ = generate(prompts, 1, ignore_eos)
-            seconds, outputs = generate(prompts, max_tokens, ignore_eos)
-            result = {"seconds": seconds, "ttft_s": ttft, "outputs": outputs,
-                      "versions": versions, "threads": args.threads}
-        except Exception as e:  # noqa: BLE001 - report and keep serving
-            traceback.print_exc(file=sys.stderr)
-            result = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(result) + "\n")
-
+    serve(out, generate, {"versions": versions, "threads": args.threads})
 
 if __name__ == "__main__":
     main()

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
+
+from protocol import claim_stdout, serve
 
 
 def main() -> None:
@@ -35,9 +35,7 @@ def main() -> None:
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args()
 
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = claim_stdout()
     allowed = sorted(os.sched_getaffinity(0))
     if args.threads > len(allowed):
         sys.exit(f"--threads {args.threads} but only CPUs {allowed} are available")
@@ -59,7 +57,7 @@ def main() -> None:
 
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
-    def generate(prompts, max_tokens: int, ignore_eos: bool):
+    def generate(prompts, max_tokens: int, ignore_eos: bool, job=None):
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp,
@@ -68,25 +66,8 @@ def main() -> None:
 
     generate([[1, 2, 3, 4]], 4, True)
     print(f"pagedjax_worker ready: threads={args.threads} {engine_args} {versions}", file=sys.stderr)
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            job = json.loads(line)
-            prompts = job["prompt_ids"]
-            max_tokens = int(job.get("max_tokens", 128))
-            ignore_eos = bool(job.get("ignore_eos", True))
-            ttft = generate(prompts, 1, ignore_eos)[0] if len(prompts) == 1 else None
-            seconds, outputs = generate(prompts, max_tokens, ignore_eos)
-            result = {"seconds": seconds, "ttft_s": ttft, "outputs": outputs,
-                      "versions": versions, "threads": args.threads,
-                      "engine_args": engine_args,
-                      "layer_loop": "scan" if llm.engine.runner.scan_layers else "unrolled"}
-        except Exception as e:  # noqa: BLE001 - report and keep serving
-            traceback.print_exc(file=sys.stderr)
-            result = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(result) + "\n")
-
+    serve(out, generate, {"versions": versions, "threads": args.threads, "engine_args": engine_args,
+                          "layer_loop": "scan" if llm.engine.runner.scan_layers else "unrolled"})
 
 if __name__ == "__main__":
     main()

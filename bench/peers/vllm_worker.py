@@ -30,11 +30,11 @@ an earlier job's (or the TTFT probe's) cache; a job can say "reset_prefix_cache"
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
+
+from protocol import claim_stdout, serve
 
 
 def cpu_list(n: int) -> list[int]:
@@ -75,11 +75,7 @@ def main() -> None:
                     help="skip torch.compile (vLLM's default is to compile)")
     args = ap.parse_args()
 
-    # Keep stdout for result lines only: fd 1 becomes stderr for everything else, including
-    # the engine's child processes, which inherit it.
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
+    out = claim_stdout()  # the engine's child processes inherit fd 1 = stderr
 
     cpus = cpu_list(args.threads)
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -103,8 +99,8 @@ def main() -> None:
     versions = {"vllm": vllm.__version__, "torch": torch.__version__,
                 "transformers": transformers.__version__}
 
-    def generate(prompts: list[list[int]], max_tokens: int, ignore_eos: bool, reset: bool):
-        if reset:
+    def generate(prompts: list[list[int]], max_tokens: int, ignore_eos: bool, job: dict):
+        if job.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         inputs = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
@@ -112,33 +108,15 @@ def main() -> None:
         res = llm.generate(inputs, params, use_tqdm=False)
         return time.perf_counter() - t0, [list(r.outputs[0].token_ids) for r in res]
 
-    generate([[1, 2, 3, 4]], 4, True, True)  # warm-up (compiles)
+    generate([[1, 2, 3, 4]], 4, True, {})  # warm-up (compiles)
     print(f"vllm_worker ready: threads={args.threads} cpus={cpus} "
           f"bind={os.environ['VLLM_CPU_OMP_THREADS_BIND']} "
           f"LD_PRELOAD={os.environ.get('LD_PRELOAD', '')} {versions}", file=sys.stderr)
 
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            job = json.loads(line)
-            prompts = job["prompt_ids"]
-            max_tokens = int(job.get("max_tokens", 128))
-            ignore_eos = bool(job.get("ignore_eos", True))
-            reset = bool(job.get("reset_prefix_cache", True))
-            ttft = None
-            if len(prompts) == 1:
-                ttft, _ = generate(prompts, 1, ignore_eos, reset)
-            seconds, outputs = generate(prompts, max_tokens, ignore_eos, reset)
-            result = {"seconds": seconds, "ttft_s": ttft, "outputs": outputs,
-                      "versions": versions, "threads": args.threads,
-                      "cpus": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
-                      "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
-                      "ld_preload": os.environ.get("LD_PRELOAD", "")}
-        except Exception as e:  # noqa: BLE001 - report and keep serving
-            traceback.print_exc(file=sys.stderr)
-            result = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(result) + "\n")
+    serve(out, generate, {"versions": versions, "threads": args.threads,
+                          "cpus": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                          "kv_cache_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
+                          "ld_preload": os.environ.get("LD_PRELOAD", "")})
     try:
         llm.llm_engine.engine_core.shutdown()
     except Exception:  # noqa: BLE001 - exiting anyway

@@ -323,3 +323,24 @@ def test_update_params_mid_flight_recomputes_in_flight_requests(demo_model, demo
         assert final[rid][:k] == so_far[rid]
         assert final[rid][k:] == ref.generate([p + so_far[rid]], 10 - k)[0], rid
     assert_pool_whole(llm)
+
+
+def test_final_only_requests_emit_one_output(demo_model, demo_tokenizer):
+    """output_kind="final_only" (what LLM.generate uses) returns nothing until the request
+    finishes, then the same result a cumulative request gets; a bad kind names the field."""
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=4)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    eng.add_request("final", None, sp, prompt_token_ids=[5, 6, 7], output_kind="final_only")
+    eng.add_request("cumul", None, sp, prompt_token_ids=[5, 6, 7])
+    seen: dict[str, list] = {"final": [], "cumul": []}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            seen[out.request_id].append(out)
+    assert len(seen["final"]) == 1 and seen["final"][0].finished
+    assert len(seen["cumul"]) == 5
+    assert seen["final"][0].outputs[0].token_ids == seen["cumul"][-1].outputs[0].token_ids
+    with pytest.raises(ValueError, match="output_kind"):
+        eng.add_request("x", None, sp, prompt_token_ids=[5], output_kind="delta")
+    assert_pool_whole(llm)

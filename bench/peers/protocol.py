@@ -1,0 +1,52 @@
+"""The JSON-lines protocol every engine worker of the side-by-side benchmark speaks.
+
+Standalone (standard library only, no repo imports), so the peers' own venvs can use it: the
+workers run as scripts from this folder, which puts it on `sys.path`.
+
+    job:    {"prompt_ids": [[...], ...], "max_tokens": 128, "ignore_eos": true, ...}
+    result: {"seconds": wall time of the whole batch,
+             "ttft_s": wall time of a max_tokens=1 run of the prompt (one prompt, else null),
+             "outputs": [[token ids], ...], **the worker's metadata}
+
+A job that fails gets {"error": "..."} and the worker goes on; EOF on stdin ends it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import TextIO
+
+# (prompts, max_tokens, ignore_eos, job) -> (seconds, outputs)
+Generate = Callable[[list[list[int]], int, bool, dict], tuple[float, list[list[int]]]]
+
+
+def claim_stdout() -> TextIO:
+    """Keep stdout for result lines only: fd 1 becomes stderr for everything else (engine
+    logs, child processes that inherit it); returns the stream results go to."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
+def serve(out: TextIO, generate: Generate, meta: dict) -> None:
+    """Answer jobs from stdin until EOF."""
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            job = json.loads(line)
+            prompts = job["prompt_ids"]
+            max_tokens = int(job.get("max_tokens", 128))
+            ignore_eos = bool(job.get("ignore_eos", True))
+            ttft = generate(prompts, 1, ignore_eos, job)[0] if len(prompts) == 1 else None
+            seconds, outputs = generate(prompts, max_tokens, ignore_eos, job)
+            result = {"seconds": seconds, "ttft_s": ttft, "outputs": outputs, **meta}
+        except Exception as e:  # noqa: BLE001 - report and keep serving
+            traceback.print_exc(file=sys.stderr)
+            result = {"error": f"{type(e).__name__}: {e}"}
+        out.write(json.dumps(result) + "\n")
