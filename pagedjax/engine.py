@@ -73,6 +73,8 @@ class EngineStats:
     last_step_tokens: int
     num_compiles: int  # XLA compilations in this process so far
     num_cache_rebuilds: int = 0  # KV caches lost in a failed step and reallocated
+    num_step_failures: int = 0  # steps, or the scheduling of one group, that raised
+    healthy: bool = True  # False while a lost KV cache is not rebuilt yet
 
 
 @dataclasses.dataclass
@@ -115,6 +117,8 @@ FINISH_REASON = {
 
 
 class LLMEngine:
+    CACHE_RETRY_S = 0.5  # pause between attempts to rebuild a lost KV cache
+
     def __init__(self, config: LlamaConfig, params: dict, tokenizer,
                  engine_config: EngineConfig | None = None,
                  dtype=jnp.float32, model_name: str = "model"):
@@ -153,6 +157,8 @@ class LLMEngine:
         self._weights_version = 0
         self.num_steps = 0
         self.num_cache_rebuilds = 0
+        self.num_step_failures = 0  # steps (or scheduling of a group) that raised
+        self._cache_broken = False
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_step_tokens = 0
@@ -255,12 +261,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     params: SamplingParams | dict | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
-                    output_kind: str = "cumulative") -> None:
+                    output_kind: str = "cumulative", strict_limits: bool = False) -> None:
         """Queue a request. Raises ValueError naming the bad field; the engine is unaffected.
 
         `output_kind` (vLLM's `RequestOutputKind`): "cumulative" returns the request's whole
         output after every step that advanced it (streaming); "final_only" returns one output
-        when it finishes, which saves copying growing outputs every step (offline batches)."""
+        when it finishes, which saves copying growing outputs every step (offline batches).
+
+        `strict_limits` (the servers pass True): refuse a request whose prompt + `max_tokens`
+        exceeds `max_model_len` (as vLLM's OpenAI server does) or whose samples, all grown to
+        that length, would need more KV blocks than the whole cache (`check_growth`), instead
+        of running it for seconds and cutting it short. Without it (the Python API) such a
+        request runs and ends with finish_reason "length" where it hits the limit."""
         if output_kind not in ("cumulative", "final_only"):
             raise ValueError(f"output_kind: must be 'cumulative' or 'final_only'; got {output_kind!r}")
         if not isinstance(request_id, str) or not request_id:
@@ -286,6 +298,8 @@ class LLMEngine:
         samples = params.best_of or params.n
         if samples > self.engine_config.max_num_seqs:
             raise ValueError(f"n: {samples} samples exceed max_num_seqs={self.engine_config.max_num_seqs}")
+        if strict_limits:
+            self.check_growth(len(ids), params.max_tokens, samples)
         seq = Sequence(next(self._seq_ids), ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=params.max_tokens, n=samples,
@@ -295,6 +309,36 @@ class LLMEngine:
                        final_only=output_kind == "final_only")
         self._register_seq(req, seq, 0)
         self._requests[request_id] = req
+
+    def check_growth(self, prompt_len: int, max_tokens: int, samples: int = 1) -> None:
+        """Admission control for growth: ValueError naming `max_tokens` unless the prompt plus
+        `max_tokens` fits `max_model_len` and `samples` sequences of that length fit the cache."""
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len={self.max_model_len}; at most {self.max_model_len - prompt_len}")
+        bm = self.block_manager
+        need = bm.worst_case_blocks(prompt_len, prompt_len + max_tokens, samples)
+        if need > bm.growth_capacity:
+            fit = self.max_output_tokens(prompt_len, samples)
+            what = f"{samples} sequences" if samples > 1 else "the sequence"
+            raise ValueError(
+                f"max_tokens: {what} of prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) "
+                f"could need {need} KV blocks, the cache holds {bm.growth_capacity}; lower "
+                f"max_tokens (at most {fit} here)" + (" or n/best_of" if samples > 1 else ""))
+
+    def max_output_tokens(self, prompt_len: int, samples: int = 1) -> int:
+        """The largest `max_tokens` that `check_growth` accepts (0 if none): the default for
+        clients that set none (OpenAI chat), so a default never asks for the impossible."""
+        bm = self.block_manager
+        lo, hi = 0, max(0, self.max_model_len - prompt_len)
+        while lo < hi:  # the block need grows with the length: bisect
+            mid = (lo + hi + 1) // 2
+            if bm.worst_case_blocks(prompt_len, prompt_len + mid, samples) <= bm.growth_capacity:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     @property
     def model_id(self) -> str:
@@ -334,14 +378,38 @@ class LLMEngine:
         return len(self._requests)
 
     # ---- step --------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        """False while the device KV cache is lost and not yet rebuilt (health checks say
+        NOT_SERVING then); every `step` tries to rebuild it first."""
+        return not self._cache_broken
+
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
+        if self._cache_broken and not self._try_reset_cache():
+            return outputs
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:  # a bug: the scheduler guards each group, this is a last resort
+            logger.exception("schedule() failed")
+            error = f"internal error while scheduling: {type(exc).__name__}: {exc}"
+            for g in list(self.scheduler.running) + list(self.scheduler.swapped):
+                req = self._requests.pop(g.request_id, None)
+                self.scheduler.abort_seq_group(g.request_id)
+                if req is not None:
+                    outputs.append(self._fail(req, error))
+            self.num_step_failures += 1
+            return outputs
+        for g, error in sched.failed:
+            self.num_step_failures += 1
+            req = self._requests.pop(g.request_id, None)
+            if req is not None:
+                outputs.append(self._fail(req, f"internal error while scheduling: {error}"))
         for g in sched.rejected:
             req = self._requests.pop(g.request_id, None)
             if req is not None:
                 self.scheduler.abort_seq_group(g.request_id)
-                outputs.append(self._fail(req, "request can never be scheduled in this KV cache"))
+                outputs.append(self._cut_short(req))
         if sched.is_empty:
             return outputs
         try:
@@ -351,6 +419,7 @@ class LLMEngine:
             sampled = self._execute(sched) if sched.scheduled else None
         except Exception as exc:  # one bad step fails its requests, never the engine
             logger.exception("step failed")
+            self.num_step_failures += 1
             error = f"internal error: {type(exc).__name__}: {exc}"
             for g in sched.scheduled_groups:
                 req = self._requests.pop(g.request_id, None)
@@ -400,10 +469,44 @@ class LLMEngine:
             self.scheduler.abort_seq_group(g.request_id)
             if req is not None:
                 outputs.append(self._fail(req, f"{error} (the KV cache was lost and rebuilt)"))
-        self.runner.reset_cache()
         self.block_manager.reset_prefix_cache()  # cached blocks held KV of the lost cache
-        self.num_cache_rebuilds += 1
+        self._cache_broken = True
+        self._try_reset_cache()
         return outputs
+
+    def _try_reset_cache(self) -> bool:
+        """Allocate a fresh device cache; on failure (e.g. the device is still out of memory)
+        stay unhealthy and try again at the next step. Waiting and swapped requests wait."""
+        try:
+            self.runner.reset_cache()
+        except Exception:
+            logger.exception("rebuilding the KV cache failed; retrying at the next step")
+            time.sleep(self.CACHE_RETRY_S)  # no busy loop while the device recovers
+            return False
+        self._cache_broken = False
+        self.num_cache_rebuilds += 1
+        logger.info("KV cache rebuilt; serving again")
+        return True
+
+    def _cut_short(self, req: _Request) -> RequestOutput:
+        """A request the scheduler can no longer place (it outgrew the whole cache: n>1
+        samples or beams recomputed without sharing, or pinned prefixes took the room) ends
+        with finish_reason "length" and what it generated, rather than an error; one that
+        generated nothing yet fails with a clear error."""
+        if not any(s.output_token_ids for s in req.group.seqs):
+            return self._fail(req, "request can never be scheduled in this KV cache: it needs "
+                                   "more KV blocks than the whole cache holds")
+        for seq in req.group.seqs:
+            if seq.status in (SequenceStatus.FINISHED_IGNORED, SequenceStatus.FINISHED_ABORTED) \
+                    or not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+                st = req.detok.get(seq.seq_id)
+                if st is not None:
+                    self.detokenizer.flush(seq.get_token_slice, seq.num_total_tokens, st,
+                                           req.params.skip_special_tokens)
+        logger.warning("request %s outgrew the KV cache: finished with 'length' after %d tokens",
+                       req.request_id, max(s.num_output_tokens for s in req.group.seqs))
+        return self._make_output(req, final=True)
 
     def _rows_for(self, sched) -> tuple[list[int], list[tuple], list[int]]:
         """Logits rows per scheduled sequence (1 if it samples, else 0), the sampled rows, and
@@ -786,4 +889,5 @@ class LLMEngine:
             num_steps=self.num_steps, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             last_step_tokens=self.last_step_tokens, num_compiles=num_backend_compiles(),
-            num_cache_rebuilds=self.num_cache_rebuilds)
+            num_cache_rebuilds=self.num_cache_rebuilds, num_step_failures=self.num_step_failures,
+            healthy=self.healthy)

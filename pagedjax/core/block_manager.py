@@ -178,6 +178,20 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
+    @property
+    def growth_capacity(self) -> int:
+        """Blocks one request may ever hold: the pool less the watermark and pinned prefixes."""
+        return self.num_gpu_blocks - self.watermark_blocks - len(self._pinned)
+
+    def worst_case_blocks(self, prompt_len: int, final_len: int, num_seqs: int) -> int:
+        """Blocks a request needs if all its ``num_seqs`` samples (or beams) grow to
+        ``final_len`` tokens at once: they share the prompt's full blocks and each owns the
+        rest (a beam that forks late shares more, never less). With prefix caching the first
+        write may copy one cached block."""
+        shared = prompt_len // self.block_size if num_seqs > 1 else 0
+        own = self._num_blocks(final_len) - shared
+        return shared + num_seqs * own + (1 if self.enable_prefix_caching else 0)
+
     def _first_write_shared(self, seq: Sequence, hits: list) -> bool:
         """Whether the first token left to compute lands in a cached block that someone
         already references (a fully cached prompt recomputes its last token there), so that

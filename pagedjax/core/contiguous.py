@@ -88,6 +88,20 @@ class ContiguousKVManager:
             sizes += sizes * (group.n - 1)
         return sizes
 
+    @property
+    def growth_capacity(self) -> int:
+        return self.num_gpu_blocks
+
+    def worst_case_blocks(self, prompt_len: int, final_len: int, num_seqs: int) -> int:
+        """Regions are reserved whole at admission (buddy-rounded), so growth is already paid:
+        this is what admission itself checks, for the interface the engine shares."""
+        if self.policy == "max":
+            final_len = self.max_model_len
+        elif self.policy == "pow2":
+            final_len = min(self.max_model_len,
+                            prompt_len + next_pow2(max(1, final_len - prompt_len)))
+        return num_seqs * next_pow2(self._blocks(final_len))
+
     # -- admission ----------------------------------------------------------------
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         sizes = self._requests(group)

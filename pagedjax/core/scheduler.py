@@ -15,11 +15,14 @@ cannot take it).
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.sequence import _FINISHED, Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -63,6 +66,9 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     rejected: list[SequenceGroup] = field(default_factory=list)
+    # Groups whose scheduling raised (a bug or a failing KV manager): removed and freed, with
+    # the error; the rest of the step goes on without them.
+    failed: list[tuple[SequenceGroup, str]] = field(default_factory=list)
     num_batched_tokens: int = 0
 
     @property
@@ -325,7 +331,11 @@ class Scheduler:
             return False
         while not self._fits_blocks(g, plan):
             if victims:
-                self._preempt(st, victims.pop())
+                victim = victims.pop()
+                try:
+                    self._preempt(st, victim)
+                except Exception as exc:  # the victim fails (its blocks freed), g goes on
+                    self._fail_group(st, victim, exc)
             else:
                 self._preempt(st, g)
                 return None
@@ -337,7 +347,11 @@ class Scheduler:
         queue = deque(ordered)  # popping from the right takes the latest unscheduled arrival
         while queue:
             g = queue.popleft()
-            res = self._schedule_one_running(st, g, queue)
+            try:
+                res = self._schedule_one_running(st, g, queue)
+            except Exception as exc:
+                self._fail_group(st, g, exc)
+                continue
             if res is not None:
                 keep.append(g)
         self.running = keep
@@ -382,13 +396,16 @@ class Scheduler:
             if status is AllocStatus.LATER:
                 break
             self.swapped.pop(0)
-            st.out.blocks_to_swap_in.extend(self.bm.swap_in(g))
-            for seq in g.get_unfinished_seqs():
-                seq.status = SequenceStatus.RUNNING
-            self.running.append(g)
-            plan = self._plan(g, st.budget, allow_chunk=True)
-            if plan:
-                self._emit(st, g, plan)
+            try:
+                st.out.blocks_to_swap_in.extend(self.bm.swap_in(g))
+                for seq in g.get_unfinished_seqs():
+                    seq.status = SequenceStatus.RUNNING
+                self.running.append(g)
+                plan = self._plan(g, st.budget, allow_chunk=True)
+                if plan:
+                    self._emit(st, g, plan)
+            except Exception as exc:
+                self._fail_group(st, g, exc)
 
     def _reject(self, st: _Step, g: SequenceGroup) -> None:
         for seq in g.seqs:
@@ -429,10 +446,43 @@ class Scheduler:
             self._emit(st, g, plan)
         return "ok"
 
+    def _guarded_admit(self, st: _Step, g: SequenceGroup) -> str:
+        """`_try_admit`, or "failed" (the group removed and freed) if it raised."""
+        try:
+            return self._try_admit(st, g)
+        except Exception as exc:
+            self._fail_group(st, g, exc)
+            return "failed"
+
+    def _fail_group(self, st: _Step, g: SequenceGroup, exc: Exception) -> None:
+        """Contain an exception raised while scheduling ``g``: drop what was emitted for it
+        this step, free its blocks, remove it everywhere and report it in ``failed``; the
+        other groups of the step are unaffected."""
+        logger.exception("scheduling request %s failed", g.request_id)
+        out = st.out
+        out.scheduled = [s for s in out.scheduled if s.request_id != g.request_id]
+        out.scheduled_groups = [x for x in out.scheduled_groups if x is not g]
+        out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        st.budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+        for seq in g.seqs:
+            if not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            try:
+                self.bm.free(seq)
+            except Exception:  # nothing more can be done for this group's blocks
+                logger.exception("freeing the blocks of request %s failed", g.request_id)
+        self._groups.pop(g.request_id, None)
+        for q in (self.running, self.staging, self.swapped, self.waiting):
+            while g in q:
+                q.remove(g)
+        out.failed.append((g, f"{type(exc).__name__}: {exc}"))
+
     def _schedule_waiting_fcfs(self, st: _Step) -> None:
         while self.waiting:
             g = self.waiting[0]
-            res = self._try_admit(st, g)
+            res = self._guarded_admit(st, g)
+            if res == "failed":
+                continue
             if res == "reject":
                 self.waiting.popleft()
                 self._reject(st, g)
@@ -476,10 +526,13 @@ class Scheduler:
                 if pool.taken(g):  # preempted earlier in this step
                     continue
                 pool.take(g)
-                if self._schedule_one_running(st, g, pool) is not None:
-                    keep.append(g)
+                try:
+                    if self._schedule_one_running(st, g, pool) is not None:
+                        keep.append(g)
+                except Exception as exc:
+                    self._fail_group(st, g, exc)
             elif not st.preempted and not self.swapped:
-                res = self._try_admit(st, g)
+                res = self._guarded_admit(st, g)
                 if res == "ok":
                     self.staging.remove(g)
                     keep.append(g)

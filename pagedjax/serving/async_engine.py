@@ -23,6 +23,7 @@ from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.serving.errors import (
     DuplicateRequestError,
+    InvalidRequestError,
     NotReadyError,
     QueueFullError,
     RequestFailedError,
@@ -33,6 +34,8 @@ from pagedjax.serving.errors import (
 
 logger = logging.getLogger("pagedjax.serving")
 
+# Sequences (prompts x n/best_of) one client request may start; more is refused up front.
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 _END = object()
 _EMPTY = object()
 
@@ -217,6 +220,14 @@ class DeltaTracker:
         return deltas
 
 
+def _start(fut: concurrent.futures.Future) -> bool:
+    """Mark an admission future running; False if it was cancelled or already refused."""
+    try:
+        return fut.set_running_or_notify_cancel()
+    except RuntimeError:  # already finished (refused by a failure before admission)
+        return False
+
+
 def to_params(params: SamplingParams | dict | None) -> SamplingParams:
     """Validate sampling params on the caller's thread (no engine state needed)."""
     if params is None:
@@ -238,9 +249,11 @@ def to_params(params: SamplingParams | dict | None) -> SamplingParams:
 class AsyncEngine:
     """Drives an `LLMEngine` on one background thread; safe to call from any thread or loop."""
 
-    def __init__(self, engine, max_waiting_requests: int | None = None, idle_wait_s: float = 0.05):
+    def __init__(self, engine, max_waiting_requests: int | None = None, idle_wait_s: float = 0.05,
+                 max_sequences_per_request: int | None = DEFAULT_MAX_SEQUENCES_PER_REQUEST):
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_sequences_per_request = max_sequences_per_request
         self._idle_wait_s = idle_wait_s
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -251,6 +264,9 @@ class AsyncEngine:
         self._stats = engine.get_stats()
         self._done_listeners: list[Callable[[RequestMetrics], None]] = []
         self._stats_listeners: list[Callable[[object], None]] = []
+        self._refusal_listeners: list[Callable[[ServingError], None]] = []
+        self._health_listeners: list[Callable[[bool], None]] = []
+        self._healthy = True
         self._thread = threading.Thread(target=self._run, name="pagedjax-engine", daemon=True)
 
     # ---- lifecycle ---------------------------------------------------------
@@ -261,6 +277,28 @@ class AsyncEngine:
     @property
     def accepting(self) -> bool:
         return self._accepting and not self._stopping
+
+    @property
+    def serving(self) -> bool:
+        """Accepting and the engine healthy: what /health and gRPC health report. False while
+        a lost device KV cache is rebuilt (the engine retries every step)."""
+        return self.accepting and self._healthy
+
+    def on_health(self, fn: Callable[[bool], None]) -> None:
+        """Register a callback run on the engine thread when the engine's health changes."""
+        self._health_listeners.append(fn)
+
+    def on_refused(self, fn: Callable[[ServingError], None]) -> None:
+        """Register a callback run (on the refusing thread) for every refused request."""
+        self._refusal_listeners.append(fn)
+
+    def _refused(self, err: ServingError) -> ServingError:
+        for fn in self._refusal_listeners:
+            try:
+                fn(err)
+            except Exception:
+                logger.exception("refusal listener failed")
+        return err
 
     def on_request_done(self, fn: Callable[[RequestMetrics], None]) -> None:
         """Register a callback run on the engine thread when a request finishes (metrics)."""
@@ -316,24 +354,54 @@ class AsyncEngine:
 
         Errors known without the engine (duplicate id, queue full, draining, bad sampling
         params) raise `ServingError` here; prompt errors arrive through the future."""
-        sp = to_params(params)
-        stream = RequestStream(request_id, aloop)
-        live = _Live(stream, RequestMetrics(request_id, time.monotonic()), concurrent.futures.Future())
-        with self._lock:
-            if not self.accepting:
-                raise NotReadyError("server is draining or stopped")
-            if request_id in self._live:
-                raise DuplicateRequestError(f"request_id: {request_id!r} is already in flight",
-                                            "request_id")
-            if self.max_waiting_requests is not None:
-                waiting = sum(1 for x in self._live.values() if x.metrics.first_token is None)
-                if waiting >= self.max_waiting_requests:
-                    raise QueueFullError(f"{waiting} requests waiting (max_waiting_requests="
-                                         f"{self.max_waiting_requests})")
-            self._live[request_id] = live
-        self._cmds.put(("add", request_id, prompt, sp, prompt_token_ids))
+        return self.submit_many([(request_id, prompt, prompt_token_ids)], params, aloop)[0]
+
+    def submit_many(self, items: list[tuple[str, str | None, list[int] | None]],
+                    params: SamplingParams | dict | None,
+                    aloop: asyncio.AbstractEventLoop | None = None
+                    ) -> list[concurrent.futures.Future]:
+        """Queue the sub-requests of one client request (a list of prompts, one params) as a
+        unit: the engine thread admits all of them between two steps or none (the first
+        refusal refuses all), so a 1000-prompt request neither trickles in one prompt per step
+        nor half-runs. At most `max_sequences_per_request` sequences (prompts x n/best_of)."""
+        try:
+            sp = to_params(params)
+            samples = sp.best_of or sp.n
+            cap = self.max_sequences_per_request
+            if cap is not None and len(items) * samples > cap:
+                raise InvalidRequestError(
+                    f"prompt: {len(items)} prompts x {samples} samples = {len(items) * samples} "
+                    f"sequences exceed max_sequences_per_request={cap}", "prompt")
+            now = time.monotonic()
+            lives = [_Live(RequestStream(rid, aloop), RequestMetrics(rid, now),
+                           concurrent.futures.Future()) for rid, _, _ in items]
+            with self._lock:
+                if not self.accepting:
+                    raise NotReadyError("server is draining or stopped")
+                if not self._healthy:
+                    raise NotReadyError("the engine is rebuilding its KV cache after a device "
+                                        "failure; retry shortly")
+                for rid, _, _ in items:
+                    if rid in self._live:
+                        raise DuplicateRequestError(f"request_id: {rid!r} is already in flight",
+                                                    "request_id")
+                if len({rid for rid, _, _ in items}) != len(items):
+                    raise DuplicateRequestError("request_id: repeated within the request",
+                                                "request_id")
+                if self.max_waiting_requests is not None:
+                    waiting = sum(1 for x in self._live.values() if x.metrics.first_token is None)
+                    if waiting + len(items) > self.max_waiting_requests:
+                        raise QueueFullError(
+                            f"{waiting} requests waiting, {len(items)} more would exceed "
+                            f"max_waiting_requests={self.max_waiting_requests}")
+                for (rid, _, _), live in zip(items, lives):
+                    self._live[rid] = live
+        except ServingError as err:
+            raise self._refused(err) from None
+        self._cmds.put(("add", [(rid, prompt, ids, live) for (rid, prompt, ids), live
+                                in zip(items, lives)], sp))
         self._wake.set()
-        return live.accepted
+        return [live.accepted for live in lives]
 
     def add_request(self, request_id: str, prompt: str | None, params=None,
                     prompt_token_ids: list[int] | None = None) -> RequestStream:
@@ -342,11 +410,18 @@ class AsyncEngine:
 
     async def add_request_async(self, request_id: str, prompt: str | None, params=None,
                                 prompt_token_ids: list[int] | None = None) -> RequestStream:
-        fut = self.submit(request_id, prompt, params, prompt_token_ids, asyncio.get_running_loop())
+        streams = await self.add_requests_async([(request_id, prompt, prompt_token_ids)], params)
+        return streams[0]
+
+    async def add_requests_async(self, items: list[tuple[str, str | None, list[int] | None]],
+                                 params=None) -> list[RequestStream]:
+        """`submit_many` from asyncio: all streams once all are admitted."""
+        futs = self.submit_many(items, params, asyncio.get_running_loop())
         try:
-            return await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:  # the caller went away before the engine took the request
-            self.abort(request_id)
+            return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
+        except asyncio.CancelledError:  # the caller went away before the engine took them
+            for rid, _, _ in items:
+                self.abort(rid)
             raise
 
     def abort(self, request_id: str) -> bool:
@@ -395,30 +470,50 @@ class AsyncEngine:
             if cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
                 continue
-            _, rid, prompt, sp, ids = cmd
-            with self._lock:
-                live = self._live.get(rid)
-            if live is None:
-                continue
-            if not live.accepted.set_running_or_notify_cancel():  # the submitter gave up already
-                with self._lock:
-                    self._live.pop(rid, None)
-                continue
+            self._admit(cmd[1], cmd[2])
+
+    def _admit(self, batch: list[tuple], sp: SamplingParams) -> None:
+        """Add one client request's sub-requests to the engine, all or none."""
+        with self._lock:
+            present = all(self._live.get(rid) is live for rid, _, _, live in batch)
+        # A submitter that gave up (or an abort that came first) withdraws the whole batch.
+        started = [_start(live.accepted) for *_, live in batch]
+        if not present or not all(started):
+            self._refuse_all(batch, RequestFailedError("request withdrawn before admission"))
+            return
+        added: list[str] = []
+        err: ServingError | None = None
+        for i, (rid, prompt, ids, live) in enumerate(batch):
             try:
                 self.engine.add_request(rid, prompt, sp, prompt_token_ids=ids,
-                                        arrival_time=live.metrics.arrival)
+                                        arrival_time=live.metrics.arrival, strict_limits=True)
             except ValueError as exc:
-                self._refuse(rid, live, from_value_error(exc))
+                err = from_value_error(exc)
+                if len(batch) > 1:
+                    err.message += f" (prompt {i} of {len(batch)})"
             except Exception as exc:
                 logger.exception("add_request %s failed", rid)
-                self._refuse(rid, live, RequestFailedError(f"internal error: {type(exc).__name__}"))
-            else:
-                live.accepted.set_result(live.stream)
+                err = RequestFailedError(f"internal error: {type(exc).__name__}")
+            if err is not None:
+                break
+            added.append(rid)
+        if err is not None:
+            if added:
+                self.engine.abort_request(added)  # their abort outputs find no listener
+            self._refuse_all(batch, self._refused(err))
+            return
+        for *_, live in batch:
+            live.accepted.set_result(live.stream)
+
+    def _refuse_all(self, batch: list[tuple], err: ServingError) -> None:
+        for rid, _, _, live in batch:
+            self._refuse(rid, live, err)
 
     def _refuse(self, rid: str, live: _Live, err: ServingError) -> None:
         with self._lock:
-            self._live.pop(rid, None)
-        if not live.accepted.cancelled():
+            if self._live.get(rid) is live:
+                del self._live[rid]
+        if not live.accepted.done():
             live.accepted.set_exception(err)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
@@ -484,6 +579,15 @@ class AsyncEngine:
 
     def _publish_stats(self) -> None:
         self._stats = self.engine.get_stats()
+        healthy = bool(getattr(self._stats, "healthy", True))
+        if healthy != self._healthy:
+            self._healthy = healthy
+            logger.warning("engine %s", "healthy again" if healthy else "unhealthy: NOT_SERVING")
+            for fn in self._health_listeners:
+                try:
+                    fn(healthy)
+                except Exception:
+                    logger.exception("health listener failed")
         for fn in self._stats_listeners:
             try:
                 fn(self._stats)

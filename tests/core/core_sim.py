@@ -51,6 +51,7 @@ class FakeEngine:
         self.finished_at: dict[str, int] = {}
         self.first_token_at: dict[str, int] = {}
         self.outputs: list[SchedulerOutput] = []
+        self.failed: set[str] = set()  # groups whose scheduling raised (SchedulerOutput.failed)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, **kw):
         seq = Sequence(next(self.ids), prompt)
@@ -105,6 +106,10 @@ class FakeEngine:
         for g in self.sched.free_finished_seq_groups():
             self.finished_at[g.request_id] = self.steps
         for g in out.rejected:
+            self.finished_at[g.request_id] = self.steps
+        for g, _error in out.failed:
+            assert g.request_id not in self.failed, "a group failed twice"
+            self.failed.add(g.request_id)
             self.finished_at[g.request_id] = self.steps
         self.bm.check_invariants()
         self.steps += 1

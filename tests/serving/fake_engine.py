@@ -33,13 +33,20 @@ class FakeEngine:
 
     @staticmethod
     def tokenizer(text):
-        return types.SimpleNamespace(input_ids=[1, 2, 3])
+        ids = [[1, 2, 3] for _ in text] if isinstance(text, list) else [1, 2, 3]
+        return types.SimpleNamespace(input_ids=ids)
+
+    def max_output_tokens(self, prompt_len, samples=1):
+        return max(0, self.max_model_len - prompt_len)
 
     def check_prompt_text(self, prompt, field="prompt"):
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{field}: empty prompt")
 
-    def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, arrival_time=None):
+    healthy = True
+
+    def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, arrival_time=None,
+                    strict_limits=False):
         self.thread_ids.add(threading.get_ident())
         if request_id in self._reqs:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -90,4 +97,5 @@ class FakeEngine:
         return types.SimpleNamespace(
             num_running=len(self._reqs), num_waiting=0, num_swapped=0, num_gpu_blocks=32,
             num_free_gpu_blocks=32 - used, kv_cache_usage=used / 32, num_preemptions_total=0,
-            num_steps=self.steps, prompt_tokens_total=0, generation_tokens_total=0)
+            num_steps=self.steps, prompt_tokens_total=0, generation_tokens_total=0,
+            healthy=self.healthy)
