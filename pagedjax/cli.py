@@ -82,22 +82,33 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                            help=f"engine option (default {f.default!r})")
 
 
+def serve_options(args):
+    """The `ServerOptions` of parsed `serve` arguments."""
+    from pagedjax.serving.auth import resolve_api_key
+    from pagedjax.serving.http_limits import HttpLimits
+    from pagedjax.serving.server import ServerOptions
+
+    engine_kwargs = {k[len("engine_"):]: v for k, v in vars(args).items()
+                     if k.startswith("engine_") and v is not None}
+    limits = {k: v for k, v in (("header_timeout", args.http_header_timeout),
+                                ("body_timeout", args.http_body_timeout),
+                                ("max_body_bytes", args.http_max_body_bytes)) if v is not None}
+    return ServerOptions(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
+                         metrics_port=args.metrics_port, http_port=args.http_port,
+                         max_waiting_requests=args.max_waiting_requests or None, grace_s=args.grace,
+                         max_sequences_per_request=args.max_sequences_per_request or None,
+                         port_file=args.port_file, api_key=resolve_api_key(args.api_key),
+                         http_limits=HttpLimits(**limits), engine_kwargs=engine_kwargs)
+
+
 def cmd_serve(args) -> int:
     import asyncio
     import logging
 
-    from pagedjax.serving.auth import resolve_api_key
-    from pagedjax.serving.server import ServerOptions, run_server
+    from pagedjax.serving.server import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine_kwargs = {k[len("engine_"):]: v for k, v in vars(args).items()
-                     if k.startswith("engine_") and v is not None}
-    opts = ServerOptions(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
-                         metrics_port=args.metrics_port, http_port=args.http_port,
-                         max_waiting_requests=args.max_waiting_requests or None, grace_s=args.grace,
-                         port_file=args.port_file, api_key=resolve_api_key(args.api_key),
-                         engine_kwargs=engine_kwargs)
-    return asyncio.run(run_server(opts))
+    return asyncio.run(run_server(serve_options(args)))
 
 
 def cmd_client(args) -> int:
@@ -129,11 +140,22 @@ def add_serving_parsers(sub) -> None:
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests waiting for their first token before new ones are refused "
                         "(429 / RESOURCE_EXHAUSTED); 0: unlimited")
+    s.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="sequences (prompts x n/best_of) one request may start; more is refused "
+                        "with 400 / INVALID_ARGUMENT; 0: unlimited")
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
     s.add_argument("--port-file", default=None, help="write the bound ports as JSON here")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 HTTP routes and gRPC calls "
                         "(default: $PAGEDJAX_API_KEY; unset: no authentication)")
+    # Defaults live in HttpLimits (not imported here: uvicorn would slow every command's start).
+    s.add_argument("--http-header-timeout", type=float, default=None, metavar="SECONDS",
+                   help="close an HTTP or metrics connection whose request headers are not complete "
+                        "this long after connecting (default 10)")
+    s.add_argument("--http-body-timeout", type=float, default=None, metavar="SECONDS",
+                   help="answer 408 and close when a request body stalls this long (default 30)")
+    s.add_argument("--http-max-body-bytes", type=int, default=None, metavar="BYTES",
+                   help="answer 413 to larger request bodies (default 8388608 = 8 MiB)")
     _add_engine_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -9,27 +9,25 @@ mid-stream has its request aborted (blocks freed at the next step).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, RequestStream, to_params
 from pagedjax.serving.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from pagedjax.serving.errors import InvalidRequestError, NotReadyError, ServingError
+from pagedjax.serving.http_limits import BoundServer, HttpLimits
 from pagedjax.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("pagedjax.serving.http")
@@ -111,12 +109,15 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
         logger.exception("unhandled error")
         return error_response(500, "internal server error", "internal")
 
-    @app.get("/health")
-    async def health():
-        ok = front.aengine is not None and front.aengine.accepting
+    # The schema says what these really send (no body; Prometheus text), not FastAPI's JSON default.
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "serving"},
+                        503: {"description": "loading, draining, or rebuilding a lost KV cache"}})
+    async def health():  # 503 while loading, draining, or rebuilding a lost KV cache
+        ok = front.aengine is not None and front.aengine.serving
         return Response(status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(front.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -136,13 +137,11 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
             raise InvalidRequestError("prompt: empty prompt list", "prompt")
         if body.echo or body.suffix:
             raise NotImplementedErrorHttp("echo" if body.echo else "suffix")
-        jobs = []
-        for p in prompts:
-            if isinstance(p, str):  # sized and checked first, then tokenized off the event loop
-                front.check_text(p, "prompt")
-                jobs.append((p, await asyncio.to_thread(lambda p=p: front.engine().tokenizer(p).input_ids)))
-            else:
-                jobs.append((None, list(p)))
+        texts = [p for p in prompts if isinstance(p, str)]
+        for p in texts:  # sized and checked first, then tokenized together off the event loop
+            front.check_text(p, "prompt")
+        ids = iter(await asyncio.to_thread(front.tokenize, texts) if texts else [])
+        jobs = [(p, next(ids)) if isinstance(p, str) else (None, list(p)) for p in prompts]
         return await front.run(body, jobs, body.sampling_params(), chat=False, request=request)
 
     @app.post("/v1/chat/completions")
@@ -163,7 +162,10 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
 
         text, ids = await asyncio.to_thread(template)
         params = body.sampling_params()
-        params.setdefault("max_tokens", max(1, front.engine().max_model_len - len(ids)))
+        if "max_tokens" not in params:  # as long as the context and the KV cache allow
+            samples = params.get("best_of") or params.get("n") or 1
+            fit = front.engine().max_output_tokens(len(ids), samples) if isinstance(samples, int) else 1
+            params["max_tokens"] = max(1, fit)
         return await front.run(body, [(text, ids)], params, chat=True, request=request)
 
     return app
@@ -177,18 +179,20 @@ class NotImplementedErrorHttp(ServingError):
 
 
 class HttpFrontDoor:
-    """Owns the uvicorn server; `set_engine` makes it ready once the model is loaded."""
+    """Owns the uvicorn server; `set_engine` makes it ready once the model is loaded.
+    `limits` bound what one client can hold open (header/body timeouts, body size,
+    connections; see `http_limits.py`)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 api_key: str | None = None):
+                 api_key: str | None = None, limits: HttpLimits | None = None):
         self.registry = registry
         self.api_key = api_key
         self.host, self.port = host, port
+        self.limits = limits or HttpLimits()
         self.aengine: AsyncEngine | None = None
         self.created = int(time.time())
         self.app = build_app(self)
-        self._server: uvicorn.Server | None = None
-        self._task: asyncio.Task | None = None
+        self._server: BoundServer | None = None
 
     def set_engine(self, aengine: AsyncEngine) -> None:
         self.aengine = aengine
@@ -205,23 +209,21 @@ class HttpFrontDoor:
 
     async def start(self) -> int:
         """Bind now (so the port is known), serve in a task; returns the bound port."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(128)
-        sock.setblocking(False)
-        config = uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5)
-        self._server = _QuietServer(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
-        return sock.getsockname()[1]
+        self._server = BoundServer(self.app, self.host, self.port, self.limits, grace_s=5)
+        return await self._server.start()
 
     async def stop(self) -> None:
         if self._server is not None:
-            self._server.should_exit = True
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._task, 10)
+            await self._server.stop()
 
     # ---- request handling ----------------------------------------------------
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of several prompts in one tokenizer call (run off the event loop)."""
+        tok = self.engine().tokenizer
+        if len(texts) == 1:
+            return [tok(texts[0]).input_ids]
+        return list(tok(texts).input_ids)
+
     def check_text(self, text: str, field: str) -> None:
         """The engine's pre-tokenization checks (size, Unicode) as a 400 naming ``field``."""
         try:
@@ -238,15 +240,11 @@ class HttpFrontDoor:
         # The client's id only labels the response: engine ids are the server's own, so no
         # client can collide with, probe or abort another's requests (gRPC included).
         internal = f"http-{uuid.uuid4().hex}"
-        jobs: list[_Job] = []
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                rid = f"{internal}-{i}"
-                stream = await self.aengine.add_request_async(rid, text, sp, ids)
-                jobs.append(_Job(rid, stream, DeltaTracker(sp), i * sp.n))
-        except BaseException:
-            self._abort(jobs)
-            raise
+        items = [(f"{internal}-{i}", text, ids) for i, (text, ids) in enumerate(prompts)]
+        # All prompts are admitted together (or refused together); aborted together below.
+        streams = await self.aengine.add_requests_async(items, sp)
+        jobs = [_Job(rid, stream, DeltaTracker(sp), i * sp.n)
+                for i, ((rid, _, _), stream) in enumerate(zip(items, streams))]
         meta = {"id": base, "created": int(time.time()), "model": self.engine().model_name}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
@@ -256,11 +254,13 @@ class HttpFrontDoor:
             finals = await self._finals_unless_disconnected(jobs, request)
         finally:
             self._abort(jobs)  # a disconnected client's requests free their blocks
+        if finals is None:  # nobody reads this; 499 is nginx's "client closed request"
+            return Response(status_code=499)
         return self._full_response(jobs, finals, meta, chat, sp)
 
     async def _finals_unless_disconnected(self, jobs: list[_Job], request: Request | None):
         """Final outputs of a non-streaming call; gives up as soon as the client goes away
-        (nobody would read the answer), polling the connection between engine outputs."""
+        (nobody would read the answer: None then), polling the connection between outputs."""
         gathered = asyncio.ensure_future(asyncio.gather(*(self._final(j) for j in jobs)))
         try:
             while True:
@@ -268,7 +268,7 @@ class HttpFrontDoor:
                 if done:
                     return gathered.result()
                 if request is not None and await request.is_disconnected():
-                    raise asyncio.CancelledError("client disconnected")
+                    return None
         finally:
             if not gathered.done():
                 gathered.cancel()
@@ -377,10 +377,3 @@ class HttpFrontDoor:
         return {"tokens": tokens, "token_logprobs": [e.get(t, 0.0) for t, e in zip(token_ids, entries)],
                 "top_logprobs": [{dec(a): v for a, v in top} for top in tops], "text_offset": offsets}
 
-
-class _QuietServer(uvicorn.Server):
-    """uvicorn without its own signal handling: `run_server` owns SIGTERM for both front doors."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield

@@ -6,9 +6,10 @@ tests in one process never collide; gRPC and HTTP front doors export the same re
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 
 from pagedjax.serving.async_engine import AsyncEngine, RequestMetrics
+from pagedjax.serving.http_limits import BoundServer, HttpLimits
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -37,10 +38,21 @@ class ServingMetrics:
         self.swapped = Gauge("pagedjax_num_requests_swapped", "Sequence groups swapped out", registry=r)
         self.kv_usage = Gauge("pagedjax_kv_cache_usage_ratio", "Fraction of KV blocks in use", registry=r)
         self.preemptions = Gauge("pagedjax_num_preemptions_total", "Preemptions since start", registry=r)
+        # Errors, so that a failing engine is visible: refusals by kind (finished requests that
+        # failed inside the engine are pagedjax_requests_total{finish_reason="error"}).
+        self.refused = Counter("pagedjax_requests_refused", "Requests refused before running, by "
+                               "error kind", ["kind"], registry=r)
+        self.step_failures = Gauge("pagedjax_engine_step_failures_total", "Engine steps (or the "
+                                   "scheduling of one request) that raised", registry=r)
+        self.cache_rebuilds = Gauge("pagedjax_kv_cache_rebuilds_total", "Device KV caches lost in "
+                                    "a failed step and rebuilt", registry=r)
+        self.healthy = Gauge("pagedjax_engine_healthy", "1 while serving, 0 while a lost KV cache "
+                             "is being rebuilt", registry=r)
 
     def attach(self, engine: AsyncEngine) -> ServingMetrics:
         engine.on_request_done(self.observe_request)
         engine.on_stats(self.observe_stats)
+        engine.on_refused(lambda err: self.refused.labels(err.kind).inc())
         self.observe_stats(engine.get_stats())
         return self
 
@@ -61,15 +73,21 @@ class ServingMetrics:
         self.swapped.set(s.num_swapped)
         self.kv_usage.set(s.kv_cache_usage)
         self.preemptions.set(s.num_preemptions_total)
+        self.step_failures.set(getattr(s, "num_step_failures", 0))
+        self.cache_rebuilds.set(getattr(s, "num_cache_rebuilds", 0))
+        self.healthy.set(1 if getattr(s, "healthy", True) else 0)
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Expose `/metrics` over HTTP on a daemon thread; returns the bound port (0 → ephemeral)."""
-        httpd, _ = start_http_server(port, addr=host, registry=self.registry)
-        self._httpd = httpd
-        return int(httpd.server_port)
+    async def serve(self, port: int, host: str = "127.0.0.1", limits: HttpLimits | None = None) -> int:
+        """Expose `/metrics` on the running event loop; returns the bound port (0 → ephemeral).
 
-    def close(self) -> None:
-        httpd = getattr(self, "_httpd", None)
-        if httpd is not None:
-            httpd.shutdown()
-            httpd.server_close()
+        uvicorn under the HTTP port's `limits` (header timeout, connection cap) rather than
+        `prometheus_client.start_http_server`, which spends an OS thread per connection and never
+        times out an idle one."""
+        self._server = BoundServer(make_asgi_app(self.registry), host, port, limits or HttpLimits(),
+                                   grace_s=1)
+        return await self._server.start()
+
+    async def close(self) -> None:
+        server = getattr(self, "_server", None)
+        if server is not None:
+            await server.stop()

@@ -22,7 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, to_params
+from pagedjax.serving.async_engine import (
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    AsyncEngine,
+    DeltaTracker,
+    to_params,
+)
 from pagedjax.serving.auth import ApiKeyInterceptor
 from pagedjax.serving.convert import delta_to_proto, params_from_proto
 from pagedjax.serving.errors import (
@@ -32,6 +37,7 @@ from pagedjax.serving.errors import (
     ServingError,
     UnknownRequestError,
 )
+from pagedjax.serving.http_limits import HttpLimits
 from pagedjax.serving.metrics import ServingMetrics
 from pagedjax.serving.proto import pagedjax_pb2 as pb
 from pagedjax.serving.proto import pagedjax_pb2_grpc as pb_grpc
@@ -68,6 +74,10 @@ class ServerOptions:
     grace_s: float = 30.0
     port_file: str | None = None  # JSON with the bound ports, written once listening
     api_key: str | None = None  # None: no authentication (see pagedjax/serving/auth.py)
+    # Sequences (prompts x n/best_of) one client request may start (None: unlimited).
+    max_sequences_per_request: int | None = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    # Timeouts, body size and connection caps of the HTTP and metrics ports (http_limits.py).
+    http_limits: HttpLimits = dataclasses.field(default_factory=HttpLimits)
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
 
 
@@ -252,7 +262,7 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     metrics = ServingMetrics()
     ports = {"port": port}
     if opts.metrics_port is not None:
-        ports["metrics_port"] = metrics.serve(opts.metrics_port, opts.host)
+        ports["metrics_port"] = await metrics.serve(opts.metrics_port, opts.host, opts.http_limits)
     if stop is None:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -261,7 +271,8 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     if opts.http_port is not None:
         from pagedjax.serving.http import HttpFrontDoor
 
-        http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port, api_key=opts.api_key)
+        http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port, api_key=opts.api_key,
+                             limits=opts.http_limits)
         ports["http_port"] = await http.start()
     if opts.port_file:
         # Atomically: a reader polling for the file never sees it empty or half-written.
@@ -274,8 +285,19 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     except Exception:
         logger.exception("failed to load the model")
         await server.stop(0)
+        if http is not None:
+            await http.stop()
+        await metrics.close()
         return 1
-    aengine = AsyncEngine(eng, max_waiting_requests=opts.max_waiting_requests).start()
+    aengine = AsyncEngine(eng, max_waiting_requests=opts.max_waiting_requests,
+                          max_sequences_per_request=opts.max_sequences_per_request)
+
+    def health_changed(ok: bool) -> None:  # engine thread: NOT_SERVING while a cache rebuilds
+        loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(_set_health(health, ok and aengine.accepting)))
+
+    aengine.on_health(health_changed)
+    aengine.start()
     metrics.attach(aengine)
     servicer.aengine = aengine
     if http is not None:
@@ -293,5 +315,5 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     if http is not None:
         await http.stop()
     aengine.shutdown()
-    metrics.close()
+    await metrics.close()
     return 0

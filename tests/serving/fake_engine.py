@@ -30,6 +30,8 @@ class FakeEngine:
         self._pending: list[RequestOutput] = []
         self.thread_ids: set[int] = set()
         self.steps = 0
+        self.added_at: dict[str, int] = {}
+        self.asked: dict[str, tuple[int, int]] = {}
 
     @staticmethod
     def tokenizer(text):
@@ -57,6 +59,8 @@ class FakeEngine:
             raise ValueError("prompt_token_ids: token id outside the vocabulary")
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params or {})
         self._reqs[request_id] = {"prompt": prompt, "ids": ids, "sp": sp, "out": []}
+        self.added_at[request_id] = self.steps  # the engine step count when it was admitted
+        self.asked[request_id] = (len(ids), sp.max_tokens)  # prompt length, max_tokens asked
 
     def _output(self, rid, r, finished, reason=None, error=None):
         text = "".join(f"w{t} " for t in r["out"])

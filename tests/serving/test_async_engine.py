@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -209,3 +210,74 @@ def test_slow_consumer_holds_one_pending_output(mode):
     text = "".join(d.text for o in outs for d in tracker.update(o))
     assert text == outs[-1].outputs[0].text == "".join(f"w{i} " for i in range(200))
     assert outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_multi_prompt_request_is_admitted_together_or_not_at_all(fake):
+    """The sub-requests of one client request enter the engine between the same two steps;
+    one bad prompt refuses all of them (none left running), naming which prompt."""
+    fake.step_s = 0.01
+    a = AsyncEngine(fake).start()
+    try:
+        items = [(f"m{i}", "hi", None) for i in range(40)]
+        futs = a.submit_many(items, {"max_tokens": 2})
+        streams = [f.result(timeout=10) for f in futs]
+        assert len({fake.added_at[f"m{i}"] for i in range(40)}) == 1
+        assert all(_text(s)[1] == "length" for s in streams)
+
+        bad = [("x0", "hi", None), ("x1", "hi", None), ("x2", None, [1, 999]), ("x3", "hi", None)]
+        futs = a.submit_many(bad, {"max_tokens": 50})
+        errors = set()
+        for f in futs:
+            with pytest.raises(InvalidRequestError) as e:
+                f.result(timeout=10)
+            errors.add(e.value.message)
+        assert errors == {"prompt_token_ids: token id outside the vocabulary (prompt 2 of 4)"}
+        deadline = time.monotonic() + 5
+        while (fake._reqs or a.num_in_flight()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not fake._reqs and a.num_in_flight() == 0  # x0, x1 were added, then aborted
+    finally:
+        a.shutdown()
+
+
+def test_sequences_per_request_and_waiting_limits_count_every_prompt(fake):
+    a = AsyncEngine(fake, max_waiting_requests=5, max_sequences_per_request=8).start()
+    seen = []
+    a.on_refused(seen.append)
+    try:
+        with pytest.raises(InvalidRequestError, match=r"^prompt: 3 prompts x 4 samples = 12 "
+                                                      r"sequences exceed max_sequences_per_request=8"):
+            a.submit_many([(f"s{i}", "hi", None) for i in range(3)], {"n": 4, "temperature": 1.0})
+        fake.gate.clear()
+        streams = [f.result(timeout=10) for f in
+                   a.submit_many([(f"w{i}", "hi", None) for i in range(3)], {"max_tokens": 2})]
+        with pytest.raises(QueueFullError, match="3 requests waiting, 3 more"):
+            a.submit_many([(f"v{i}", "hi", None) for i in range(3)], {"max_tokens": 2})
+        assert a.num_in_flight() == 3  # nothing of the refused request was queued
+        fake.gate.set()
+        assert all(_text(s)[1] == "length" for s in streams)
+        assert [e.kind for e in seen] == ["invalid_argument", "resource_exhausted"]
+    finally:
+        a.shutdown()
+
+
+def test_unhealthy_engine_is_not_serving_and_refuses_until_it_recovers(fake):
+    a = AsyncEngine(fake).start()
+    changes = []
+    a.on_health(changes.append)
+    try:
+        assert a.serving
+        fake.healthy = False
+        deadline = time.monotonic() + 5
+        while a.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not a.serving and a.accepting and changes == [False]
+        with pytest.raises(NotReadyError, match="rebuilding its KV cache"):
+            a.add_request("r", "hi", {"max_tokens": 2})
+        fake.healthy = True
+        while not a.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert changes == [False, True]
+        assert _text(a.add_request("r", "hi", {"max_tokens": 2}))[1] == "length"
+    finally:
+        a.shutdown()

@@ -176,8 +176,9 @@ def test_disconnect_while_waiting_for_non_streaming_response_frees_blocks(server
     """A non-streaming client that gives up (timeout, closed socket) aborts its request."""
     client = server.client
     url = f"http://127.0.0.1:{server.ports['http_port']}/v1/completions"
-    # ~1500 tokens take far longer than the 10 s allowed below: only an abort frees in time.
-    body = {"prompt": PROMPTS[1], "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+    # ~230 tokens (the rest of --max-model-len 256; more is refused) take far longer than the
+    # 3 s read timeout below: only an abort frees the blocks in time.
+    body = {"prompt": PROMPTS[1], "max_tokens": 230, "temperature": 0.0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=body, timeout=httpx.Timeout(10.0, read=3.0))
     wait_blocks_free(client, timeout=10.0)
