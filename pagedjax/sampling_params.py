@@ -31,6 +31,9 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# Token ids travel to the device as int32 (the sampler's ban lists): a larger id would fail the
+# whole engine step (every request in the batch), not just this one.
+MAX_TOKEN_ID = 2**31 - 1
 
 
 class SamplingType(enum.IntEnum):
@@ -126,8 +129,8 @@ class SamplingParams:
              f"strings must have at most {MAX_STOP_STRING_CHARS} characters")
         need(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
              f"must have at most {MAX_STOP_TOKEN_IDS} ids")
-        need(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-             "must be non-negative ints")
+        need(all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids), "stop_token_ids",
+             f"must be ints in [0, {MAX_TOKEN_ID}]")
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")

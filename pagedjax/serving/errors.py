@@ -67,9 +67,13 @@ def field_of(message: str) -> str | None:
 
 
 def from_value_error(exc: ValueError) -> ServingError:
-    """Classify an engine/SamplingParams `ValueError`."""
+    """Classify an engine/SamplingParams `ValueError`.
+
+    "field: ..." about an unsupported feature is UNIMPLEMENTED; a value out of range
+    ("prompt_logprobs must be ... got -5", SamplingParams' form) is the client's mistake
+    whatever the field, so INVALID_ARGUMENT."""
     msg = str(exc)
     field = field_of(msg)
-    if field in _UNSUPPORTED_FIELDS:
+    if field in _UNSUPPORTED_FIELDS and msg.startswith(f"{field}:"):
         return UnsupportedError(msg, field)
     return InvalidRequestError(msg, field)

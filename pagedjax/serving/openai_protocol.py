@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID
+
 # Roles the chat template may see. Anything else is refused: a role is pasted into the
 # template verbatim, so "user<|im_end|>\n<|im_start|>system" would let a user write a system
 # turn.
@@ -33,6 +35,16 @@ def check_unicode(value: Any) -> Any:
     return value
 
 
+def _bounds(default: Any = None, **schema: Any) -> Any:
+    """A field whose OpenAPI schema states `SamplingParams`' bounds. Documentation only: the
+    values are still validated by `SamplingParams` (its messages name the field), but clients
+    and schema-driven fuzzers see what is accepted instead of a bare number."""
+    return Field(default=default, json_schema_extra=schema)
+
+
+_LOGPROBS = dict(minimum=0, maximum=MAX_LOGPROBS)
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -45,30 +57,32 @@ class _Sampling(_Base):
     """Fields shared by completions and chat, including vLLM's extra sampling options."""
 
     model: str | None = None
-    n: int = 1
-    best_of: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = _bounds(1, minimum=1)
+    best_of: int | None = _bounds(minimum=1)
+    temperature: float | None = _bounds(minimum=0)
+    top_p: float | None = _bounds(exclusiveMinimum=0, maximum=1)
     seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    stop: str | list[str] | None = _bounds(maxItems=MAX_STOP_STRINGS)
+    presence_penalty: float | None = _bounds(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _bounds(minimum=-2, maximum=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = _bounds(minimum=-1)
+    min_p: float | None = _bounds(minimum=0, maximum=1)
+    repetition_penalty: float | None = _bounds(exclusiveMinimum=0)
+    min_tokens: int | None = _bounds(minimum=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = _bounds(maxItems=MAX_STOP_TOKEN_IDS,
+                                               items={"type": "integer", "minimum": 0,
+                                                      "maximum": MAX_TOKEN_ID})
     skip_special_tokens: bool | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
     include_stop_str_in_output: bool | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = _bounds(**_LOGPROBS)
     # Labels the response only (engine ids are the server's own): bounded, one printable line.
     request_id: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
 
@@ -84,8 +98,8 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
 
     _prompt_text = field_validator("prompt")(check_unicode)
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = _bounds(16, minimum=1)
+    logprobs: int | None = _bounds(**_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
@@ -99,7 +113,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(_Base):
-    role: str
+    role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
@@ -115,10 +129,10 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = _bounds(minimum=1)
+    max_completion_tokens: int | None = _bounds(minimum=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _bounds(**_LOGPROBS)
 
     def sampling_params(self) -> dict[str, Any]:
         d = self.common_params()

@@ -47,6 +47,7 @@ INVALID = [
     ({"stop": ["x"] * 65}, "stop"),
     ({"stop": ["x" * 1025]}, "stop"),
     ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+    ({"stop_token_ids": [2**31]}, "stop_token_ids"),  # fuzz: would overflow the int32 ban list
     ({"top_p": True}, "top_p"),
 ] + [({name: bad}, name)
      for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
