@@ -8,8 +8,9 @@ metadata, applying tokens, stop checks, incremental detokenization with the demo
 building outputs), but the two device calls return at once: the runner's step hands back a
 ready logits array and the sampler hands back tokens drawn beforehand from the demo
 vocabulary. What is left is exactly the host work that sits on every step's critical path.
-Steady state: N requests with 128-token prompts decode together, EOS ignored; the median and
-p99 over `--steps` decode steps are reported, for each sampling mix (`greedy`: all greedy;
+Steady state: N requests with 128-token prompts decode together, EOS ignored, the heap frozen
+after start-up as the server does (`--no-gc-freeze`: not); the median and p99 over `--steps`
+decode steps are reported, for each sampling mix (`greedy`: all greedy;
 `mixed`: half the requests with top-p, penalties and logprobs) and output kind (`cumulative`:
 an output per request per step, as streaming; `final_only`: as `LLM.generate`).
 """
@@ -56,7 +57,7 @@ class _Runner:
 
 
 def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
-            output_kind: str = "cumulative") -> dict:
+            output_kind: str = "cumulative", freeze_gc: bool = True) -> dict:
     import pagedjax.engine as eng_mod
     from pagedjax.config import EngineConfig
     from pagedjax.sampler import SamplerOutput
@@ -98,6 +99,8 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 s.num_computed_tokens < s.num_prompt_tokens
                 for g in engine.scheduler.running for s in g.seqs):
             engine.step()
+        if freeze_gc:  # as `pagedjax serve` does once loaded (LLMEngine.freeze_gc)
+            engine.freeze_gc()
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -107,7 +110,12 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
     finally:
         eng_mod.ModelRunner, eng_mod.sample = orig_runner, orig_sample
     times.sort()
+    if freeze_gc:
+        import gc
+
+        gc.unfreeze()  # the next engine starts from a clean heap
     return {"num_seqs": num_seqs, "mix": mix, "output_kind": output_kind, "steps": steps,
+            "gc_frozen": freeze_gc,
             "median_ms": 1e3 * statistics.median(times),
             "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
             "max_ms": 1e3 * times[-1]}
@@ -118,6 +126,8 @@ def main() -> None:
     ap.add_argument("--seqs", default="32,128,256,1024")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead.json"))
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="measure without gc.freeze() after start-up (the server freezes)")
     args = ap.parse_args()
     from models.demo import ensure_demo_model
     from models.loader import read_config
@@ -130,7 +140,7 @@ def main() -> None:
     for kind in ("cumulative", "final_only"):  # streaming outputs every step / LLM.generate
         for mix in ("greedy", "mixed"):
             for n in map(int, args.seqs.split(",")):
-                r = measure(n, args.steps, mix, tok, config, kind)
+                r = measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze)
                 rows.append(r)
                 print(f"{kind:10s} {mix:6s} {n:5d} seqs: median {r['median_ms']:.2f} ms, "
                       f"p99 {r['p99_ms']:.2f} ms", flush=True)

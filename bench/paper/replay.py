@@ -11,7 +11,7 @@ Sampling modes: ``("single", 1)``; ``("parallel", n)``: the prompt is computed o
 into n samples at its first token, as the engine does; ``("beam", w)``: w beams per request,
 each step's w survivors pick their parent beam uniformly at random (seeded) from the live
 beams -- an assumption standing in for real logits -- the dropped beams are freed and the
-survivors forked, in the engine's order (``LLMEngine._advance_beams``).
+survivors forked, in the engine's order (``BeamSearcher.advance`` in ``pagedjax/beam_steps.py``).
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from pagedjax.baselines.contiguous import ContiguousKVManager
 from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.contiguous import ContiguousKVManager
 from pagedjax.core.sequence import SequenceGroup
 
 CATEGORIES = ("token_states", "reserved", "internal", "external", "free")

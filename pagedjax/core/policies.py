@@ -9,10 +9,10 @@ max-length contiguous reservations).
 
 from __future__ import annotations
 
+from pagedjax.baselines.contiguous import ContiguousKVManager
+from pagedjax.baselines.static_batching import StaticBatchScheduler
 from pagedjax.core.block_manager import BlockManager
-from pagedjax.core.contiguous import ContiguousKVManager
 from pagedjax.core.scheduler import Scheduler, SchedulerConfig
-from pagedjax.core.static_batching import StaticBatchScheduler
 
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle", "static")
 

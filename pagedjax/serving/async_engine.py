@@ -369,9 +369,11 @@ class AsyncEngine:
             samples = sp.best_of or sp.n
             cap = self.max_sequences_per_request
             if cap is not None and len(items) * samples > cap:
+                # The field to change: the prompt list, or the samples of a single prompt.
+                field = "prompt" if len(items) > 1 else ("best_of" if sp.best_of != sp.n else "n")
                 raise InvalidRequestError(
-                    f"prompt: {len(items)} prompts x {samples} samples = {len(items) * samples} "
-                    f"sequences exceed max_sequences_per_request={cap}", "prompt")
+                    f"{field}: {len(items)} prompts x {samples} samples = {len(items) * samples} "
+                    f"sequences exceed max_sequences_per_request={cap}", field)
             now = time.monotonic()
             lives = [_Live(RequestStream(rid, aloop), RequestMetrics(rid, now),
                            concurrent.futures.Future()) for rid, _, _ in items]

@@ -235,6 +235,7 @@ def load_engine(opts: ServerOptions):
     eng.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0))
     while eng.has_unfinished_requests():
         eng.step()
+    eng.freeze_gc()  # loaded and warm: what is alive now lives as long as the server
     return eng
 
 

@@ -8,13 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
+from pagedjax.baselines.buddy_allocator import BuddyAllocator, next_pow2
+from pagedjax.baselines.contiguous import ContiguousKVManager
+from pagedjax.baselines.static_batching import StaticBatchScheduler
 from pagedjax.core import AllocStatus, Scheduler, SchedulerConfig, Sequence, SequenceGroup
-from pagedjax.core.buddy_allocator import BuddyAllocator, next_pow2
-from pagedjax.core.contiguous import ContiguousKVManager
 from pagedjax.core.kv_accounting import snapshot
 from pagedjax.core.policies import KV_POLICIES, make_kv_manager, make_scheduler
 from pagedjax.core.sequence import SequenceStatus
-from pagedjax.core.static_batching import StaticBatchScheduler
 
 _ids = iter(range(10**9))
 

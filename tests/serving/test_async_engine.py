@@ -281,3 +281,15 @@ def test_unhealthy_engine_is_not_serving_and_refuses_until_it_recovers(fake):
         assert _text(a.add_request("r", "hi", {"max_tokens": 2}))[1] == "length"
     finally:
         a.shutdown()
+
+
+def test_samples_of_a_single_prompt_over_the_cap_name_n(fake):
+    a = AsyncEngine(fake, max_sequences_per_request=8).start()
+    try:
+        with pytest.raises(InvalidRequestError, match=r"^n: 1 prompts x 9 samples") as e:
+            a.add_request("one", "hi", {"n": 9, "temperature": 1.0})
+        assert e.value.field == "n"
+        with pytest.raises(InvalidRequestError, match=r"^best_of: 1 prompts x 9 samples"):
+            a.add_request("two", "hi", {"n": 2, "best_of": 9, "temperature": 1.0})
+    finally:
+        a.shutdown()

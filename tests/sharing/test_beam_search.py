@@ -8,7 +8,7 @@ import pytest
 
 from models.llama import init_contiguous_cache
 from pagedjax import LLM, SamplingParams
-from pagedjax.core.buddy_allocator import next_pow2
+from pagedjax.baselines.buddy_allocator import next_pow2
 from pagedjax.reference import ReferenceGenerator
 from tests.sharing.helpers import assert_pool_whole
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedjax.baselines.buddy_allocator import BuddyAllocator, next_pow2
 from pagedjax.core.block_manager import AllocStatus
-from pagedjax.core.buddy_allocator import BuddyAllocator, next_pow2
 from pagedjax.core.sequence import Sequence, SequenceGroup
 
 POLICIES = ("max", "pow2", "oracle")

@@ -1,0 +1,228 @@
+"""Output processing: what the engine does with sampled tokens on the host.
+
+Appends each sampled token and decides the stops that need no text (EOS, stop token ids), then
+detokenizes every sequence that got a token in one batched call (`Detokenizer`) and applies
+stop strings and length limits, and builds the `RequestOutput`s clients see (cumulative text,
+logprobs, prompt logprobs, beam hypotheses by score). It holds no device state and never
+touches blocks: the scheduler frees what finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from pagedjax.beam_search import length_penalized_score
+from pagedjax.core import Sequence, SequenceGroup
+from pagedjax.core.sequence import SequenceStatus
+from pagedjax.detokenizer import Detokenizer, DetokState
+from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASON = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclasses.dataclass
+class RequestState:
+    """The host-side state of one request next to its `SequenceGroup`: per-sequence output
+    index, incremental detokenization, logprobs and stop reasons, and beam hypotheses."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    group: SequenceGroup
+    counter: int
+    arrival_time: float
+    seq_index: dict[int, int] = dataclasses.field(default_factory=dict)
+    detok: dict[int, DetokState] = dataclasses.field(default_factory=dict)
+    logprobs: dict[int, list[dict[int, float]]] = dataclasses.field(default_factory=dict)
+    stop_reason: dict[int, int | str | None] = dataclasses.field(default_factory=dict)
+    num_cached_tokens: int | None = None
+    first_token_time: float | None = None
+    final_only: bool = False  # output_kind "final_only": no per-step outputs
+    # Beam search: finished hypotheses (score, seq) and logits rows of beams whose siblings
+    # were not all computed in the same step (e.g. a token budget split the group).
+    beam_finished: list[tuple[float, Sequence]] = dataclasses.field(default_factory=list)
+    # Prompt logprobs by position p (the distribution that predicted prompt token p + 1).
+    prompt_lp: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
+    beam_pending: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def is_beam(self) -> bool:
+        return self.params.use_beam_search
+
+    @property
+    def num_samples(self) -> int:
+        return self.params.best_of or self.params.n
+
+    def register(self, seq: Sequence, index: int) -> None:
+        """Track a new sequence of this request (the prompt's, a fork's) as output `index`."""
+        self.seq_index[seq.seq_id] = index
+        self.detok[seq.seq_id] = DetokState(prefix_offset=max(0, seq.num_prompt_tokens - 5),
+                                            read_offset=seq.num_prompt_tokens)
+        self.logprobs[seq.seq_id] = []
+
+    def forget(self, seq: Sequence) -> None:
+        """Stop tracking a dropped beam."""
+        for d in (self.seq_index, self.detok, self.logprobs):
+            d.pop(seq.seq_id, None)
+
+
+class OutputProcessor:
+    """Stops, detokenization and `RequestOutput`s for the engine's requests."""
+
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.generation_tokens_total = 0
+
+    def append_token(self, req: RequestState, seq: Sequence, token: int, logprob: float,
+                      topk_ids, topk_logprobs) -> tuple:
+        """Append a sampled token and decide the stops that need no text (EOS, stop ids);
+        text-based stops follow for the whole step at once (`check_stops`)."""
+        p = req.params
+        seq.append_token(token, logprob)
+        self.generation_tokens_total += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        if p.logprobs is not None:
+            entry = {int(i): float(v)
+                     for i, v in zip(topk_ids[: p.logprobs], topk_logprobs[: p.logprobs])}
+            entry[token] = logprob
+            req.logprobs[seq.seq_id].append(entry)
+        n_out = seq.num_output_tokens
+        status, reason = None, None
+        if token in self.eos_token_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
+            status = SequenceStatus.FINISHED_STOPPED
+        elif p.stop_token_ids and token in p.stop_token_ids and n_out > p.min_tokens - 1:
+            status, reason = SequenceStatus.FINISHED_STOPPED, token
+        return req, seq, status, reason
+
+    def check_stops(self, appended: list[tuple]) -> None:
+        """Detokenize every sequence that got a token (one batched decode), then apply stop
+        strings and length limits, and flush the text of those that finished."""
+        items = [(seq.get_token_slice, seq.num_total_tokens, req.detok[seq.seq_id],
+                  req.params.skip_special_tokens) for req, seq, _, _ in appended]
+        old_lens = [len(st.text) for _, _, st, _ in items]
+        self.detokenizer.step(items)
+        for (req, seq, status, reason), (get, total, state, skip), old in zip(
+                appended, items, old_lens):
+            p = req.params
+            n_out = seq.num_output_tokens
+            if status is None and p.stop_strings and n_out >= p.min_tokens:
+                hit = self.find_stop(state, p, old)
+                if hit is not None:
+                    status, reason = SequenceStatus.FINISHED_STOPPED, hit
+            if status is None and (n_out >= p.max_tokens or total >= self.max_model_len):
+                status = SequenceStatus.FINISHED_LENGTH
+            if status is not None:
+                if reason is None or not isinstance(reason, str):
+                    self.detokenizer.flush(get, total, state, skip)
+                seq.status = status
+                req.stop_reason[seq.seq_id] = reason
+
+    @staticmethod
+    def find_stop(state: DetokState, p: SamplingParams, old_len: int) -> str | None:
+        """The first stop string (in the request's order, as vLLM) found in the text released
+        this step or spanning into it: only that tail is searched, so the cost does not grow
+        with the output, and text released before `min_tokens` never stops a sequence later."""
+        start = max(0, old_len - max(len(x) for x in p.stop_strings) + 1)
+        for stop in p.stop_strings:
+            idx = state.text.find(stop, start)
+            if idx >= 0:
+                end = idx + len(stop) if p.include_stop_str_in_output else idx
+                state.text = state.text[:end]
+                return stop
+        return None
+
+    def completion(self, req: RequestState, seq: Sequence, index: int) -> CompletionOutput:
+        return CompletionOutput(
+            index=index, text=req.detok[seq.seq_id].text, token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(req.logprobs[seq.seq_id]) if req.params.logprobs is not None else None,
+            finish_reason=FINISH_REASON.get(seq.status), stop_reason=req.stop_reason.get(seq.seq_id))
+
+    def beam_completions(self, req: RequestState) -> list[CompletionOutput]:
+        """The n best hypotheses by length-penalised score (live beams if none finished, e.g. abort)."""
+        p = req.params
+        pool = req.beam_finished or [
+            (length_penalized_score(s.cumulative_logprob, s.num_total_tokens, p.length_penalty), s)
+            for s in req.group.seqs]
+        best = sorted(pool, key=lambda x: -x[0])[: p.n]
+        comps = []
+        for i, (_score, s) in enumerate(best):
+            ids = list(s.output_token_ids)
+            comps.append(CompletionOutput(
+                index=i, text=self.tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+                if self.tokenizer is not None else "", token_ids=ids,
+                cumulative_logprob=s.cumulative_logprob,
+                finish_reason=FINISH_REASON.get(s.status, "abort")))
+        return comps
+
+    def make_output(self, req: RequestState, final: bool) -> RequestOutput:
+        if req.is_beam:
+            return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                 self.beam_completions(req), finished=final,
+                                 num_cached_tokens=req.num_cached_tokens or 0)
+        seqs = sorted(req.group.seqs, key=lambda s: req.seq_index[s.seq_id])
+        if final and req.params.best_of and req.params.best_of > req.params.n:
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
+            comps = [self.completion(req, s, i) for i, s in enumerate(seqs)]
+        else:
+            comps = [self.completion(req, s, req.seq_index[s.seq_id]) for s in seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished=final,
+                             num_cached_tokens=req.num_cached_tokens or 0,
+                             prompt_logprobs=self.prompt_logprobs_out(req))
+
+    @staticmethod
+    def prompt_logprobs_out(req: RequestState) -> list[dict[int, float] | None] | None:
+        """vLLM's shape: None for the first prompt token, then one dict per later token."""
+        if req.params.prompt_logprobs is None:
+            return None
+        return [None] + [req.prompt_lp.get(p) for p in range(len(req.prompt_token_ids) - 1)]
+
+    def fail(self, req: RequestState, error: str) -> RequestOutput:
+        for seq in req.group.seqs:
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        out = self.make_output(req, final=True)
+        out.error = error
+        return out
+
+    def cut_short(self, req: RequestState) -> RequestOutput:
+        """A request the scheduler can no longer place (it outgrew the whole cache: n>1
+        samples or beams recomputed without sharing, or pinned prefixes took the room) ends
+        with finish_reason "length" and what it generated, rather than an error; one that
+        generated nothing yet fails with a clear error."""
+        if not any(s.output_token_ids for s in req.group.seqs):
+            return self.fail(req, "request can never be scheduled in this KV cache: it needs "
+                                   "more KV blocks than the whole cache holds")
+        for seq in req.group.seqs:
+            if seq.status in (SequenceStatus.FINISHED_IGNORED, SequenceStatus.FINISHED_ABORTED) \
+                    or not seq.status.is_finished:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+                st = req.detok.get(seq.seq_id)
+                if st is not None:
+                    self.detokenizer.flush(seq.get_token_slice, seq.num_total_tokens, st,
+                                           req.params.skip_special_tokens)
+        logger.warning("request %s outgrew the KV cache: finished with 'length' after %d tokens",
+                       req.request_id, max(s.num_output_tokens for s in req.group.seqs))
+        return self.make_output(req, final=True)
+
+    def record_prompt_logprobs(self, plan, scored) -> None:
+        for i, (req, pos) in enumerate(plan):
+            k = req.params.prompt_logprobs
+            entry = {int(t): float(v) for t, v in zip(scored.topk_ids[i][:k], scored.topk_logprobs[i][:k])}
+            entry[req.prompt_token_ids[pos + 1]] = float(scored.token_logprobs[i])
+            req.prompt_lp[pos] = entry
