@@ -446,7 +446,9 @@ class AsyncEngine:
         eng = self.engine
         while not self._stopping:
             self._apply_commands()
-            if not eng.has_unfinished_requests():
+            # An unhealthy engine steps even when idle: `step` is where it retries rebuilding
+            # its KV cache, and it refuses new requests until then.
+            if not eng.has_unfinished_requests() and self._healthy:
                 self._publish_stats()
                 self._wake.wait(self._idle_wait_s)
                 self._wake.clear()

@@ -293,3 +293,30 @@ def test_samples_of_a_single_prompt_over_the_cap_name_n(fake):
             a.add_request("two", "hi", {"n": 2, "best_of": 9, "temperature": 1.0})
     finally:
         a.shutdown()
+
+
+def test_idle_unhealthy_engine_keeps_stepping_until_it_recovers():
+    """With nothing in flight the engine thread normally sleeps; an unhealthy engine must still
+    step (that is where it retries its KV cache), or it would refuse requests forever."""
+
+    class Recovering(FakeEngine):
+        def step(self):
+            if not self.healthy:
+                self.retries += 1
+                self.healthy = self.retries >= 5
+            return super().step()
+
+    fake = Recovering()
+    fake.retries = 0
+    a = AsyncEngine(fake).start()
+    try:
+        fake.healthy = False
+        deadline = time.monotonic() + 5
+        while fake.retries < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert fake.retries == 5
+        while not a.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.serving and _text(a.add_request("r", "hi", {"max_tokens": 2}))[1] == "length"
+    finally:
+        a.shutdown()
