@@ -128,6 +128,28 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.last_step_tokens = 0
 
+    # The KV manager and scheduler can be replaced on an idle engine (bench/paper swaps kv
+    # policies); the modules that use them follow.
+    @property
+    def block_manager(self):
+        return self._block_manager
+
+    @block_manager.setter
+    def block_manager(self, bm) -> None:
+        self._block_manager = bm
+        if hasattr(self, "inputs"):
+            self.inputs.block_manager = bm
+
+    @property
+    def scheduler(self):
+        return self._scheduler
+
+    @scheduler.setter
+    def scheduler(self, scheduler) -> None:
+        self._scheduler = scheduler
+        if hasattr(self, "beams"):
+            self.beams.scheduler = scheduler
+
     @classmethod
     def from_model(cls, model: str = "smollm2", dtype=None, **kwargs) -> LLMEngine:
         from models.loader import load_model, read_config, resolve_dtype

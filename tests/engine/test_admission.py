@@ -108,3 +108,21 @@ def test_request_that_outgrows_the_cache_ends_with_length_and_its_tokens(tiny, m
     for i, toks in got.items():
         assert 0 < len(toks) < 100 and toks == ref[i][: len(toks)]
     assert eng.block_manager.get_num_free_gpu_blocks() == BLOCKS
+
+
+def test_replaced_kv_manager_and_scheduler_reach_admission_and_beams(tiny):
+    """bench/paper swaps the KV policy of an idle engine: growth checks and beam forks must use
+    the new block manager and scheduler, not the ones the engine started with."""
+    from bench.paper.engine_setup import set_policy
+
+    eng = _llm(tiny).engine
+    set_policy(eng, "paged", prefix_caching=True, preemption_mode="swap")
+    assert eng.inputs.block_manager is eng.block_manager
+    assert eng.beams.scheduler is eng.scheduler
+    sp = SamplingParams(best_of=2, use_beam_search=True, temperature=0, max_tokens=4,
+                        ignore_eos=True)
+    eng.add_request("b", None, sp, prompt_token_ids=[1, 2, 3], strict_limits=True)
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+    assert outs[-1].finished and outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 4
+    assert eng.block_manager.get_num_free_gpu_blocks() == BLOCKS
