@@ -449,10 +449,12 @@ class LLMEngine:
         return prompt_logprobs(logits, next_ids, MAX_LOGPROBS, rows=rows)
 
     def _sample_batch(self, num_rows: int, seq_pad: int, decode_only: bool) -> int:
-        """Padded sampler batch: the step's sequence bucket for decodes; the largest bucket
-        for steps with prefill or fan-out (a fresh prompt may fan out into up to
-        max_num_seqs samples), so a logits shape meets at most two sampler batch sizes."""
-        return seq_pad if decode_only and num_rows <= seq_pad else self.runner.shape_plan.seq_cap
+        """Padded sampler batch: the step's sequence bucket when the sampled rows fit it (one
+        row per sequence), else the largest bucket (a fresh n>1 prompt fans out into up to
+        max_num_seqs rows), so a logits shape meets at most two sampler batch sizes. Sampling
+        a lone prompt's row at the largest bucket (256) made the first step of a 16-token
+        prompt 11-14 ms slower on CPU (interleaved A/B, SmolLM2: 96 vs 85, 159 vs 145 ms)."""
+        return seq_pad if num_rows <= seq_pad else self.runner.shape_plan.seq_cap
 
     def _sampling_metadata(self, rows: list[tuple], pad_to: int) -> SamplingMetadata:
         meta = SamplingMetadata.from_params(
