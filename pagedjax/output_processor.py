@@ -104,9 +104,11 @@ class OutputProcessor:
             req.logprobs[seq.seq_id].append(entry)
         n_out = seq.num_output_tokens
         status, reason = None, None
-        if token in self.eos_token_ids and not p.ignore_eos and n_out > p.min_tokens - 1:
+        # min_tokens counts the tokens before the EOS / stop id (the sampler bans them until
+        # then, as vLLM), so such a token stops only as the (min_tokens + 1)-th or later.
+        if token in self.eos_token_ids and not p.ignore_eos and n_out > p.min_tokens:
             status = SequenceStatus.FINISHED_STOPPED
-        elif p.stop_token_ids and token in p.stop_token_ids and n_out > p.min_tokens - 1:
+        elif p.stop_token_ids and token in p.stop_token_ids and n_out > p.min_tokens:
             status, reason = SequenceStatus.FINISHED_STOPPED, token
         return req, seq, status, reason
 
