@@ -292,9 +292,11 @@ def plot(res: dict, path: Path) -> None:
     names = list(summary)
     engines = [e for e in summary[names[0]] if not e.startswith(("pagedjax_over", "identical"))]
     fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.4))
+    binds = {r["engine"]: r["meta"].get("cpus") for r in res["runs"] if r["meta"].get("cpus")}
+    labels = [f"{e}\n(bind {binds[e]})" if e in binds else e for e in engines]
     for ax, name in zip(axes if len(names) > 1 else [axes], names):
         vals = [summary[name][e]["tokens_per_s_median"] for e in engines]
-        ax.bar(engines, vals, color=["tab:blue", "tab:orange", "tab:gray"][: len(engines)])
+        ax.bar(labels, vals, color=["tab:blue", "tab:orange", "tab:gray"][: len(engines)])
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
         ax.set_title(f"{name} greedy fp32")
