@@ -2,6 +2,7 @@
 p99 at 256 sequences).
 
     .venv/bin/python bench/host_overhead.py [--seqs 32,128,256,1024] [--steps 60]
+    .venv/bin/python bench/host_overhead.py --compare-gc 2 --seqs 256,1024   # gc.freeze A/B
 
 `LLMEngine.step()` runs for real (scheduling, block tables, step input arrays, sampling
 metadata, applying tokens, stop checks, incremental detokenization with the demo tokenizer,
@@ -128,6 +129,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead.json"))
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="measure without gc.freeze() after start-up (the server freezes)")
+    ap.add_argument("--compare-gc", type=int, default=0, metavar="REPS",
+                    help="instead: REPS interleaved rounds of frozen / not frozen (greedy, "
+                         "cumulative) at --seqs, written to host_overhead_gc.json")
     args = ap.parse_args()
     from models.demo import ensure_demo_model
     from models.loader import read_config
@@ -137,6 +141,22 @@ def main() -> None:
     config, tok = read_config(str(gguf)), load_tokenizer(gguf)
     load = os.getloadavg()[0]
     rows = []
+    if args.compare_gc:  # A, B, A, B in one process: noise lands on both
+        for rep in range(args.compare_gc):
+            for frozen in (True, False):
+                for n in map(int, args.seqs.split(",")):
+                    r = {**measure(n, args.steps, "greedy", tok, config, "cumulative", frozen),
+                         "rep": rep}
+                    rows.append(r)
+                    print(f"rep {rep} gc frozen={frozen!s:5s} {n:5d} seqs: median "
+                          f"{r['median_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms", flush=True)
+        out = Path(args.out).with_name("host_overhead_gc.json")
+        json.dump({"what": "host ms per decode step with and without gc.freeze after start-up, "
+                           "interleaved (bench/host_overhead.py --compare-gc)",
+                   "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
+                   "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows},
+                  open(out, "w"), indent=1)
+        return
     for kind in ("cumulative", "final_only"):  # streaming outputs every step / LLM.generate
         for mix in ("greedy", "mixed"):
             for n in map(int, args.seqs.split(",")):

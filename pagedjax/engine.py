@@ -178,9 +178,9 @@ class LLMEngine:
         dummy = SamplingParams(max_tokens=1)
         full = SamplingParams(max_tokens=2, min_tokens=1, repetition_penalty=1.1)
         dev = jax.local_devices()[0]  # the step's logits are committed there: same jit key
-        for _t, s, _m, r, decode in shapes:
+        for _t, s, _m, r, _decode in shapes:
             logits = jax.device_put(jnp.zeros((r, vocab), jnp.float32), dev)
-            for b in {self._sample_batch(1, s, decode), plan.seq_cap}:
+            for b in {self._sample_batch(1, s), plan.seq_cap}:
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
                     jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
@@ -448,12 +448,12 @@ class LLMEngine:
             rows[i] = first_row + i
         return prompt_logprobs(logits, next_ids, MAX_LOGPROBS, rows=rows)
 
-    def _sample_batch(self, num_rows: int, seq_pad: int, decode_only: bool) -> int:
+    def _sample_batch(self, num_rows: int, seq_pad: int) -> int:
         """Padded sampler batch: the step's sequence bucket when the sampled rows fit it (one
         row per sequence), else the largest bucket (a fresh n>1 prompt fans out into up to
-        max_num_seqs rows), so a logits shape meets at most two sampler batch sizes. Sampling
-        a lone prompt's row at the largest bucket (256) made the first step of a 16-token
-        prompt 11-14 ms slower on CPU (interleaved A/B, SmolLM2: 96 vs 85, 159 vs 145 ms)."""
+        max_num_seqs rows), so a logits shape meets at most two sampler batch sizes. Prefill
+        steps used to sample at the largest bucket too, paying a 256-row sampler for a lone
+        prompt's one row on its first step."""
         return seq_pad if num_rows <= seq_pad else self.runner.shape_plan.seq_cap
 
     def _sampling_metadata(self, rows: list[tuple], pad_to: int) -> SamplingMetadata:
@@ -476,7 +476,7 @@ class LLMEngine:
             if scored is not None:
                 self.outputs.record_prompt_logprobs(p_plan, jax.device_get(scored))
             return None
-        b_pad = self._sample_batch(len(row_info), inputs.shape_key[1], inputs.meta.decode_only)
+        b_pad = self._sample_batch(len(row_info), inputs.shape_key[1])
         src = np.zeros(b_pad, np.int32)
         src[: len(row_src)] = row_src
         rows = [(req.params, SeqSamplingState(seq.prompt_token_ids, seq.output_token_ids,

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from pagedjax.input_processor import MAX_REQUEST_ID_CHARS  # labels: bounded as engine ids
 from pagedjax.serving.async_engine import (
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     AsyncEngine,
@@ -43,7 +44,6 @@ from pagedjax.serving.proto import pagedjax_pb2 as pb
 from pagedjax.serving.proto import pagedjax_pb2_grpc as pb_grpc
 
 logger = logging.getLogger("pagedjax.serving")
-MAX_REQUEST_ID_CHARS = 256  # as LLMEngine's ids: labels reach logs and responses
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["PagedJax"].full_name
 GRPC_CODES = {
