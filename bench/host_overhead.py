@@ -47,6 +47,7 @@ class _Runner:
                                     block_size=self.block_size)
         self.compiled_shapes: set = set()
         self.vocab = config.vocab_size
+        self.feed_tokens = False  # no device: every step's tokens are applied at once
 
     def execute(self, inputs):
         self.compiled_shapes.add(inputs.shape_key)

@@ -40,14 +40,21 @@ from models.config import LlamaConfig
 from pagedjax.beam_search import beam_candidates_from_rows
 from pagedjax.beam_steps import BeamSearcher
 from pagedjax.config import EngineConfig
-from pagedjax.core import SchedulerConfig, Sequence, SequenceGroup
+from pagedjax.core import SchedulerConfig, SchedulerOutput, Sequence, SequenceGroup
 from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.policies import make_kv_manager, make_scheduler
+from pagedjax.core.scheduler import PENDING_TOKEN
 from pagedjax.core.sequence import SequenceStatus
 from pagedjax.input_processor import InputProcessor
 from pagedjax.output_processor import OutputProcessor, RequestState
 from pagedjax.outputs import RequestOutput
-from pagedjax.sampler import SamplingMetadata, SeqSamplingState, prompt_logprobs, sample
+from pagedjax.sampler import (
+    SamplerOutput,
+    SamplingMetadata,
+    SeqSamplingState,
+    prompt_logprobs,
+    sample,
+)
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.model_runner import ModelRunner
@@ -77,6 +84,28 @@ class EngineStats:
     num_step_failures: int = 0  # steps, or the scheduling of one group, that raised
     healthy: bool = True  # False while a lost KV cache is not rebuilt yet
 
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step launched on the device whose results the host has not collected yet."""
+
+    sched: SchedulerOutput
+    row_info: list[tuple] | None = None  # (request, sequence, sample index, fan-out) per row
+    out: SamplerOutput | None = None  # on the device until `_finish`
+    scored: object = None  # prompt logprobs, on the device
+    p_plan: list = dataclasses.field(default_factory=list)
+    beam_groups: list = dataclasses.field(default_factory=list)
+    beam_cands: object = None
+    host_beam_cands: list = dataclasses.field(default_factory=list)
+    num_device_beam_groups: int = 0
+    tokens: jax.Array | None = None  # sampled ids padded for the next step's feed
+    # Sequence id -> its row, for sequences given a pending token by this step.
+    pending_rows: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The next step cannot be scheduled before this one's tokens are applied: beams and
+    # fan-outs fork on the host, penalties need the token in the sampler's history.
+    needs_sync: bool = False
+    preempted_pending: bool = False  # a later schedule preempted while this ran
 
 
 class LLMEngine:
@@ -118,6 +147,7 @@ class LLMEngine:
             self.warmup()
         self._requests: dict[str, RequestState] = {}
         self._pending: list[RequestOutput] = []
+        self._inflight: _InFlight | None = None  # async scheduling: the step on the device
         self._seq_ids = itertools.count()
         self._request_counter = itertools.count()
         self._weights_version = 0
@@ -174,6 +204,7 @@ class LLMEngine:
         plan = self.runner.shape_plan
         with_prompt_lp = not self.engine_config.enable_prefix_caching
         shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp)
+        self.runner.warmup_token_feed()
         vocab = self.model_config.vocab_size
         dummy = SamplingParams(max_tokens=1)
         full = SamplingParams(max_tokens=2, min_tokens=1, repetition_penalty=1.1)
@@ -281,7 +312,7 @@ class LLMEngine:
             self._pending.append(self.outputs.make_output(req, final=True))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending)
+        return bool(self._requests) or bool(self._pending) or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -294,9 +325,39 @@ class LLMEngine:
         return not self._cache_broken
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. With async scheduling (`EngineConfig.async_scheduling`) the step
+        that the previous call launched is still running on the device: this call schedules
+        and launches the next one first, then collects the previous one's tokens and builds
+        its outputs while the new step runs, so the host's work hides behind the device's.
+        Outputs then come one call later; they are identical either way."""
         outputs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and (prev.needs_sync or not self.runner.feed_tokens):
+            outputs += self._finish(prev)
+            prev = None
         if self._cache_broken and not self._try_reset_cache():
-            return outputs
+            return outputs + (self._finish(prev) if prev is not None else [])
+        new = self._schedule_and_launch(outputs, prev)
+        if prev is not None:
+            outputs += self._finish(prev)
+        if new is not None:
+            if self.runner.feed_tokens:
+                self._inflight = new
+            else:
+                outputs += self._finish(new)
+        return outputs
+
+    def _drain(self) -> None:
+        """Finish the step still on the device (before changing weights or the KV manager);
+        its outputs come with the next `step`."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._pending += self._finish(prev)
+
+    def _schedule_and_launch(self, outputs: list[RequestOutput], prev: _InFlight | None
+                             ) -> _InFlight | None:
+        """Schedule a step and launch it on the device (no host sync); requests that failed
+        or could not be placed get their outputs in `outputs`."""
         try:
             sched = self.scheduler.schedule()
         except Exception as exc:  # a bug: the scheduler guards each group, this is a last resort
@@ -308,7 +369,7 @@ class LLMEngine:
                 if req is not None:
                     outputs.append(self.outputs.fail(req, error))
             self.num_step_failures += 1
-            return outputs
+            return None
         for g, error in sched.failed:
             self.num_step_failures += 1
             req = self._requests.pop(g.request_id, None)
@@ -320,31 +381,15 @@ class LLMEngine:
                 self.scheduler.abort_seq_group(g.request_id)
                 outputs.append(self.outputs.cut_short(req))
         if sched.is_empty:
-            return outputs
+            return None
         try:
             self.runner.swap_out(sched.blocks_to_swap_out)
             self.runner.swap_in(sched.blocks_to_swap_in)
             self.runner.copy_blocks(sched.blocks_to_copy)
-            sampled = self._execute(sched) if sched.scheduled else None
+            launched = self._launch(sched, prev) if sched.scheduled else None
         except Exception as exc:  # one bad step fails its requests, never the engine
-            logger.exception("step failed")
-            self.num_step_failures += 1
-            error = f"internal error: {type(exc).__name__}: {exc}"
-            for g in sched.scheduled_groups:
-                req = self._requests.pop(g.request_id, None)
-                if req is not None:
-                    self.scheduler.abort_seq_group(g.request_id)
-                    outputs.append(self.outputs.fail(req, error))
-            # Groups swapped out in this step may hold CPU blocks that were never written.
-            swapped_now = {g.request_id for g in self.scheduler.swapped} & set(sched.preempted)
-            for rid in swapped_now:
-                req = self._requests.pop(rid, None)
-                self.scheduler.abort_seq_group(rid)
-                if req is not None:
-                    outputs.append(self.outputs.fail(req, f"{error} (while swapping it out)"))
-            if self.runner.cache_lost():
-                outputs += self._rebuild_cache(error)
-            return outputs
+            outputs += self._step_failed(sched, exc)
+            return None
         self.num_steps += 1
         self.last_step_tokens = sched.num_batched_tokens
         self.scheduler.update_after_step(sched)
@@ -353,8 +398,51 @@ class LLMEngine:
             if req is not None and req.num_cached_tokens is None:
                 req.num_cached_tokens = s.start_pos
                 self.prompt_tokens_total += len(req.prompt_token_ids)
-        touched = self._apply_samples(sched, sampled) if sampled else set()
+        return launched
+
+    def _step_failed(self, sched, exc: Exception, *, swapped: bool = True) -> list[RequestOutput]:
+        """A step raised (launching it, or collecting its results): its requests fail, the
+        engine goes on, and a lost KV cache is rebuilt."""
+        logger.error("step failed", exc_info=exc)
+        self.num_step_failures += 1
+        error = f"internal error: {type(exc).__name__}: {exc}"
+        outputs = []
+        for g in sched.scheduled_groups:
+            req = self._requests.pop(g.request_id, None)
+            if req is not None:
+                self.scheduler.abort_seq_group(g.request_id)
+                outputs.append(self.outputs.fail(req, error))
+        if swapped:  # groups swapped out in this step may hold CPU blocks never written
+            swapped_now = {g.request_id for g in self.scheduler.swapped} & set(sched.preempted)
+            for rid in swapped_now:
+                req = self._requests.pop(rid, None)
+                self.scheduler.abort_seq_group(rid)
+                if req is not None:
+                    outputs.append(self.outputs.fail(req, f"{error} (while swapping it out)"))
+        if self.runner.cache_lost():
+            outputs += self._rebuild_cache(error)
+        return outputs
+
+    def _finish(self, fl: _InFlight) -> list[RequestOutput]:
+        """Collect a launched step's results (the step's one host sync), apply its tokens,
+        free what finished and build the outputs of the requests it advanced."""
+        outputs: list[RequestOutput] = []
+        try:
+            small, cands, scored = jax.device_get((fl.out, fl.beam_cands, fl.scored))
+        except Exception as exc:  # a device error surfaces here, at the sync
+            return self._step_failed(fl.sched, exc, swapped=False)
+        if scored is not None:
+            self.outputs.record_prompt_logprobs(fl.p_plan, scored)
+        touched = set()
+        if fl.row_info:
+            beams = None
+            if fl.beam_groups:
+                cands = [jax.tree.map(lambda x, g=g: x[g], cands)
+                         for g in range(fl.num_device_beam_groups)] + fl.host_beam_cands
+                beams = (fl.beam_groups, cands)
+            touched = self._apply_samples(fl, small, beams)
         self.scheduler.free_finished_seq_groups()
+        done_elsewhere = []
         for rid in touched:
             req = self._requests.get(rid)
             if req is None:
@@ -362,9 +450,13 @@ class LLMEngine:
             done = req.group.is_finished()
             if done:
                 del self._requests[rid]
+                done_elsewhere.append(req.group)
             if done or not (req.final_only or req.is_beam
                             or (req.params.best_of and req.params.best_of > req.params.n)):
                 outputs.append(self.outputs.make_output(req, final=done))
+        if fl.preempted_pending:  # finished while preempted: free them where they wait
+            self.scheduler.free_finished_elsewhere(
+                done_elsewhere + [self._requests[r].group for r in touched if r in self._requests])
         return outputs
 
     def _rebuild_cache(self, error: str) -> list[RequestOutput]:
@@ -464,43 +556,80 @@ class LLMEngine:
         want = any(p.logprobs for p, _ in rows)
         return meta.replace(want_topk=np.bool_(want))
 
-    def _execute(self, sched):
+    def _launch(self, sched, prev: _InFlight | None) -> _InFlight:
+        """Build the step's inputs, run the model and the sampler on the device; no sync.
+        Tokens this step samples become the sequences' pending tokens, so the next step can
+        be scheduled before they are known (`needs_sync` says when it cannot)."""
         rows_per_seq, row_info, row_src = self._rows_for(sched)
         p_rows, p_plan = self._prompt_rows(sched)
         inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
                                    self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
                                    plan=self.runner.shape_plan)
+        if self.runner.feed_tokens:
+            self._feed_pending(sched, inputs, prev)
         logits = self.runner.execute(inputs)
         scored = self._score_prompt(logits, sum(rows_per_seq), p_plan) if p_plan else None
+        fl = _InFlight(sched, scored=scored, p_plan=p_plan)
         if not row_info:
-            if scored is not None:
-                self.outputs.record_prompt_logprobs(p_plan, jax.device_get(scored))
-            return None
+            return fl
         b_pad = self._sample_batch(len(row_info), inputs.shape_key[1])
         src = np.zeros(b_pad, np.int32)
         src[: len(row_src)] = row_src
         rows = [(req.params, SeqSamplingState(seq.prompt_token_ids, seq.output_token_ids,
-                                              req.counter, index)) for req, seq, index, _ in row_info]
+                                              req.counter, index, seq.num_pending))
+                for req, seq, index, _ in row_info]
         meta = self._sampling_metadata(rows, b_pad)
         out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
-        # The step's one host sync (sampled tokens and beam candidates together).
-        small, cands, scored = jax.device_get(
-            (out._replace(raw_logprobs=None), beams[1] if beams else None, scored))
-        if scored is not None:
-            self.outputs.record_prompt_logprobs(p_plan, scored)
+        fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
         if beams:
-            cands = [jax.tree.map(lambda x, g=g: x[g], cands) for g in range(len(beams[0]))]
-            cands += beams[2]
-        return row_info, small, (beams[0] + beams[3], cands) if beams else None
+            fl.beam_groups = beams[0] + beams[3]
+            fl.beam_cands, fl.host_beam_cands = beams[1], beams[2]
+            fl.num_device_beam_groups = len(beams[0])
+            fl.needs_sync = True
+        if self.runner.feed_tokens:
+            fl.tokens = self.runner.sampled_tokens(out.token_ids)
+        for r, (req, seq, _index, fan_out) in enumerate(row_info):
+            if req.is_beam or fan_out:  # forks are decided on the host
+                fl.needs_sync = True
+                continue
+            if req.params.uses_penalties:  # the sampler needs the token in the history
+                fl.needs_sync = True
+            after = seq.num_pending + 1  # tokens this sequence will have gained
+            if (seq.num_output_tokens + after >= req.params.max_tokens
+                    or seq.num_total_tokens + after >= self.max_model_len):
+                continue  # certainly its last token: nothing to schedule after it
+            seq.num_pending += 1
+            fl.pending_rows[seq.seq_id] = r
+        return fl
 
-    def _apply_samples(self, sched, sampled) -> set[str]:
-        row_info, out, beams = sampled
-        touched = {s.request_id for s in sched.scheduled}
+    def _feed_pending(self, sched, inputs, prev: _InFlight | None) -> None:
+        """Point each pending token of the step at its row in the previous step's sampled
+        tokens, which stay on the device (`ModelRunner._merge_ids`)."""
+        rows = None
+        cu = inputs.meta.cu_q_lens
+        for i, s in enumerate(sched.scheduled):
+            if s.token_ids[-1] != PENDING_TOKEN:
+                continue
+            if prev is None or s.seq_id not in prev.pending_rows:
+                raise RuntimeError(f"sequence {s.seq_id} has a pending token that no "
+                                   f"launched step samples")
+            if rows is None:
+                rows = np.full(inputs.input_ids.shape, -1, np.int32)
+            rows[cu[i + 1] - 1] = prev.pending_rows[s.seq_id]
+        if sched.preempted and prev is not None:  # its sequences may finish while preempted
+            prev.preempted_pending = True
+        if rows is not None:
+            inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
+
+    def _apply_samples(self, fl: _InFlight, out, beams) -> set[str]:
+        row_info = fl.row_info
+        touched = {s.request_id for s in fl.sched.scheduled}
         children: dict[int, Sequence] = {}
+        live = [self._requests.get(req.request_id) is req for req, _, _, _ in row_info]
         for r, (req, seq, index, fan_out) in enumerate(row_info):
             target = seq
-            if fan_out and index > 0:
+            if live[r] and fan_out and index > 0:
                 target = seq.fork(next(self._seq_ids))
                 self.scheduler.fork_seq(seq, target)
                 req.group.add(target)
@@ -508,18 +637,28 @@ class LLMEngine:
                 children[r] = target
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
         appended = []
+        pending_rows = fl.pending_rows
         for r, (req, seq, _index, _fan) in enumerate(row_info):
-            if req.is_beam:
+            if req.is_beam or not live[r]:
                 continue
             target = children.get(r, seq)
+            if target.status.is_finished:  # aborted, or stopped by the step before
+                continue
+            if pending_rows.get(target.seq_id) == r:
+                target.num_pending -= 1
             appended.append(self.outputs.append_token(req, target, token_ids[r], logprobs[r],
                                                out.topk_ids[r], out.topk_logprobs[r]))
         self.outputs.check_stops(appended)
+        for _req, seq, _status, _reason in appended:
+            if seq.status.is_finished:
+                seq.num_pending = 0  # a token the next step samples for it is dropped
         if beams is not None:
             groups, cands = beams
-            for (req, live), c in zip(groups, cands):
+            for (req, live_beams), c in zip(groups, cands):
+                if self._requests.get(req.request_id) is not req:
+                    continue
                 k = 2 * req.params.beam_width  # the top 2W of the padded width's candidates
-                self.beams.advance(req, live, c.parent[:k], c.token_ids[:k],
+                self.beams.advance(req, live_beams, c.parent[:k], c.token_ids[:k],
                                     c.cum_logprobs[:k], c.valid[:k])
         return touched
 
@@ -535,6 +674,7 @@ class LLMEngine:
         new = jax.tree.map(lambda x: (x.shape, x.dtype), new_params)
         if jax.tree.structure(old) != jax.tree.structure(new) or old != new:
             raise ValueError("params: new params must have the same structure, shapes and dtypes")
+        self._drain()
         self.scheduler.recompute_all()
         self.runner.params = self.runner.place_params(new_params)
         self._weights_version += 1

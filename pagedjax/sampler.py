@@ -71,6 +71,9 @@ class SeqSamplingState(NamedTuple):
     output_token_ids: Sequence[int]
     request_counter: int = 0
     seq_index: int = 0
+    # Tokens sampled by a step still on the device (async scheduling): they count towards
+    # `step` (the row's random stream) and `min_tokens`, not the penalty histories.
+    num_pending: int = 0
 
 
 def _bucket(n: int) -> int:
@@ -160,7 +163,7 @@ class SamplingMetadata:
         banned: dict[int, list[int]] = {}
         all_greedy = True
         for i, (p, s) in enumerate(rows):
-            n_out = len(s.output_token_ids)
+            n_out = len(s.output_token_ids) + getattr(s, "num_pending", 0)
             step[i] = n_out
             counter[i] = s.request_counter % (1 << 32)
             if p.seed is not None:  # sample j == a lone request seeded seed + j

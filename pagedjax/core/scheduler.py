@@ -24,6 +24,10 @@ from pagedjax.core.sequence import _FINISHED, Sequence, SequenceGroup, SequenceS
 
 logger = logging.getLogger(__name__)
 
+# Token id of a scheduled token that a step still running on the device is sampling: the
+# runner takes its id from that step's sampler output (async scheduling).
+PENDING_TOKEN = -1
+
 
 @dataclass(kw_only=True)
 class SchedulerConfig:
@@ -217,6 +221,25 @@ class Scheduler:
         self.running = keep
         return done
 
+    def free_finished_elsewhere(self, groups: list[SequenceGroup]) -> None:
+        """Free finished sequences of groups that are not running, and forget the groups
+        that finished. With async scheduling a sequence preempted (swapped or sent back to
+        waiting) while its last token was still on the device can finish when that token
+        arrives; without this its group would sit in a queue forever."""
+        for g in groups:
+            if g in self.running:
+                continue
+            for seq in g.seqs:
+                if seq.status.is_finished:
+                    self.bm.free(seq)
+            if g.is_finished() and self._groups.pop(g.request_id, None) is not None:
+                for q in (self.staging, self.swapped, self.waiting):
+                    try:
+                        q.remove(g)
+                        break
+                    except ValueError:
+                        pass
+
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
@@ -239,7 +262,9 @@ class Scheduler:
                 if n is None or seq.status in _FINISHED:  # e.g. aborted meanwhile
                     continue
                 seq.num_computed_tokens += n
-                mark(seq, seq.num_computed_tokens)
+                # Only known tokens are hashed: a block completed by a pending token is
+                # published by a later step, once its id is known.
+                mark(seq, min(seq.num_computed_tokens, seq.num_total_tokens))
 
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.config.max_num_batched_tokens)
@@ -292,14 +317,18 @@ class Scheduler:
             out.blocks_to_copy.extend(bm.append_slots(seq, d))
             start = seq.num_computed_tokens
             end = start + d
+            known = seq.num_total_tokens
+            ids = seq.get_token_slice(start, end)
+            if end > known:  # tokens still on the device (async scheduling): placeholders
+                ids = ids + [PENDING_TOKEN] * (end - max(start, known))
             out.scheduled.append(
                 ScheduledSeq(
                     seq_id=seq.seq_id,
                     request_id=g.request_id,
-                    token_ids=seq.get_token_slice(start, end),
+                    token_ids=ids,
                     start_pos=start,
                     block_table=bm.get_block_table(seq),
-                    needs_logits=end == seq.num_total_tokens,
+                    needs_logits=end == known + seq.num_pending,
                 )
             )
             st.budget -= d

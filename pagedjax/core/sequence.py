@@ -5,6 +5,11 @@ Progress of every sequence is two integers (thesis §4.4, Table 4.1):
 ``num_total_tokens`` (prompt + generated). The scheduler only ever moves
 ``num_computed_tokens``; the engine grows ``num_total_tokens`` by appending
 sampled tokens.
+
+Asynchronous scheduling (thesis §4.6.1) adds ``num_pending``: tokens sampled by a step
+still running on the device. The scheduler counts them as uncomputed, so it can schedule
+the next step before they are known (their ids reach the device from the sampler's output,
+not from the host); the output lists hold only known tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Sequence:
         "num_computed_tokens",
         "cumulative_logprob",
         "status",
+        "num_pending",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: Iterable[int]) -> None:
@@ -65,6 +71,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.cumulative_logprob = 0.0
         self.status = SequenceStatus.WAITING
+        self.num_pending = 0  # sampled on the device, not yet applied (async scheduling)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,8 +87,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        """Δ_max of thesis Alg. 1: what may be scheduled next."""
-        return self.num_total_tokens - self.num_computed_tokens
+        """Δ_max of thesis Alg. 1: what may be scheduled next (pending tokens included)."""
+        return self.num_total_tokens + self.num_pending - self.num_computed_tokens
 
     def is_finished(self) -> bool:
         return self.status.is_finished

@@ -61,6 +61,20 @@ def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
     return choice
 
 
+def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool:
+    """`EngineConfig.async_scheduling`; None: on for one accelerator, where host work hidden
+    behind the device step is time saved, off on CPU, where the host thread competes with
+    XLA's compute threads for the same cores (bench/async_scheduling.py measures both).
+    Not supported under tensor parallelism (the multi-process step broadcast carries host
+    token ids only)."""
+    if choice and tp > 1:
+        raise ValueError("async_scheduling: not supported with tensor_parallel_size > 1")
+    if choice is None:
+        platform = (devices[0] if devices else jax.devices()[0]).platform
+        choice = tp == 1 and platform != "cpu"
+    return bool(choice)
+
+
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
         dtype).itemsize
@@ -117,6 +131,10 @@ class ModelRunner:
             fixed_width=resolve_backend(engine_config.attention_backend) == "pallas",
             block_size=self.block_size)
         self.scan_layers = resolve_layer_loop(engine_config.layer_loop, self.tp, devices) == "scan"
+        # Async scheduling: every step's token ids pass through `_merge_ids`, which takes the
+        # ids of pending tokens from the previous step's sampler output on the device.
+        self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
+                                                    devices)
         self.model = LlamaForCausalLM(config, attn, dtype, scan_layers=self.scan_layers)
 
     @classmethod
@@ -285,14 +303,55 @@ class ModelRunner:
     def _execute_local(self, inputs: StepInputs) -> jax.Array:
         if inputs.shape_key not in self.compiled_shapes:
             self.compiled_shapes.add(inputs.shape_key)
+        ids = inputs.input_ids
+        if self.feed_tokens:  # always merged, so the step sees one argument type
+            prev = inputs.prev_tokens if inputs.prev_tokens is not None else self._no_tokens()
+            rows = inputs.prev_rows if inputs.prev_rows is not None else np.full(
+                ids.shape, -1, np.int32)
+            ids = self._merge_ids(ids, rows, prev)
         logits, self.k_cache, self.v_cache = self._step(
-            self.params, self.k_cache, self.v_cache, inputs.input_ids, inputs.positions,
+            self.params, self.k_cache, self.v_cache, ids, inputs.positions,
             inputs.meta, inputs.logits_indices)
         if self.mesh is not None:
             # Replicated: this process's first shard is the full [R, vocab] array, so sampling
             # runs on one local device (and only on the leader in multi-process runs).
             logits = logits.addressable_data(0)
         return logits
+
+    # ---- async scheduling: token ids that are still on the device ------------
+    @partial(jax.jit, static_argnums=0)
+    def _merge_ids(self, host_ids, prev_rows, prev_tokens):
+        """Token ids of the step: `host_ids`, except where `prev_rows[t] >= 0`, which takes
+        the previous step's sampled token of that row (the host never saw it)."""
+        return jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], host_ids)
+
+    @partial(jax.jit, static_argnums=0)
+    def _pad_tokens(self, tokens):
+        cap = self.shape_plan.seq_cap
+        return jnp.zeros(cap, jnp.int32).at[: tokens.shape[0]].set(tokens.astype(jnp.int32))
+
+    def sampled_tokens(self, tokens: jax.Array) -> jax.Array:
+        """A step's sampled token ids, padded on the device to the largest sampler batch:
+        the next step's `_merge_ids` then has one shape per token bucket."""
+        return self._pad_tokens(tokens)
+
+    def _no_tokens(self) -> jax.Array:
+        if getattr(self, "_zero_tokens", None) is None:
+            self._zero_tokens = jax.device_put(np.zeros(self.shape_plan.seq_cap, np.int32),
+                                               jax.local_devices()[0])
+        return self._zero_tokens
+
+    def warmup_token_feed(self) -> None:
+        """Compile `_pad_tokens` for every sampler batch size (powers of two up to the cap)."""
+        if not self.feed_tokens:
+            return
+        b, dev = 1, jax.local_devices()[0]
+        while True:
+            jax.block_until_ready(self.sampled_tokens(
+                jax.device_put(np.zeros(b, np.int32), dev)))
+            if b >= self.shape_plan.seq_cap:
+                break
+            b = min(2 * b, self.shape_plan.seq_cap)
 
     # ---- block operations --------------------------------------------------
     @staticmethod

@@ -32,6 +32,10 @@ class StepInputs:
     logits_indices: np.ndarray  # [R]: flat token index of each sampled row
     sample_seq_pos: list[int]  # for each real sampled row, the index into `scheduled`
     shape_key: tuple[int, int, int, int, bool]
+    # Async scheduling: for each token, the row of the previous step's sampled tokens that
+    # holds its id (-1: `input_ids` has it), and those tokens on the device.
+    prev_rows: np.ndarray | None = None
+    prev_tokens: object = None
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks_per_seq: int,

@@ -133,3 +133,39 @@ def test_lost_cache_that_cannot_be_rebuilt_yet_reports_unhealthy_until_it_is(tin
     assert eng.healthy and eng.get_stats().num_cache_rebuilds == 1
     assert outs["b"].outputs[0].token_ids == ReferenceGenerator(config, params).generate([[8, 9]], 5)[0]
     assert eng.block_manager.get_num_free_gpu_blocks() == 32
+
+
+def test_async_device_error_at_collection_fails_only_that_step(tiny, monkeypatch):
+    """With async scheduling a device error surfaces when the host collects a step, after
+    the next step was launched: the failed step's requests fail, the lost cache is rebuilt,
+    the request that arrives next equals the reference, and the pool is whole."""
+    import jax
+
+    config, params = tiny
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=32, block_size=8,
+                          max_num_seqs=4, layer_loop="scan", async_scheduling=True)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    eng.add_request("a", None, sp, prompt_token_ids=[5, 6, 7])
+    eng.step()
+    eng.step()  # "a" decodes on the device, its first token collected
+    real, calls = jax.device_get, []
+
+    def failing(x):
+        calls.append(1)
+        if len(calls) == 1:
+            eng.runner.k_cache.delete()  # what a device failure after donation leaves behind
+            raise RuntimeError("device fell over")
+        return real(x)
+
+    monkeypatch.setattr(jax, "device_get", failing)
+    outs = {o.request_id: o for o in eng.step()}
+    monkeypatch.setattr(jax, "device_get", real)
+    assert "device fell over" in outs["a"].error and outs["a"].finished
+    assert eng.get_stats().num_cache_rebuilds == 1 and not eng.runner.cache_lost()
+    prompts = [[8, 9, 10, 11], [5, 6, 7]]
+    got = [o.outputs[0].token_ids
+           for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
+    assert got == ReferenceGenerator(config, params).generate(prompts, 6)
+    assert eng.block_manager.get_num_free_gpu_blocks() == 32
+    assert not eng.has_unfinished_requests()

@@ -50,19 +50,21 @@ def _random_params(rng: np.random.Generator, prefix_caching: bool) -> SamplingPa
                           min_tokens=min(2, max_tokens))
 
 
-@pytest.mark.parametrize("mode,prefix_caching", [("swap", True), ("recompute", False)])
-def test_zero_compiles_after_warmup(tiny, mode, prefix_caching):
+@pytest.mark.parametrize("mode,prefix_caching,async_scheduling",
+                         [("swap", True, False), ("recompute", False, False),
+                          ("recompute", True, True)])
+def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling):
     config, params = tiny
     # 24 blocks of 8 slots for up to 8 sequences of up to 128 tokens: preemption is frequent.
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=24, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
                           preemption_mode=mode, enable_prefix_caching=prefix_caching,
                           enable_chunked_prefill=True, swap_space_gb=0.01,
-                          warmup=True)
+                          async_scheduling=async_scheduling, warmup=True)
     engine = llm.engine
     compiles = num_backend_compiles()
     shapes = set(engine.runner.compiled_shapes)
-    rng = np.random.default_rng(3 if prefix_caching else 4)
+    rng = np.random.default_rng((3 if prefix_caching else 4) + 2 * async_scheduling)
     shared = [int(t) for t in rng.integers(3, config.vocab_size, 24)]  # prefix-cache hits
     requests = []
     for i in range(60):
