@@ -15,6 +15,10 @@ a core busy for a while after its own run, and records that window's busy share.
 Results: tokens/s per engine and workload (median over reps), per-rep ratios,
 time to first token for the 1-prompt workload, and how many greedy outputs are identical.
 
+Engine `pagedjax-async` is pagedjax with asynchronous scheduling forced on (off by default on
+CPU): `--engines pagedjax,pagedjax-async --out bench/results/cpu/async_scheduling.json`
+compares the two.
+
 `--busy-core` keeps the last CPU busy with a pinned spinning process during every timed run
 (started after the idle check), to measure how each engine degrades when another process takes
 a core; results go to `offline_throughput_busy.json`.
@@ -92,9 +96,12 @@ def ensure_peers(gguf: Path, hf_dir: Path) -> None:
 
 
 def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) -> list[str]:
-    if name == "pagedjax":
+    if name in ("pagedjax", "pagedjax-async"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
-        for a in engine_args:
+        # "pagedjax-async": the same engine with asynchronous scheduling forced on (off by
+        # default on CPU), to measure what overlapping host and device work buys here.
+        mode = f"async_scheduling={name == 'pagedjax-async'}"
+        for a in [mode, *engine_args]:
             cmd += ["--engine-arg", a]
         return cmd
     script = {"vllm": "vllm_worker.py", "hf": "hf_worker.py"}[name]
@@ -275,8 +282,9 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
         "command": "python bench/offline_throughput.py " + " ".join(sys.argv[1:]),
         "versions": {e: next(r["meta"].get("versions") for r in runs if r["engine"] == e)
                      for e in engines},
-        "pagedjax_engine_args": next((r["meta"].get("engine_args") for r in runs
-                                      if r["engine"] == "pagedjax"), None),
+        "pagedjax_engine_args": {e: next(r["meta"].get("engine_args") for r in runs
+                                         if r["engine"] == e)
+                                 for e in engines if e.startswith("pagedjax")},
         "summary": summary,
         "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs],
     }
@@ -296,7 +304,7 @@ def plot(res: dict, path: Path) -> None:
     labels = [f"{e}\n(bind {binds[e]})" if e in binds else e for e in engines]
     for ax, name in zip(axes if len(names) > 1 else [axes], names):
         vals = [summary[name][e]["tokens_per_s_median"] for e in engines]
-        ax.bar(labels, vals, color=["tab:blue", "tab:orange", "tab:gray"][: len(engines)])
+        ax.bar(labels, vals, color=["tab:blue", "tab:orange", "tab:gray", "tab:green"][: len(engines)])
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
         ax.set_title(f"{name} greedy fp32")

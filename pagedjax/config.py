@@ -38,7 +38,7 @@ class EngineConfig:
     layer_loop: str | None = None
     # Asynchronous scheduling (thesis §4.6.1): schedule step N+1 and process step N's outputs
     # while step N runs on the device. None: on for one accelerator, off on CPU (measured in
-    # bench/async_scheduling.py); outputs are identical either way.
+    # bench/offline_throughput.py, engine pagedjax-async); outputs are identical either way.
     async_scheduling: bool | None = None
     # CPU has no device-memory budget to measure; this caps the automatic sizing there.
     cpu_kv_cache_gb: float = 0.5

@@ -64,7 +64,8 @@ def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
 def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool:
     """`EngineConfig.async_scheduling`; None: on for one accelerator, where host work hidden
     behind the device step is time saved, off on CPU, where the host thread competes with
-    XLA's compute threads for the same cores (bench/async_scheduling.py measures both).
+    XLA's compute threads for the same cores (`bench/offline_throughput.py --engines
+    pagedjax,pagedjax-async` measures both).
     Not supported under tensor parallelism (the multi-process step broadcast carries host
     token ids only)."""
     if choice and tp > 1:
