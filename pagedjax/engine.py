@@ -40,7 +40,14 @@ from models.config import LlamaConfig
 from pagedjax.beam_search import beam_candidates_from_rows
 from pagedjax.beam_steps import BeamSearcher
 from pagedjax.config import EngineConfig
-from pagedjax.core import SchedulerConfig, SchedulerOutput, Sequence, SequenceGroup
+from pagedjax.core import (
+    SampledToken,
+    SchedulerConfig,
+    SchedulerOutput,
+    Sequence,
+    SequenceGroup,
+    TokenStops,
+)
 from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.policies import make_kv_manager, make_scheduler
 from pagedjax.core.scheduler import PENDING_TOKEN
@@ -105,7 +112,6 @@ class _InFlight:
     # The next step cannot be scheduled before this one's tokens are applied: beams and
     # fan-outs fork on the host, penalties need the token in the sampler's history.
     needs_sync: bool = False
-    preempted_pending: bool = False  # a later schedule preempted while this ran
 
 
 class LLMEngine:
@@ -141,7 +147,7 @@ class LLMEngine:
         self.inputs = InputProcessor(tokenizer, config.vocab_size, self.max_model_len,
                                      ec.max_num_seqs, ec.enable_prefix_caching, self.block_manager)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
-        self.beams = BeamSearcher(self.scheduler, self.outputs, lambda: next(self._seq_ids))
+        self.beams = BeamSearcher(self.scheduler, self.outputs, self._new_seq_id)
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
             self.warmup()
@@ -257,10 +263,13 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         r = self.inputs.process(request_id, prompt, params, prompt_token_ids, output_kind,
                                 strict_limits)
-        seq = Sequence(next(self._seq_ids), r.prompt_token_ids)
+        seq = Sequence(self._new_seq_id(), r.prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        group = SequenceGroup(request_id, [seq], arrival, max_tokens=r.params.max_tokens,
-                              n=r.num_samples, model_id=self.model_id)
+        p = r.params
+        stops = TokenStops(frozenset() if p.ignore_eos else frozenset(self.eos_token_ids),
+                           frozenset(p.stop_token_ids or ()), p.min_tokens)
+        group = SequenceGroup(request_id, [seq], arrival, max_tokens=p.max_tokens,
+                              n=r.num_samples, model_id=self.model_id, stops=stops)
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,
@@ -442,7 +451,6 @@ class LLMEngine:
                 beams = (fl.beam_groups, cands)
             touched = self._apply_samples(fl, small, beams)
         self.scheduler.free_finished_seq_groups()
-        done_elsewhere = []
         for rid in touched:
             req = self._requests.get(rid)
             if req is None:
@@ -450,13 +458,9 @@ class LLMEngine:
             done = req.group.is_finished()
             if done:
                 del self._requests[rid]
-                done_elsewhere.append(req.group)
             if done or not (req.final_only or req.is_beam
                             or (req.params.best_of and req.params.best_of > req.params.n)):
                 outputs.append(self.outputs.make_output(req, final=done))
-        if fl.preempted_pending:  # finished while preempted: free them where they wait
-            self.scheduler.free_finished_elsewhere(
-                done_elsewhere + [self._requests[r].group for r in touched if r in self._requests])
         return outputs
 
     def _rebuild_cache(self, error: str) -> list[RequestOutput]:
@@ -617,41 +621,32 @@ class LLMEngine:
             if rows is None:
                 rows = np.full(inputs.input_ids.shape, -1, np.int32)
             rows[cu[i + 1] - 1] = prev.pending_rows[s.seq_id]
-        if sched.preempted and prev is not None:  # its sequences may finish while preempted
-            prev.preempted_pending = True
         if rows is not None:
             inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
 
     def _apply_samples(self, fl: _InFlight, out, beams) -> set[str]:
+        """Hand the step's tokens to the scheduler, which owns request state and appends
+        them (forks, token stops, lengths); the output processor then detokenizes, finds
+        stop strings and reports those stops back. Beam groups advance on the host."""
         row_info = fl.row_info
         touched = {s.request_id for s in fl.sched.scheduled}
-        children: dict[int, Sequence] = {}
-        live = [self._requests.get(req.request_id) is req for req, _, _, _ in row_info]
-        for r, (req, seq, index, fan_out) in enumerate(row_info):
-            target = seq
-            if live[r] and fan_out and index > 0:
-                target = seq.fork(next(self._seq_ids))
-                self.scheduler.fork_seq(seq, target)
-                req.group.add(target)
-                req.register(target, index)
-                children[r] = target
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
-        appended = []
-        pending_rows = fl.pending_rows
-        for r, (req, seq, _index, _fan) in enumerate(row_info):
-            if req.is_beam or not live[r]:
-                continue
-            target = children.get(r, seq)
-            if target.status.is_finished:  # aborted, or stopped by the step before
-                continue
-            if pending_rows.get(target.seq_id) == r:
-                target.num_pending -= 1
-            appended.append(self.outputs.append_token(req, target, token_ids[r], logprobs[r],
-                                               out.topk_ids[r], out.topk_logprobs[r]))
-        self.outputs.check_stops(appended)
-        for _req, seq, _status, _reason in appended:
-            if seq.status.is_finished:
-                seq.num_pending = 0  # a token the next step samples for it is dropped
+        pending = fl.pending_rows
+        sampled: list[SampledToken] = []
+        rows: list[tuple[RequestState, int]] = []
+        for r, (req, seq, index, fan_out) in enumerate(row_info):
+            if req.is_beam or self._requests.get(req.request_id) is not req:
+                continue  # beams: below; gone: aborted or failed while the step ran
+            sampled.append(SampledToken(req.request_id, seq, token_ids[r], logprobs[r],
+                                        index if fan_out else 0, pending.get(seq.seq_id) == r))
+            rows.append((req, r))
+        applied = self.scheduler.update_from_output(sampled, self._new_seq_id)
+        for a in applied:
+            if a.forked:
+                req, r = rows[a.index]
+                req.register(a.seq, row_info[r][2])
+        for req, seq in self.outputs.process(applied, rows, out):
+            self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if beams is not None:
             groups, cands = beams
             for (req, live_beams), c in zip(groups, cands):
@@ -661,6 +656,9 @@ class LLMEngine:
                 self.beams.advance(req, live_beams, c.parent[:k], c.token_ids[:k],
                                     c.cum_logprobs[:k], c.valid[:k])
         return touched
+
+    def _new_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     # ---- outputs -----------------------------------------------------------
     # ---- weights and stats -------------------------------------------------

@@ -1,10 +1,11 @@
 """Output processing: what the engine does with sampled tokens on the host.
 
-Appends each sampled token and decides the stops that need no text (EOS, stop token ids), then
-detokenizes every sequence that got a token in one batched call (`Detokenizer`) and applies
-stop strings and length limits, and builds the `RequestOutput`s clients see (cumulative text,
-logprobs, prompt logprobs, beam hypotheses by score). It holds no device state and never
-touches blocks: the scheduler frees what finished.
+The scheduler appends each sampled token and applies the stops that need no text (EOS, stop
+token ids, lengths: `Scheduler.update_from_output`); this module then records logprobs,
+detokenizes every sequence that got a token in one batched call (`Detokenizer`), finds stop
+strings (reported back to the scheduler, which owns sequence state) and builds the
+`RequestOutput`s clients see (cumulative text, logprobs, prompt logprobs, beam hypotheses by
+score). It holds no device state and never touches blocks.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 import numpy as np
 
 from pagedjax.beam_search import length_penalized_score
-from pagedjax.core import Sequence, SequenceGroup
+from pagedjax.core import AppliedToken, Sequence, SequenceGroup
 from pagedjax.core.sequence import SequenceStatus
 from pagedjax.detokenizer import Detokenizer, DetokState
 from pagedjax.outputs import CompletionOutput, RequestOutput
@@ -88,52 +89,49 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.generation_tokens_total = 0
 
-    def append_token(self, req: RequestState, seq: Sequence, token: int, logprob: float,
-                      topk_ids, topk_logprobs) -> tuple:
-        """Append a sampled token and decide the stops that need no text (EOS, stop ids);
-        text-based stops follow for the whole step at once (`check_stops`)."""
-        p = req.params
-        seq.append_token(token, logprob)
-        self.generation_tokens_total += 1
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        if p.logprobs is not None:
-            entry = {int(i): float(v)
-                     for i, v in zip(topk_ids[: p.logprobs], topk_logprobs[: p.logprobs])}
-            entry[token] = logprob
-            req.logprobs[seq.seq_id].append(entry)
-        n_out = seq.num_output_tokens
-        status, reason = None, None
-        # min_tokens counts the tokens before the EOS / stop id (the sampler bans them until
-        # then, as vLLM), so such a token stops only as the (min_tokens + 1)-th or later.
-        if token in self.eos_token_ids and not p.ignore_eos and n_out > p.min_tokens:
-            status = SequenceStatus.FINISHED_STOPPED
-        elif p.stop_token_ids and token in p.stop_token_ids and n_out > p.min_tokens:
-            status, reason = SequenceStatus.FINISHED_STOPPED, token
-        return req, seq, status, reason
-
-    def check_stops(self, appended: list[tuple]) -> None:
-        """Detokenize every sequence that got a token (one batched decode), then apply stop
-        strings and length limits, and flush the text of those that finished."""
-        items = [(seq.get_token_slice, seq.num_total_tokens, req.detok[seq.seq_id],
-                  req.params.skip_special_tokens) for req, seq, _, _ in appended]
+    def process(self, applied: list[AppliedToken], rows: list[tuple[RequestState, int]],
+                out) -> list[tuple[RequestState, Sequence]]:
+        """The host side of tokens the scheduler appended (`Scheduler.update_from_output`):
+        logprobs, first-token times, one batched detokenization of every sequence that got a
+        token, then stop strings. Returns the sequences a stop string finished, for the
+        scheduler to stop; records every finished sequence's stop reason."""
+        now = time.monotonic()
+        items = []
+        for a in applied:
+            req, r = rows[a.index]
+            seq = a.seq
+            p = req.params
+            self.generation_tokens_total += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if p.logprobs is not None:
+                k = p.logprobs
+                entry = {int(i): float(v) for i, v in zip(out.topk_ids[r][:k], out.topk_logprobs[r][:k])}
+                entry[seq.output_token_ids[-1]] = seq.output_logprobs[-1]
+                req.logprobs[seq.seq_id].append(entry)
+            items.append((seq.get_token_slice, seq.num_total_tokens, req.detok[seq.seq_id],
+                          p.skip_special_tokens))
         old_lens = [len(st.text) for _, _, st, _ in items]
         self.detokenizer.step(items)
-        for (req, seq, status, reason), (get, total, state, skip), old in zip(
-                appended, items, old_lens):
+        stopped = []
+        for a, (get, total, state, skip), old in zip(applied, items, old_lens):
+            req, _r = rows[a.index]
+            seq = a.seq
             p = req.params
-            n_out = seq.num_output_tokens
-            if status is None and p.stop_strings and n_out >= p.min_tokens:
+            status, reason = seq.status, a.stop_reason
+            # A stop string wins over a length limit reached by the same token (vLLM's order:
+            # EOS / stop ids, then stop strings, then lengths).
+            if p.stop_strings and seq.num_output_tokens >= p.min_tokens and (
+                    not status.is_finished or status is SequenceStatus.FINISHED_LENGTH):
                 hit = self.find_stop(state, p, old)
                 if hit is not None:
+                    stopped.append((req, seq))
                     status, reason = SequenceStatus.FINISHED_STOPPED, hit
-            if status is None and (n_out >= p.max_tokens or total >= self.max_model_len):
-                status = SequenceStatus.FINISHED_LENGTH
-            if status is not None:
-                if reason is None or not isinstance(reason, str):
+            if status.is_finished:
+                if not isinstance(reason, str):
                     self.detokenizer.flush(get, total, state, skip)
-                seq.status = status
                 req.stop_reason[seq.seq_id] = reason
+        return stopped
 
     @staticmethod
     def find_stop(state: DetokState, p: SamplingParams, old_len: int) -> str | None:

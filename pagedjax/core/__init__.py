@@ -7,16 +7,20 @@ accelerator, and stays importable without JAX or numpy.
 from pagedjax.core.block_manager import AllocStatus, BlockManager, PrefixHandle
 from pagedjax.core.block_pool import BlockPool
 from pagedjax.core.scheduler import (
+    AppliedToken,
+    SampledToken,
     ScheduledSeq,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
     SchedulerStats,
 )
-from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.sequence import Sequence, SequenceGroup, SequenceStatus, TokenStops
 
 __all__ = [
     "AllocStatus",
+    "AppliedToken",
+    "SampledToken",
     "BlockManager",
     "BlockPool",
     "PrefixHandle",
@@ -28,4 +32,5 @@ __all__ = [
     "Sequence",
     "SequenceGroup",
     "SequenceStatus",
+    "TokenStops",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager
@@ -80,6 +81,29 @@ class SchedulerOutput:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
+@dataclass(slots=True)
+class SampledToken:
+    """One sampled token for `Scheduler.update_from_output` to apply."""
+
+    request_id: str
+    seq: Sequence  # the sequence whose logits row was sampled
+    token_id: int
+    logprob: float
+    fork_index: int = 0  # > 0: sample j of a fresh n>1 prompt, which goes to a new child
+    pending: bool = False  # counted in `seq.num_pending` when its step launched (async)
+
+
+@dataclass(slots=True)
+class AppliedToken:
+    """A token the scheduler appended: to which sequence, and whether it finished it."""
+
+    index: int  # position in the list given to `update_from_output`
+    group: SequenceGroup
+    seq: Sequence  # a new child for a fan-out sample
+    forked: bool
+    stop_reason: int | None  # the stop token id that finished it, if one did
+
+
 @dataclass
 class SchedulerStats:
     num_running: int
@@ -115,6 +139,7 @@ class Scheduler:
         self.num_rejected_total = 0
         self._groups: dict[str, SequenceGroup] = {}
         self._counter = itertools.count()
+        self._finished_elsewhere: list[SequenceGroup] = []  # see `_free_finished_elsewhere`
 
     # -- request lifecycle ---------------------------------------------------
     @staticmethod
@@ -209,6 +234,8 @@ class Scheduler:
         """Release blocks of finished sequences; returns the groups that completed."""
         done: list[SequenceGroup] = []
         keep: list[SequenceGroup] = []
+        if self._finished_elsewhere:
+            done += self._free_finished_elsewhere()
         for g in self.running:
             for seq in g.seqs:
                 if seq.status.is_finished:
@@ -221,24 +248,84 @@ class Scheduler:
         self.running = keep
         return done
 
-    def free_finished_elsewhere(self, groups: list[SequenceGroup]) -> None:
-        """Free finished sequences of groups that are not running, and forget the groups
-        that finished. With async scheduling a sequence preempted (swapped or sent back to
-        waiting) while its last token was still on the device can finish when that token
-        arrives; without this its group would sit in a queue forever."""
-        for g in groups:
-            if g in self.running:
+    # -- applying model outputs (the scheduler owns request state) ------------
+    def update_from_output(self, tokens: list[SampledToken],
+                           new_seq_id: Callable[[], int]) -> list[AppliedToken]:
+        """Apply a step's sampled tokens (thesis §4.2; vLLM V1's `update_from_output`):
+        fork the children of fan-out samples (sharing the prompt's blocks), append each
+        token, and finish sequences by their token stops (EOS, stop ids), `max_tokens` or
+        `max_model_len`. Tokens of requests that are gone (aborted, failed) or of sequences
+        already finished (a stop found one step late under async scheduling) are dropped.
+        Blocks are freed by `free_finished_seq_groups`, after the output processor had its
+        chance to stop more sequences (stop strings, `stop_seq`)."""
+        applied: list[AppliedToken] = []
+        groups = self._groups
+        max_len = self.config.max_model_len
+        children: dict[int, Sequence] = {}
+        for i, t in enumerate(tokens):  # fork first: children copy the parent's pre-step state
+            if t.fork_index > 0 and (g := groups.get(t.request_id)) is not None:
+                child = t.seq.fork(new_seq_id())
+                self.bm.fork(t.seq, child)
+                g.add(child)
+                children[i] = child
+        for i, t in enumerate(tokens):
+            g = groups.get(t.request_id)
+            if g is None:
+                continue
+            seq = children.get(i, t.seq)
+            forked = i in children
+            if seq.status in _FINISHED:
+                continue
+            if t.pending:
+                seq.num_pending -= 1
+            seq.append_token(t.token_id, t.logprob)
+            n_out = len(seq.output_token_ids)
+            stopped, reason = g.stops.check(t.token_id, n_out)
+            if stopped:
+                self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
+            elif (g.max_tokens is not None and n_out >= g.max_tokens) \
+                    or seq.num_total_tokens >= max_len:
+                self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
+            applied.append(AppliedToken(i, g, seq, forked, reason))
+        return applied
+
+    def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:
+        """Finish a sequence for a reason the scheduler cannot see (a stop string in its
+        text); its blocks are freed by the next `free_finished_seq_groups`."""
+        g = self._groups.get(request_id)
+        if g is not None:
+            self._finish_seq(g, seq, status)
+
+    def _finish_seq(self, g: SequenceGroup, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        seq.num_pending = 0  # a token a launched step samples for it is dropped
+        if g not in self.running:
+            # Preempted while its last token was on the device (async scheduling): freed
+            # where it waits, by `free_finished_seq_groups`.
+            self._finished_elsewhere.append(g)
+
+    def _free_finished_elsewhere(self) -> list[SequenceGroup]:
+        """Finished sequences of groups that are not running: a sequence preempted (swapped
+        out, or sent back to waiting) while its last token was on the device can finish when
+        that token is applied; without this its group would sit in a queue forever."""
+        done = []
+        running = {id(g) for g in self.running}
+        for g in dict.fromkeys(self._finished_elsewhere):
+            if id(g) in running:
                 continue
             for seq in g.seqs:
                 if seq.status.is_finished:
                     self.bm.free(seq)
             if g.is_finished() and self._groups.pop(g.request_id, None) is not None:
+                done.append(g)
                 for q in (self.staging, self.swapped, self.waiting):
                     try:
                         q.remove(g)
                         break
                     except ValueError:
                         pass
+        self._finished_elsewhere = []
+        return done
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(

@@ -14,6 +14,7 @@ not from the host); the output lists hold only known tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable
 
@@ -135,6 +136,28 @@ class Sequence:
         )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenStops:
+    """A request's stops that token ids alone decide; the scheduler applies them to every
+    token it appends (`Scheduler.update_from_output`). Stop strings need text: the output
+    processor finds them and tells the scheduler (`Scheduler.stop_seq`)."""
+
+    eos_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
+    stop_ids: frozenset[int] = frozenset()  # the request's stop_token_ids
+    min_tokens: int = 0  # EOS and stop ids end a sequence only after this many tokens
+
+    def check(self, token: int, num_output_tokens: int) -> tuple[bool, int | None]:
+        """(stopped, stop reason) for `token`, the sequence's `num_output_tokens`-th output
+        token: EOS (reason None) before the stop ids (reason: the id), as vLLM."""
+        if num_output_tokens <= self.min_tokens:
+            return False, None
+        if token in self.eos_ids:
+            return True, None
+        if token in self.stop_ids:
+            return True, token
+        return False, None
+
+
 class SequenceGroup:
     """Sequences of one request; scheduled, preempted and swapped all-or-nothing (paper §4.5).
 
@@ -154,6 +177,7 @@ class SequenceGroup:
         n: int = 1,
         cache_salt: str | None = None,
         model_id: str | None = None,
+        stops: TokenStops | None = None,
     ) -> None:
         if not seqs:
             raise ValueError("a sequence group needs at least one sequence")
@@ -166,6 +190,7 @@ class SequenceGroup:
         self.n = n
         self.cache_salt = cache_salt
         self.model_id = model_id
+        self.stops = stops or TokenStops()
         # (arrival_time, admission counter), set by the scheduler; smaller = higher priority.
         self.priority: tuple[float, int] = (arrival_time, 0)
 

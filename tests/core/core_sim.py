@@ -12,6 +12,7 @@ import itertools
 
 from pagedjax.core import (
     BlockManager,
+    SampledToken,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
@@ -94,15 +95,17 @@ class FakeEngine:
                 self.gpu.setdefault(s.block_table[p // bs], {})[p % bs] = tuple(toks[: p + 1])
             assert s.needs_logits == (s.start_pos + len(s.token_ids) == len(toks))
         self.sched.update_after_step(out)
+        sampled = []
         for s in out.scheduled:
             if not s.needs_logits:
                 continue
             seq = self.seqs[s.seq_id]
-            g = self.groups[s.request_id]
-            seq.append_token(next_token(seq.get_token_ids()))
+            sampled.append(SampledToken(s.request_id, seq, next_token(seq.get_token_ids()), 0.0))
             self.first_token_at.setdefault(s.request_id, self.steps)
-            if seq.num_output_tokens >= g.max_tokens:
-                seq.status = SequenceStatus.FINISHED_LENGTH
+        # The scheduler owns request state: it appends the tokens and finishes by length.
+        for a in self.sched.update_from_output(sampled, lambda: next(self.ids)):
+            if a.seq.num_output_tokens >= a.group.max_tokens:
+                assert a.seq.status is SequenceStatus.FINISHED_LENGTH
         for g in self.sched.free_finished_seq_groups():
             self.finished_at[g.request_id] = self.steps
         for g in out.rejected:

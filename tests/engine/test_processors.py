@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedjax.core import BlockManager, Sequence, SequenceGroup
+from pagedjax.core import (
+    BlockManager,
+    SampledToken,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    TokenStops,
+)
 from pagedjax.input_processor import InputProcessor
 from pagedjax.output_processor import OutputProcessor, RequestState
 from pagedjax.sampling_params import SamplingParams
@@ -82,44 +91,54 @@ def test_max_output_tokens_is_the_boundary_of_check_growth(prompt_len, samples, 
             ip.check_growth(prompt_len, want + 1, samples)
 
 
-def _request(params: SamplingParams, prompt=(10, 11, 12)) -> RequestState:
+def _request(params: SamplingParams, prompt=(10, 11, 12), max_model_len: int = 64):
+    """A request queued in a real scheduler, which appends tokens and applies token stops."""
     seq = Sequence(0, list(prompt))
-    group = SequenceGroup("r", [seq], 0.0, max_tokens=params.max_tokens, n=1)
+    stops = TokenStops(frozenset() if params.ignore_eos else frozenset({95}),
+                       frozenset(params.stop_token_ids or ()), params.min_tokens)
+    group = SequenceGroup("r", [seq], 0.0, max_tokens=params.max_tokens, n=1, stops=stops)
     req = RequestState("r", None, list(prompt), params, group, 0, 0.0)
     req.register(seq, 0)
-    return req
+    sched = Scheduler(SchedulerConfig(max_model_len=max_model_len), BlockManager(64, 0, 4))
+    sched.add_seq_group(group)
+    return req, sched
 
 
-def _feed(out: OutputProcessor, req: RequestState, text: str) -> None:
+def _feed(out: OutputProcessor, req: RequestState, sched: Scheduler, text: str) -> None:
+    """What the engine does with each sampled token: the scheduler applies it, the output
+    processor detokenizes and reports stop strings back."""
     seq = req.group.seqs[0]
+    lp = types.SimpleNamespace(topk_ids=[[]], topk_logprobs=[[]])
     for c in text:
         if seq.status.is_finished:
             return
-        appended = out.append_token(req, seq, ord(c) - 32 if c != "\x00" else 95, -0.5, [], [])
-        out.check_stops([appended])
+        token = ord(c) - 32 if c != "\x00" else 95
+        applied = sched.update_from_output([SampledToken("r", seq, token, -0.5)], lambda: 1)
+        for r, s in out.process(applied, [(req, 0)], lp):
+            sched.stop_seq(s, SequenceStatus.FINISHED_STOPPED, r.request_id)
 
 
 def test_stop_string_truncates_and_min_tokens_holds_eos_back():
     out = OutputProcessor(CharTokenizer(), {95}, max_model_len=64)
-    req = _request(SamplingParams(max_tokens=30, stop=["cd"], min_tokens=2))
-    _feed(out, req, "\x00abxcdyz")  # EOS first: banned by min_tokens in sampling, kept here
+    req, sched = _request(SamplingParams(max_tokens=30, stop=["cd"], min_tokens=2))
+    _feed(out, req, sched, "\x00abxcdyz")  # EOS first: banned by min_tokens in sampling, kept here
     res = out.make_output(req, final=True).outputs[0]
     assert res.finish_reason == "stop" and res.stop_reason == "cd"
     assert res.text == "abx" and res.token_ids[-2:] == [ord("c") - 32, ord("d") - 32]
 
-    req = _request(SamplingParams(max_tokens=30, min_tokens=3))
-    _feed(out, req, "ab\x00c\x00")
+    req, sched = _request(SamplingParams(max_tokens=30, min_tokens=3))
+    _feed(out, req, sched, "ab\x00c\x00")
     res = out.make_output(req, final=True).outputs[0]
     assert res.finish_reason == "stop" and res.text == "abc"  # the first EOS came too early
 
 
 def test_length_limits_and_failures():
     out = OutputProcessor(CharTokenizer(), {95}, max_model_len=8)
-    req = _request(SamplingParams(max_tokens=30))
-    _feed(out, req, "abcdefgh")
+    req, sched = _request(SamplingParams(max_tokens=30), max_model_len=8)
+    _feed(out, req, sched, "abcdefgh")
     res = out.make_output(req, final=True).outputs[0]
     assert res.finish_reason == "length" and res.text == "abcde"  # 3 prompt + 5 = max_model_len
-    req = _request(SamplingParams(max_tokens=2))
+    req, _ = _request(SamplingParams(max_tokens=2))
     failed = out.fail(req, "boom")
     assert failed.finished and failed.error == "boom"
     assert failed.outputs[0].finish_reason == "abort"

@@ -1,0 +1,101 @@
+"""`Scheduler.update_from_output`: the scheduler owns request state and applies each sampled
+token, its token-level stops and lengths; checked against a brute-force rule, with fan-out
+forks, tokens of finished or departed requests dropped, and pending (async) tokens."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax.core import (
+    BlockManager,
+    SampledToken,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+    TokenStops,
+)
+
+
+def _queued(prompt_len: int, max_tokens: int, stops: TokenStops, max_len: int, n: int = 1):
+    sched = Scheduler(SchedulerConfig(max_model_len=max_len, max_num_seqs=8),
+                      BlockManager(64, 0, 4))
+    seq = Sequence(0, list(range(3, 3 + prompt_len)))
+    g = SequenceGroup("r", [seq], 0.0, max_tokens=max_tokens, n=n, stops=stops)
+    sched.add_seq_group(g)
+    return sched, g, seq
+
+
+def _brute_force(tokens, prompt_len, max_tokens, eos, stop, min_tokens, max_len):
+    """(tokens kept, status, reason): the first token that ends the sequence, vLLM's order."""
+    for k, tok in enumerate(tokens, 1):
+        if k > min_tokens and tok in eos:
+            return tokens[:k], SequenceStatus.FINISHED_STOPPED, None
+        if k > min_tokens and tok in stop:
+            return tokens[:k], SequenceStatus.FINISHED_STOPPED, tok
+        if k >= max_tokens or prompt_len + k >= max_len:
+            return tokens[:k], SequenceStatus.FINISHED_LENGTH, None
+    return tokens, None, None
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(tokens=st.lists(st.integers(0, 9), min_size=1, max_size=30),
+       eos=st.frozensets(st.integers(0, 9), max_size=2),
+       stop=st.frozensets(st.integers(0, 9), max_size=3),
+       min_tokens=st.integers(0, 6), max_tokens=st.integers(1, 40),
+       prompt_len=st.integers(1, 10), max_len=st.integers(12, 40))
+def test_token_stops_equal_brute_force(tokens, eos, stop, min_tokens, max_tokens, prompt_len,
+                                       max_len):
+    stops = TokenStops(eos, stop, min_tokens)
+    sched, _g, seq = _queued(prompt_len, max_tokens, stops, max_len)
+    reasons = []
+    for tok in tokens:  # one step per token; tokens after the stop are dropped
+        for a in sched.update_from_output([SampledToken("r", seq, tok, -1.0)], lambda: 99):
+            reasons.append(a.stop_reason)
+    want, status, reason = _brute_force(tokens, prompt_len, max_tokens, eos, stop, min_tokens,
+                                        max_len)
+    assert seq.output_token_ids == want
+    assert seq.cumulative_logprob == -len(want)
+    if status is None:
+        assert not seq.status.is_finished
+    else:
+        assert seq.status is status and reasons[-1] == reason
+        assert sched.free_finished_seq_groups() == [_g]  # freed and forgotten where it waited
+        assert not sched.has_unfinished_seqs()
+        assert sched.bm.get_num_free_gpu_blocks() == 64
+
+
+def test_fan_out_forks_before_appending_and_departed_requests_are_dropped():
+    sched, g, seq = _queued(4, 1, TokenStops(), 64, n=3)
+    sched.update_after_step(sched.schedule())  # the prompt's blocks, which children share
+    ids = iter(range(10, 20))
+    applied = sched.update_from_output(
+        [SampledToken("r", seq, 7, -0.1), SampledToken("r", seq, 8, -0.2, fork_index=1),
+         SampledToken("r", seq, 9, -0.3, fork_index=2)], lambda: next(ids))
+    assert [(a.seq.seq_id, a.forked) for a in applied] == [(0, False), (10, True), (11, True)]
+    # max_tokens=1 finished the parent first; the children still got their own token.
+    assert [s.output_token_ids for s in g.seqs] == [[7], [8], [9]]
+    assert all(s.status is SequenceStatus.FINISHED_LENGTH for s in g.seqs)
+    assert sched.free_finished_seq_groups() == [g]
+    assert sched.bm.get_num_free_gpu_blocks() == 64
+    assert sched.update_from_output([SampledToken("r", seq, 1, 0.0)], lambda: 0) == []
+
+
+def test_pending_tokens_are_counted_down_and_dropped_after_a_stop():
+    sched, g, seq = _queued(4, 10, TokenStops(frozenset({5})), 64)
+    seq.num_pending = 2  # two launched steps sample for it (async scheduling)
+    assert seq.num_uncomputed_tokens == 6
+    sched.update_from_output([SampledToken("r", seq, 5, 0.0, pending=True)], lambda: 0)
+    assert seq.status is SequenceStatus.FINISHED_STOPPED and seq.num_pending == 0
+    assert sched.update_from_output([SampledToken("r", seq, 6, 0.0, pending=True)],
+                                    lambda: 0) == []
+    assert seq.output_token_ids == [5]
+
+
+def test_stop_seq_finishes_for_the_output_processor():
+    sched, g, seq = _queued(4, 10, TokenStops(), 64)
+    sched.update_from_output([SampledToken("r", seq, 5, 0.0)], lambda: 0)
+    sched.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, "r")
+    assert sched.free_finished_seq_groups() == [g] and not sched.has_unfinished_seqs()
