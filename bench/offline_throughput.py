@@ -109,6 +109,27 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             "--threads", str(threads)]
 
 
+def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
+    """Arrival offsets (s) of a Poisson process at `rate` requests/s, the same for every engine."""
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(round(t, 4))
+    return out
+
+
+def engines_for(engines: list[str], job: dict) -> list[str]:
+    """HF `generate` has no engine loop to take requests as they arrive: no serving runs."""
+    return [e for e in engines if not (job.get("arrivals") is not None and e == "hf")]
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def busy_fraction(seconds: float = 0.5) -> float:
     """Share of all CPUs busy over a short window while every engine is idle: noise from other
     processes (the load average would count the benchmark's own previous runs)."""
@@ -167,6 +188,12 @@ def main() -> None:
                     help="keep the last CPU busy with a spinning process during every timed run "
                          "(how an engine degrades when another process takes one core); "
                          "writes offline_throughput_busy.json unless --out is given")
+    ap.add_argument("--poisson", default="", metavar="RATES",
+                    help="also serving runs with Poisson arrivals at these request rates "
+                         "(req/s, comma-separated): every engine's own step loop takes the "
+                         "requests as they arrive (pagedjax and vLLM; HF has no engine loop)")
+    ap.add_argument("--poisson-requests", type=int, default=48)
+    ap.add_argument("--poisson-tokens", type=int, default=64)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out is None:
@@ -187,9 +214,14 @@ def main() -> None:
     if set(engines) & {"vllm", "hf"}:
         ensure_peers(gguf, hf_dir)
     tok = load_tokenizer(gguf)
-    workloads = [tuple(map(int, w.split("x"))) for w in args.workloads.split(",")]
+    workloads = [tuple(map(int, w.split("x"))) for w in args.workloads.split(",") if w]
     jobs = {f"{n}x{m}": {"prompt_ids": make_prompt_ids(tok, n), "max_tokens": m, "ignore_eos": True}
             for n, m in workloads}
+    for rate in [float(r) for r in args.poisson.split(",") if r]:
+        jobs[f"poisson@{rate:g}"] = {
+            "prompt_ids": make_prompt_ids(tok, args.poisson_requests),
+            "max_tokens": args.poisson_tokens, "ignore_eos": True,
+            "arrivals": poisson_arrivals(rate, args.poisson_requests, seed=int(rate * 1000))}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     workers = {}
@@ -200,13 +232,14 @@ def main() -> None:
             workers[e] = Worker(e, worker_cmd(e, args.threads, hf_dir, args.engine_arg), log)
             workers[e].run({"prompt_ids": [[1, 2, 3]], "max_tokens": 2})  # wait until loaded
         for name, job in jobs.items():  # untimed pass: compiles and caches everywhere
-            for e in engines:
+            for e in engines_for(engines, job):
                 print(f"warm {e} {name}", flush=True)
                 workers[e].run(job)
         runs = []
         for rep in range(args.reps):
             for name, job in jobs.items():
-                order = engines[rep % len(engines):] + engines[: rep % len(engines)]
+                mine = engines_for(engines, job)
+                order = mine[rep % len(mine):] + mine[: rep % len(mine)]
                 for e in order:
                     load = os.getloadavg()[0]
                     other = wait_quiet()
@@ -222,8 +255,11 @@ def main() -> None:
                                  "other_cpu_busy_before": other,
                                  "seconds": r["seconds"], "tokens_per_s": n_tok / r["seconds"],
                                  "ttft_s": r.get("ttft_s"), "outputs": r["outputs"],
+                                 "latency_s": r.get("latency_s"),
+                                 "first_token_s": r.get("first_token_s"),
                                  "meta": {k: v for k, v in r.items()
-                                          if k not in ("outputs", "seconds", "ttft_s")}})
+                                          if k not in ("outputs", "seconds", "ttft_s",
+                                                       "latency_s", "first_token_s")}})
                     print(f"rep {rep} {name:8s} {e:9s} {n_tok / r['seconds']:7.1f} tok/s"
                           + (f"  ttft {1e3 * r['ttft_s']:.0f} ms" if r.get("ttft_s") else "")
                           + f"  (load {load:.2f}, idle-window busy {100 * other:.0f}%)", flush=True)
@@ -240,14 +276,26 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
     summary = {}
     for name in jobs:
         row = {}
-        for e in engines:
+        job_engines = engines_for(engines, jobs[name])
+        for e in job_engines:
             rs = [r for r in runs if r["workload"] == name and r["engine"] == e]
             row[e] = {"tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
                       "tokens_per_s_all": [round(r["tokens_per_s"], 1) for r in rs]}
             if rs[0]["ttft_s"] is not None:
                 row[e]["ttft_ms_median"] = 1e3 * statistics.median(r["ttft_s"] for r in rs)
-        for peer in engines:
-            if peer == "pagedjax" or "pagedjax" not in engines:
+            if rs[0]["latency_s"] is not None:  # serving: per request, from its arrival
+                lat = [x for r in rs for x in r["latency_s"]]
+                first = [x for r in rs for x in r["first_token_s"]]
+                norm = [x / max(1, len(o)) for r in rs
+                        for x, o in zip(r["latency_s"], r["outputs"])]
+                row[e].update({
+                    "latency_s_median": statistics.median(lat), "latency_s_p90": _pct(lat, 0.9),
+                    "first_token_ms_median": 1e3 * statistics.median(first),
+                    "first_token_ms_p90": 1e3 * _pct(first, 0.9),
+                    # The paper's metric: end-to-end latency / output length, mean over requests.
+                    "normalized_latency_ms_per_token": 1e3 * statistics.mean(norm)})
+        for peer in job_engines:
+            if peer == "pagedjax" or "pagedjax" not in job_engines:
                 continue
             ratios = [a["tokens_per_s"] / b["tokens_per_s"]
                       for a in runs for b in runs
@@ -255,9 +303,9 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
                       and a["engine"] == "pagedjax" and b["engine"] == peer]
             row[f"pagedjax_over_{peer}"] = {"median": statistics.median(ratios),
                                             "per_rep": [round(x, 3) for x in ratios]}
-        ref = "hf" if "hf" in engines else engines[-1]
+        ref = "hf" if "hf" in job_engines else job_engines[-1]
         ref_out = next(r["outputs"] for r in runs if r["workload"] == name and r["engine"] == ref)
-        for e in engines:
+        for e in job_engines:
             if e != ref:
                 mine = next(r["outputs"] for r in runs if r["workload"] == name and r["engine"] == e)
                 same = sum(a == b for a, b in zip(mine, ref_out))
@@ -298,17 +346,19 @@ def plot(res: dict, path: Path) -> None:
 
     summary = res["summary"]
     names = list(summary)
-    engines = [e for e in summary[names[0]] if not e.startswith(("pagedjax_over", "identical"))]
     fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.4))
     binds = {r["engine"]: r["meta"].get("cpus") for r in res["runs"] if r["meta"].get("cpus")}
-    labels = [f"{e}\n(bind {binds[e]})" if e in binds else e for e in engines]
     for ax, name in zip(axes if len(names) > 1 else [axes], names):
-        vals = [summary[name][e]["tokens_per_s_median"] for e in engines]
+        engines = [e for e in summary[name] if not e.startswith(("pagedjax_over", "identical"))]
+        labels = [f"{e}\n(bind {binds[e]})" if e in binds else e for e in engines]
+        serving = "normalized_latency_ms_per_token" in summary[name][engines[0]]
+        key = "normalized_latency_ms_per_token" if serving else "tokens_per_s_median"
+        vals = [summary[name][e][key] for e in engines]
         ax.bar(labels, vals, color=["tab:blue", "tab:orange", "tab:gray", "tab:green"][: len(engines)])
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
         ax.set_title(f"{name} greedy fp32")
-        ax.set_ylabel("output tokens/s")
+        ax.set_ylabel("normalized latency (ms/token)" if serving else "output tokens/s")
     busy = "; last CPU kept busy" if res.get("busy_core") else ""
     fig.suptitle(f"{res['machine']['cpu']} ({res['machine']['cpu_count']} cores){busy}", fontsize=9)
     fig.tight_layout()

@@ -8,6 +8,10 @@ workers run as scripts from this folder, which puts it on `sys.path`.
              "ttft_s": wall time of a max_tokens=1 run of the prompt (one prompt, else null),
              "outputs": [[token ids], ...], **the worker's metadata}
 
+A serving job adds "arrivals": [seconds after the start, one per prompt] (Poisson): the worker
+adds each request when its time comes and steps its engine between arrivals
+(`run_arrivals`); the result adds "latency_s" and "first_token_s" per request, from arrival.
+
 A job that fails gets {"error": "..."} and the worker goes on; EOF on stdin ends it.
 """
 
@@ -43,10 +47,45 @@ def serve(out: TextIO, generate: Generate, meta: dict) -> None:
             prompts = job["prompt_ids"]
             max_tokens = int(job.get("max_tokens", 128))
             ignore_eos = bool(job.get("ignore_eos", True))
-            ttft = generate(prompts, 1, ignore_eos, job)[0] if len(prompts) == 1 else None
-            seconds, outputs = generate(prompts, max_tokens, ignore_eos, job)
-            result = {"seconds": seconds, "ttft_s": ttft, "outputs": outputs, **meta}
+            if job.get("arrivals") is not None:  # a serving run: no separate TTFT probe
+                ttft = None
+            else:
+                ttft = generate(prompts, 1, ignore_eos, job)[0] if len(prompts) == 1 else None
+            seconds, outputs, *extra = generate(prompts, max_tokens, ignore_eos, job)
+            result = {"seconds": seconds, "ttft_s": ttft, "outputs": outputs, **meta,
+                      **(extra[0] if extra else {})}
         except Exception as e:  # noqa: BLE001 - report and keep serving
             traceback.print_exc(file=sys.stderr)
             result = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(result) + "\n")
+
+
+def run_arrivals(arrivals: list[float], add: Callable[[int], None], step: Callable[[], list],
+                 has_work: Callable[[], bool]) -> tuple[float, dict[int, float], dict[int, float]]:
+    """Drive an engine through timed arrivals: `add(i)` queues request i (its id is str(i)),
+    `step()` runs one iteration and returns (request index, has tokens, finished) triples.
+    Returns the makespan and, per request, the seconds from its arrival to its first token
+    and to its end. The same loop for every engine, so the peers are driven alike."""
+    import time
+
+    order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+    t0 = time.perf_counter()
+    k = 0
+    while len(done) < len(arrivals):
+        now = time.perf_counter() - t0
+        while k < len(order) and arrivals[order[k]] <= now:
+            add(order[k])
+            k += 1
+        if not has_work():
+            if k < len(order):
+                time.sleep(max(0.0, arrivals[order[k]] - (time.perf_counter() - t0)))
+            continue
+        for i, has_tokens, finished in step():
+            t = time.perf_counter() - t0
+            if has_tokens and i not in first:
+                first[i] = t - arrivals[i]
+            if finished:
+                done[i] = t - arrivals[i]
+    return time.perf_counter() - t0, first, done
