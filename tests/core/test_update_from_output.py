@@ -99,3 +99,29 @@ def test_stop_seq_finishes_for_the_output_processor():
     sched.update_from_output([SampledToken("r", seq, 5, 0.0)], lambda: 0)
     sched.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, "r")
     assert sched.free_finished_seq_groups() == [g] and not sched.has_unfinished_seqs()
+
+
+def test_a_sequence_that_finishes_while_preempted_is_freed_where_it_waits():
+    """Async scheduling: a sequence preempted (recompute or swap) while its last token was on
+    the device finishes when that token arrives; its group leaves the queue it waits in."""
+    from pagedjax.core.scheduler import _Step
+
+    for mode in ("recompute", "swap"):
+        sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=8,
+                                          preemption_mode=mode), BlockManager(16, 16, 4))
+        seq = Sequence(0, list(range(3, 12)))
+        g = SequenceGroup("r", [seq], 0.0, max_tokens=10, stops=TokenStops(frozenset({5})))
+        sched.add_seq_group(g)
+        sched.update_after_step(sched.schedule())
+        seq.num_pending = 1  # its first token is being sampled on the device
+        st = _Step(64)
+        sched.running.remove(g)
+        sched._preempt(st, g)
+        assert (g in sched.waiting) if mode == "recompute" else (g in sched.swapped)
+        sched.update_from_output([SampledToken("r", seq, 5, 0.0, pending=True)], lambda: 0)
+        assert seq.status is SequenceStatus.FINISHED_STOPPED
+        assert sched.free_finished_seq_groups() == [g], mode
+        assert not sched.has_unfinished_seqs()
+        assert sched.bm.get_num_free_gpu_blocks() == 16
+        assert sched.bm.get_num_free_cpu_blocks() == 16
+        sched.bm.check_invariants()
