@@ -74,11 +74,15 @@ def main() -> None:
             def add(i):
                 eng.add_request(str(i), None, sp, prompt_token_ids=list(map(int, prompts[i])))
 
+            compiles, steps = eng.get_stats().num_compiles, eng.num_steps
             seconds, first, done = run_arrivals(job["arrivals"], add, step,
                                                 eng.has_unfinished_requests)
             return seconds, [outs[i] for i in range(len(prompts))], {
                 "first_token_s": [first[i] for i in range(len(prompts))],
-                "latency_s": [done[i] for i in range(len(prompts))]}
+                "latency_s": [done[i] for i in range(len(prompts))],
+                # XLA compilations during the run (a compile stalls every request) and steps.
+                "compiles_during_run": eng.get_stats().num_compiles - compiles,
+                "engine_steps": eng.num_steps - steps}
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp,
                            use_tqdm=False)
