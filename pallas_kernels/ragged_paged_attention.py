@@ -35,6 +35,7 @@ from pallas_kernels.backend import (
     resolve_backend,
     triton_params,
 )
+from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
 
 _XLA_BLOCK_Q = 32
 
@@ -265,6 +266,45 @@ def ragged_paged_attention_ref(
     return jnp.zeros_like(q).at[dest].set(out, mode="drop")
 
 
+# XLA path (CPU): a step whose query tokens times block-table slots is at most this attends
+# per token, as the decode path does (each token: its sequence's table, its own causal
+# length). Work items of `_XLA_BLOCK_Q` rows cost a whole item for every one-token decode in
+# a mixed step: 6-13x the per-token cost measured on 2 CPU cores at 64 tokens (see
+# docs/v1-core.md). Larger steps (long prefills) keep the items, whose gathered K/V grows with
+# items, not tokens. The bound equals the decode path's largest gather at the default limits
+# (64 sequences x 1024 slots).
+_XLA_PER_TOKEN_MAX_SLOTS = 1 << 16
+
+
+def ragged_paged_attention_per_token(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    kv_lens: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    num_seqs: jax.Array,
+    layer: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Ragged attention as one decode query per token: token t of sequence s attends to the
+    first `position(t) + 1` cache slots of s's table (causal by length). Rows past
+    ``cu_q_lens[num_seqs]`` get context 0, hence zeros."""
+    num_tokens = q.shape[0]
+    max_seqs = kv_lens.shape[0]
+    cu = cu_q_lens.astype(jnp.int32)
+    live = jnp.arange(max_seqs) < num_seqs
+    q_lens = jnp.where(live, cu[1 : max_seqs + 1] - cu[:max_seqs], 0)
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu[1 : max_seqs + 1], t, side="right"), 0, max_seqs - 1)
+    total = jnp.sum(q_lens)
+    pos = kv_lens[seq] - q_lens[seq] + (t - cu[seq])
+    ctx = jnp.where(t < total, pos + 1, 0).astype(jnp.int32)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables[seq], ctx, layer,
+                                      scale=scale)
+
+
 def ragged_paged_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -304,6 +344,11 @@ def ragged_paged_attention(
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     if resolve_backend(backend) == "xla":
+        slots = q.shape[0] * block_tables.shape[1] * k_cache.shape[-2]
+        if slots <= _XLA_PER_TOKEN_MAX_SLOTS and block_q is None:
+            return ragged_paged_attention_per_token(
+                q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
+                scale=float(scale))
         return ragged_paged_attention_ref(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
             scale=float(scale),

@@ -131,3 +131,26 @@ def test_ragged_traced_layer():
         ref = _run(q, pc.k_poison[layer], pc.v_poison[layer], kv_lens, tables, cu,
                    len(seqs), 0.1, None, "pallas")
         np.testing.assert_array_equal(np.asarray(at_layer(jnp.int32(layer))), ref)
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)))
+def test_xla_per_token_and_item_formulations_match_dense(idx):
+    """The XLA (CPU) path has two formulations, picked by step size: one decode query per
+    token for small steps (`ragged_paged_attention_per_token`) and work items of query rows
+    for large ones (`ragged_paged_attention_ref`). Both equal dense attention on every case,
+    and neither reads a poisoned slot or writes a padding row."""
+    from pallas_kernels.ragged_paged_attention import (
+        ragged_paged_attention_per_token,
+        ragged_paged_attention_ref,
+    )
+
+    seqs, head_dim, dtype, pc, q, cu, kv_lens, tables = _build(idx)
+    scale = head_dim**-0.5
+    expect = np_ragged(q, pc.k_clean, pc.v_clean, 1, tables, seqs, cu, scale)
+    for fn in (ragged_paged_attention_per_token, ragged_paged_attention_ref):
+        out = fn(jnp.asarray(q), jnp.asarray(pc.k_poison), jnp.asarray(pc.v_poison),
+                 jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu),
+                 jnp.int32(len(seqs)), jnp.int32(1), scale=scale)
+        out = np.asarray(out.astype(jnp.float32))
+        np.testing.assert_allclose(out, expect, atol=TOL[dtype], rtol=0, err_msg=fn.__name__)
+        np.testing.assert_array_equal(out[-PAD_TOKENS:], 0.0)
