@@ -40,6 +40,14 @@ from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
 _XLA_BLOCK_Q = 32
 
 
+def live_q_lens(cu_q_lens: jax.Array, num_seqs: jax.Array, max_seqs: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """(int32 cu_q_lens, query length of each sequence slot, 0 past `num_seqs`)."""
+    cu = cu_q_lens.astype(jnp.int32)
+    live = jnp.arange(max_seqs) < num_seqs
+    return cu, jnp.where(live, cu[1 : max_seqs + 1] - cu[:max_seqs], 0)
+
+
 def work_items(
     cu_q_lens: jax.Array,
     kv_lens: jax.Array,
@@ -53,9 +61,7 @@ def work_items(
     rows (0 for surplus items) and the cache position of the item's first query token.
     """
     max_seqs = kv_lens.shape[0]
-    cu = cu_q_lens.astype(jnp.int32)
-    live = jnp.arange(max_seqs) < num_seqs
-    q_lens = jnp.where(live, cu[1 : max_seqs + 1] - cu[:max_seqs], 0)
+    cu, q_lens = live_q_lens(cu_q_lens, num_seqs, max_seqs)
     blocks = (q_lens + block_q - 1) // block_q
     ends = jnp.cumsum(blocks)
     starts = ends - blocks
@@ -293,9 +299,7 @@ def ragged_paged_attention_per_token(
     ``cu_q_lens[num_seqs]`` get context 0, hence zeros."""
     num_tokens = q.shape[0]
     max_seqs = kv_lens.shape[0]
-    cu = cu_q_lens.astype(jnp.int32)
-    live = jnp.arange(max_seqs) < num_seqs
-    q_lens = jnp.where(live, cu[1 : max_seqs + 1] - cu[:max_seqs], 0)
+    cu, q_lens = live_q_lens(cu_q_lens, num_seqs, max_seqs)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu[1 : max_seqs + 1], t, side="right"), 0, max_seqs - 1)
     total = jnp.sum(q_lens)

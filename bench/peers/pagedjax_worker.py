@@ -61,28 +61,17 @@ def main() -> None:
         sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
         if job and job.get("arrivals") is not None:  # Poisson serving run, as the peers
             eng = llm.engine
-            outs: dict[int, list[int]] = {}
-
-            def step():
-                res = []
-                for o in eng.step():
-                    i = int(o.request_id)
-                    outs[i] = list(o.outputs[0].token_ids)
-                    res.append((i, bool(o.outputs[0].token_ids), o.finished))
-                return res
 
             def add(i):
                 eng.add_request(str(i), None, sp, prompt_token_ids=list(map(int, prompts[i])))
 
             compiles, steps = eng.get_stats().num_compiles, eng.num_steps
-            seconds, first, done = run_arrivals(job["arrivals"], add, step,
-                                                eng.has_unfinished_requests)
-            return seconds, [outs[i] for i in range(len(prompts))], {
-                "first_token_s": [first[i] for i in range(len(prompts))],
-                "latency_s": [done[i] for i in range(len(prompts))],
-                # XLA compilations during the run (a compile stalls every request) and steps.
-                "compiles_during_run": eng.get_stats().num_compiles - compiles,
-                "engine_steps": eng.num_steps - steps}
+            seconds, outputs, extra = run_arrivals(job["arrivals"], add, eng.step,
+                                                   eng.has_unfinished_requests)
+            # XLA compilations during the run (a compile stalls every request) and steps.
+            extra["compiles_during_run"] = eng.get_stats().num_compiles - compiles
+            extra["engine_steps"] = eng.num_steps - steps
+            return seconds, outputs, extra
         t0 = time.perf_counter()
         res = llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], sp,
                            use_tqdm=False)

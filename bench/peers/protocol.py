@@ -61,16 +61,18 @@ def serve(out: TextIO, generate: Generate, meta: dict) -> None:
 
 
 def run_arrivals(arrivals: list[float], add: Callable[[int], None], step: Callable[[], list],
-                 has_work: Callable[[], bool]) -> tuple[float, dict[int, float], dict[int, float]]:
-    """Drive an engine through timed arrivals: `add(i)` queues request i (its id is str(i)),
-    `step()` runs one iteration and returns (request index, has tokens, finished) triples.
-    Returns the makespan and, per request, the seconds from its arrival to its first token
-    and to its end. The same loop for every engine, so the peers are driven alike."""
+                 has_work: Callable[[], bool]) -> tuple[float, list[list[int]], dict]:
+    """Drive an engine through timed arrivals: `add(i)` queues request i under the id str(i),
+    `step()` runs one iteration and returns its request outputs (vLLM's shape, which pagedjax
+    shares: `request_id`, `outputs[0].token_ids`, `finished`). Returns the makespan, each
+    request's tokens, and per request the seconds from its arrival to its first token and to
+    its end. The same loop for every engine, so the peers are driven alike."""
     import time
 
     order = sorted(range(len(arrivals)), key=lambda i: arrivals[i])
     first: dict[int, float] = {}
     done: dict[int, float] = {}
+    tokens: dict[int, list[int]] = {}
     t0 = time.perf_counter()
     k = 0
     while len(done) < len(arrivals):
@@ -79,13 +81,19 @@ def run_arrivals(arrivals: list[float], add: Callable[[int], None], step: Callab
             add(order[k])
             k += 1
         if not has_work():
-            if k < len(order):
-                time.sleep(max(0.0, arrivals[order[k]] - (time.perf_counter() - t0)))
+            if k == len(order):
+                raise RuntimeError(f"the engine is idle with {len(arrivals) - len(done)} "
+                                   f"requests unfinished")
+            time.sleep(max(0.0, arrivals[order[k]] - (time.perf_counter() - t0)))
             continue
-        for i, has_tokens, finished in step():
+        for o in step():
             t = time.perf_counter() - t0
-            if has_tokens and i not in first:
+            i = int(o.request_id)
+            tokens[i] = list(o.outputs[0].token_ids)
+            if tokens[i] and i not in first:
                 first[i] = t - arrivals[i]
-            if finished:
+            if o.finished:
                 done[i] = t - arrivals[i]
-    return time.perf_counter() - t0, first, done
+    n = range(len(arrivals))
+    return time.perf_counter() - t0, [tokens[i] for i in n], {
+        "first_token_s": [first[i] for i in n], "latency_s": [done[i] for i in n]}

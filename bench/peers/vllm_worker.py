@@ -106,22 +106,9 @@ def main() -> None:
         inputs = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
         if job.get("arrivals") is not None:  # Poisson serving run through the engine loop
             eng = llm.llm_engine
-            outs: dict[int, list[int]] = {}
-
-            def step():
-                res = []
-                for o in eng.step():
-                    i = int(o.request_id)
-                    outs[i] = list(o.outputs[0].token_ids)
-                    res.append((i, bool(o.outputs[0].token_ids), o.finished))
-                return res
-
-            seconds, first, done = run_arrivals(
-                job["arrivals"], lambda i: eng.add_request(str(i), inputs[i], params), step,
-                eng.has_unfinished_requests)
-            return seconds, [outs[i] for i in range(len(prompts))], {
-                "first_token_s": [first[i] for i in range(len(prompts))],
-                "latency_s": [done[i] for i in range(len(prompts))]}
+            return run_arrivals(job["arrivals"],
+                                lambda i: eng.add_request(str(i), inputs[i], params), eng.step,
+                                eng.has_unfinished_requests)
         t0 = time.perf_counter()
         res = llm.generate(inputs, params, use_tqdm=False)
         return time.perf_counter() - t0, [list(r.outputs[0].token_ids) for r in res]
