@@ -20,7 +20,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
     scheduling_policy: str = "fcfs"  # "fcfs" | "srtf"
-    attention_backend: str | None = None  # "pallas" | "xla" | None (auto by platform)
+    attention_backend: str | None = None  # "pallas" | "xla" | "cpu" | None (auto by platform)
     seed: int = 0
     tensor_parallel_size: int = 1
     # KV memory manager: "paged" (this engine) or a baseline from the paper's evaluation:
@@ -62,8 +62,8 @@ class EngineConfig:
         need(self.swap_space_gb >= 0, "swap_space_gb", "must be >= 0")
         need(self.scheduling_policy in ("fcfs", "srtf"), "scheduling_policy",
              f"must be 'fcfs' or 'srtf'; got {self.scheduling_policy!r}")
-        need(self.attention_backend in (None, "pallas", "xla"), "attention_backend",
-             f"must be 'pallas', 'xla' or None; got {self.attention_backend!r}")
+        need(self.attention_backend in (None, "pallas", "xla", "cpu"), "attention_backend",
+             f"must be 'pallas', 'xla', 'cpu' or None; got {self.attention_backend!r}")
         need(self.layer_loop in (None, "scan", "unrolled"), "layer_loop",
              f"must be 'scan', 'unrolled' or None; got {self.layer_loop!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")

@@ -1,10 +1,12 @@
 """Backend selection for the paged-cache kernels.
 
 Every public kernel takes ``backend``: ``"pallas"`` runs the Pallas kernel (Triton-lowered
-when the target is a GPU, ``interpret=True`` otherwise) and ``"xla"`` runs the pure-jnp
-reference. ``None`` picks automatically: Pallas on GPU, XLA on CPU, where interpreting a
-kernel is far slower than letting XLA fuse the reference. ``PAGEDJAX_ATTENTION_BACKEND``
-overrides the automatic choice (an explicit argument still wins).
+when the target is a GPU, ``interpret=True`` otherwise), ``"xla"`` runs the pure-jnp
+reference, and ``"cpu"`` runs the native XLA:CPU attention kernel (`cpu_native`; the cache
+ops have no native variant and take the XLA path). ``None`` picks automatically: Pallas on
+GPU; on CPU the native kernel when it builds, else XLA (interpreting a Pallas kernel is far
+slower than either). ``PAGEDJAX_ATTENTION_BACKEND`` overrides the automatic choice (an
+explicit argument still wins).
 
 Whether Pallas interprets is decided from the *lowering target*, not from the installed
 devices: under ``jax.sharding.use_abstract_mesh`` with an abstract CUDA device the kernels
@@ -20,8 +22,8 @@ from typing import Literal
 import jax
 from jax._src import mesh as mesh_lib
 
-Backend = Literal["pallas", "xla"]
-BACKENDS: tuple[str, ...] = ("pallas", "xla")
+Backend = Literal["pallas", "xla", "cpu"]
+BACKENDS: tuple[str, ...] = ("pallas", "xla", "cpu")
 ENV_BACKEND = "PAGEDJAX_ATTENTION_BACKEND"
 ENV_INTERPRET = "PAGEDJAX_PALLAS_INTERPRET"
 # Which Pallas GPU lowering runs the attention kernels. Triton is the portable path (Ampere
@@ -52,14 +54,36 @@ def is_gpu_target() -> bool:
 
 
 def resolve_backend(backend: str | None) -> Backend:
-    """Explicit argument, then the env override, then Pallas on GPU / XLA elsewhere."""
+    """Explicit argument, then the env override, then Pallas on GPU / native or XLA on CPU."""
     choice = backend if backend is not None else os.environ.get(ENV_BACKEND) or None
     if choice is None:
-        return "pallas" if is_gpu_target() else "xla"
+        if is_gpu_target():
+            return "pallas"
+        return "cpu" if target_platform() == "cpu" and native_cpu_available() else "xla"
     choice = choice.lower()
     if choice not in BACKENDS:
         raise ValueError(f"unknown attention backend {choice!r}; expected one of {BACKENDS}")
+    if choice == "cpu" and not native_cpu_available():
+        raise ValueError("attention backend 'cpu': the native CPU kernel is unavailable "
+                         "(no C++ compiler, or PAGEDJAX_NATIVE_CPU=0); use 'xla'")
     return choice  # type: ignore[return-value]
+
+
+def native_cpu_available() -> bool:
+    from pallas_kernels import cpu_native
+
+    return cpu_native.available()
+
+
+def uses_pallas(backend: str | None) -> bool:
+    """Whether the cache ops (write_kv, copy_blocks) run their Pallas kernel."""
+    return resolve_backend(backend) == "pallas"
+
+
+def cost_follows_length(backend: str | None) -> bool:
+    """Whether attention's cost follows each sequence's real length (Pallas and native CPU
+    kernels) rather than the padded block-table width (the XLA path gathers all of it)."""
+    return resolve_backend(backend) in ("pallas", "cpu")
 
 
 def interpret_mode() -> bool:

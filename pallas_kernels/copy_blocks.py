@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import as_5d, from_5d
-from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
+from pallas_kernels.backend import interpret_mode, triton_params, uses_pallas
 
 # Elements per program: a whole 256-token fp32 page at head_dim 256 is 256 KiB, far more
 # than one program's registers (the H100 compile tier saw 7 KiB of spills), so a block is
@@ -93,6 +93,6 @@ def copy_blocks(
 
     Applies to every layer and KV head of both caches; donate the caches for in-place.
     """
-    if resolve_backend(backend) == "xla":
+    if not uses_pallas(backend):
         return copy_blocks_ref(k_cache, v_cache, block_mapping)
     return _copy_blocks_pallas(k_cache, v_cache, block_mapping, interpret=interpret_mode())

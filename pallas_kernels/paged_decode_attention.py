@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import tuning
+from pallas_kernels import cpu_native, tuning
 from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import (
@@ -269,7 +269,7 @@ def paged_decode_attention(
       context_lens: ``[num_seqs]`` int32; 0 marks a padding row (output zeros).
       scale: softmax scale, usually ``head_dim ** -0.5``.
       layer: python int or traced int32 scalar selecting the cache layer.
-      backend: "pallas", "xla" or None (auto, see :mod:`pallas_kernels.backend`).
+      backend: "pallas", "xla", "cpu" or None (auto, see :mod:`pallas_kernels.backend`).
       num_splits: flash-decoding partitions of the context (None: fill the GPU).
       chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters; None takes
         them from :mod:`pallas_kernels.tuning` for the target GPU.
@@ -279,7 +279,14 @@ def paged_decode_attention(
     lay = layer_arg(k_cache, layer)
     if q.shape[1] % k_cache.shape[-4]:
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
-    if resolve_backend(backend) == "xla":
+    chosen = resolve_backend(backend)
+    if chosen == "cpu" and cpu_native.supports(q, as_5d(k_cache)):
+        num_seqs = q.shape[0]
+        return cpu_native.ragged_paged_attention_cpu(
+            q, as_5d(k_cache), as_5d(v_cache), context_lens, block_tables,
+            jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.int32(num_seqs), lay,
+            scale=float(scale))
+    if chosen != "pallas":
         return paged_decode_attention_ref(
             q, k_cache, v_cache, block_tables, context_lens, lay, scale=float(scale)
         )

@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import tuning
+from pallas_kernels import cpu_native, tuning
 from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import (
@@ -347,7 +347,12 @@ def ragged_paged_attention(
     if q.shape[1] % k_cache.shape[-4]:
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
-    if resolve_backend(backend) == "xla":
+    chosen = resolve_backend(backend)
+    if chosen == "cpu" and cpu_native.supports(q, as_5d(k_cache)):
+        return cpu_native.ragged_paged_attention_cpu(
+            q, as_5d(k_cache), as_5d(v_cache), kv_lens, block_tables, cu_q_lens, num_seqs, lay,
+            scale=float(scale))
+    if chosen != "pallas":
         slots = q.shape[0] * block_tables.shape[1] * k_cache.shape[-2]
         if slots <= _XLA_PER_TOKEN_MAX_SLOTS and block_q is None:
             return ragged_paged_attention_per_token(

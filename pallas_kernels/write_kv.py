@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import as_5d, from_5d, layer_arg
-from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params
+from pallas_kernels.backend import interpret_mode, triton_params, uses_pallas
 
 
 def _write_kernel(
@@ -111,6 +111,6 @@ def write_kv(
     make the update in place. ``slot_mapping`` entries < 0 are padding and are skipped.
     """
     lay = layer_arg(k_cache, layer)
-    if resolve_backend(backend) == "xla":
+    if not uses_pallas(backend):
         return write_kv_ref(k, v, k_cache, v_cache, slot_mapping, lay)
     return _write_kv_pallas(k, v, k_cache, v_cache, slot_mapping, lay, interpret=interpret_mode())

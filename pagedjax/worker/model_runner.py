@@ -39,7 +39,7 @@ from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pagedjax.worker.shapes import ShapePlan
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
-from pallas_kernels.backend import resolve_backend
+from pallas_kernels.backend import cost_follows_length
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class ModelRunner:
         self.shape_plan = ShapePlan(
             engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
             self.max_blocks_per_seq,
-            fixed_width=resolve_backend(engine_config.attention_backend) == "pallas",
+            fixed_width=cost_follows_length(engine_config.attention_backend),
             block_size=self.block_size)
         self.scan_layers = resolve_layer_loop(engine_config.layer_loop, self.tp, devices) == "scan"
         # Async scheduling: every step's token ids pass through `_merge_ids`, which takes the

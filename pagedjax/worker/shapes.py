@@ -10,9 +10,9 @@ compiles. A step shape is ``(T, S, M, R, decode_only)``:
 - steps with prefill tokens: ``T`` = tokens rounded up to a power of two >= 16, and ``S`` and
   ``R`` follow from ``T`` (``min(T, seq cap)``, ``R + T`` when prompt logprobs are scored),
   so mixed batches add one shape per token bucket, not one per combination;
-- ``M``, the block-table width: the Pallas kernels' cost follows each sequence's real
-  length, so on GPU the width is always `max_blocks_per_seq`; the XLA path (CPU) gathers the
-  whole table, so there it takes a few widths, each 4x the last.
+- ``M``, the block-table width: the Pallas kernels' and the native CPU kernel's cost follows
+  each sequence's real length, so with them the width is always `max_blocks_per_seq`; the
+  XLA fallback path gathers the whole table, so there it takes a few widths, each 4x the last.
 
 Sampled rows (``n`` samples of a fresh prompt share its logits row) are padded separately,
 to the sampler's batch buckets (`sample_buckets`).
@@ -47,7 +47,7 @@ class ShapePlan:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_blocks_per_seq: int
-    fixed_width: bool  # True where attention cost follows real lengths (Pallas kernels)
+    fixed_width: bool  # True where attention cost follows real lengths (Pallas, native CPU)
     block_size: int = 16
 
     @property

@@ -41,7 +41,7 @@ def _run(case, q, scale, layer, backend, **kw):
     return np.asarray(out.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", "xla", "cpu"])
 @pytest.mark.parametrize("idx", range(len(CASES)))
 def test_decode_matches_reference_and_ignores_poison(idx, backend):
     lens, group, head_dim, bs, dtype, hkv = CASES[idx]
@@ -92,7 +92,7 @@ def test_chunk_sizes_agree(block_size, chunk_tokens):
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", "xla", "cpu"])
 def test_padding_rows_are_zero(backend):
     rng = np.random.default_rng(3)
     pc = make_paged(rng, ctx_lens=[0, 20, 0], num_layers=1, num_kv_heads=1, block_size=8,
@@ -105,7 +105,7 @@ def test_padding_rows_are_zero(backend):
     assert np.abs(out[1]).sum() > 0
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", "xla", "cpu"])
 def test_traced_layer_in_scan_and_4d_cache(backend):
     """Inside lax.scan over layers (traced layer index) == per-layer 4-D calls."""
     rng = np.random.default_rng(11)
@@ -134,7 +134,7 @@ def test_backend_env_override(monkeypatch):
     from pallas_kernels import resolve_backend
 
     monkeypatch.delenv("PAGEDJAX_ATTENTION_BACKEND", raising=False)
-    assert resolve_backend(None) == "xla"  # CPU default
+    assert resolve_backend(None) == "cpu"  # CPU default: the native kernel (it builds here)
     monkeypatch.setenv("PAGEDJAX_ATTENTION_BACKEND", "pallas")
     assert resolve_backend(None) == "pallas"
     assert resolve_backend("xla") == "xla"

@@ -77,7 +77,7 @@ def _run(q, k, v, kv_lens, tables, cu, num_seqs, scale, layer, backend, **kw):
     return np.asarray(out.astype(jnp.float32))
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", "xla", "cpu"])
 @pytest.mark.parametrize("idx", range(len(CASES)))
 def test_ragged_matches_dense_causal_reference(idx, backend):
     seqs, head_dim, dtype, pc, q, cu, kv_lens, tables = _build(idx)

@@ -1,0 +1,268 @@
+// Ragged paged attention for XLA:CPU, as an XLA FFI custom call.
+//
+// Why native code: on CPU, XLA can only express paged attention as a gather of every
+// sequence's K/V through its block table into a dense copy, then dots over the copy. The
+// copy costs more than the attention (a 64-sequence decode step of SmolLM2-135M spent 45 %
+// of its time there, see docs/v1-core.md) and grows with the padded table width. Pallas has
+// no CPU backend. This kernel reads K/V blocks in place through the table, so its cost
+// follows each sequence's real length, like the GPU kernels'.
+//
+// Semantics are those of `ragged_paged_attention_ref` (pallas_kernels/ragged_paged_attention.py):
+// sequence s owns query rows cu_q_lens[s]:cu_q_lens[s+1]; query i of a sequence with q_len new
+// tokens and kv_len total tokens sits at position kv_len - q_len + i and sees positions <= its
+// own. Rows past cu_q_lens[num_seqs], and sequences with kv_len 0, get zeros. Only blocks the
+// table names for positions < kv_len are read (ids are clamped into the pool, so a bad table
+// cannot read out of bounds). A decode step is the case q_len = 1.
+//
+// Work is split into items (sequence, kv head, tile of up to kTileQ query tokens); the items
+// are shared out over XLA's intra-op thread pool, the calling thread included. Each item keeps
+// its tile's queries, running max, sum and accumulator in fp32 (an online softmax over the
+// context, one block at a time).
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kTileQ = 16;          // query tokens per work item
+constexpr float kMask = -1e30f;     // finite: the library is built with -ffast-math
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bf16) {
+  uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void from_float(float x, float* out) { *out = x; }
+inline void from_float(float x, uint16_t* out) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  *out = static_cast<uint16_t>(bits >> 16);
+}
+
+struct Item {
+  int32_t seq, head, q0, nq;  // query rows [q0, q0 + nq) of sequence `seq` (relative)
+};
+
+struct Problem {
+  int64_t num_tokens, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, width;
+  int64_t layer;
+  float scale;
+  const int32_t* kv_lens;
+  const int32_t* tables;
+  const int32_t* cu;
+};
+
+// One work item: the tile's queries against its sequence's context, block by block.
+template <typename T>
+void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, const T* v_cache,
+              T* out, std::vector<float>& scratch) {
+  const int64_t D = p.head_dim, G = p.num_q_heads / p.num_kv_heads, bs = p.block_size;
+  const int64_t rows = it.nq * G;
+  const int32_t kv_len = p.kv_lens[it.seq];
+  const int32_t q_len = p.cu[it.seq + 1] - p.cu[it.seq];
+  const int64_t pos0 = int64_t(kv_len) - q_len + it.q0;  // position of the tile's first query
+  scratch.assign(rows * (2 * D + 2) + 2 * bs * D + bs, 0.f);
+  float* qf = scratch.data();           // [rows, D] scaled queries
+  float* acc = qf + rows * D;           // [rows, D]
+  float* m = acc + rows * D;            // [rows]
+  float* l = m + rows;                  // [rows]
+  float* kb = l + rows;                 // [bs, D] block converted to fp32 (bf16 caches)
+  float* vb = kb + bs * D;
+  float* s = vb + bs * D;               // [bs] scores of one row
+  for (int64_t i = 0; i < it.nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const T* src = q + ((p.cu[it.seq] + it.q0 + i) * p.num_q_heads + it.head * G + g) * D;
+      float* dst = qf + (i * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * p.scale;
+    }
+  std::fill(m, m + rows, kMask);
+  const int64_t last = pos0 + it.nq - 1;  // the tile sees keys [0, last]
+  const int64_t nblocks = last < 0 ? 0 : std::min<int64_t>(last / bs + 1, p.width);
+  const int32_t* table = p.tables + int64_t(it.seq) * p.width;
+  const int64_t head_base = (p.layer * p.num_kv_heads + it.head) * p.num_blocks;
+  for (int64_t j = 0; j < nblocks; ++j) {
+    const int64_t bid = std::clamp<int64_t>(table[j], 0, p.num_blocks - 1);
+    const T* kt = k_cache + (head_base + bid) * bs * D;
+    const T* vt = v_cache + (head_base + bid) * bs * D;
+    const float* kp;
+    const float* vp;
+    if constexpr (std::is_same_v<T, float>) {
+      kp = kt;
+      vp = vt;
+    } else {
+      const int64_t keys = std::min<int64_t>(bs, last + 1 - j * bs);
+      for (int64_t x = 0; x < keys * D; ++x) kb[x] = to_float(kt[x]);
+      for (int64_t x = 0; x < keys * D; ++x) vb[x] = to_float(vt[x]);
+      kp = kb;
+      vp = vb;
+    }
+    for (int64_t i = 0; i < it.nq; ++i) {
+      const int64_t keys = std::min<int64_t>(bs, pos0 + i + 1 - j * bs);  // causal, by length
+      if (keys <= 0) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t r = i * G + g;
+        const float* qr = qf + r * D;
+        float mx = m[r];
+        for (int64_t t = 0; t < keys; ++t) {
+          const float* kr = kp + t * D;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+          s[t] = dot;
+          mx = std::max(mx, dot);
+        }
+        const float alpha = std::exp(m[r] - mx);
+        float* ar = acc + r * D;
+        float sum = l[r] * alpha;
+        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
+        for (int64_t t = 0; t < keys; ++t) {
+          const float w = std::exp(s[t] - mx);
+          sum += w;
+          const float* vr = vp + t * D;
+          for (int64_t d = 0; d < D; ++d) ar[d] += w * vr[d];
+        }
+        l[r] = sum;
+        m[r] = mx;
+      }
+    }
+  }
+  for (int64_t i = 0; i < it.nq; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      T* dst = out + ((p.cu[it.seq] + it.q0 + i) * p.num_q_heads + it.head * G + g) * D;
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int64_t d = 0; d < D; ++d) from_float(acc[r * D + d] * inv, dst + d);
+    }
+}
+
+// Shared by the calling thread and pool tasks; heap-held so a task that starts after the
+// work is done (and finds nothing to claim) never touches a dead stack frame.
+struct Shared {
+  std::vector<Item> items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+template <typename T>
+void work(const std::shared_ptr<Shared>& sh, const Problem& p, const T* q, const T* k,
+          const T* v, T* out) {
+  std::vector<float> scratch;
+  const int64_t n = static_cast<int64_t>(sh->items.size());
+  for (int64_t i = sh->next.fetch_add(1); i < n; i = sh->next.fetch_add(1))
+    run_item(p, sh->items[i], q, k, v, out, scratch);
+}
+
+template <typename T>
+ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                  ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                  ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                  ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
+                  ffi::Result<ffi::AnyBuffer> out, float scale) {
+  auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
+  Problem p;
+  p.num_tokens = qd[0];
+  p.num_q_heads = qd[1];
+  p.head_dim = qd[2];
+  p.num_kv_heads = kd[1];
+  p.num_blocks = kd[2];
+  p.block_size = kd[3];
+  p.width = td[1];
+  const int64_t num_layers = kd[0];
+  p.layer = std::clamp<int64_t>(layer_buf.typed_data()[0], 0, num_layers - 1);
+  p.scale = scale;
+  p.kv_lens = kv_lens.typed_data();
+  p.tables = block_tables.typed_data();
+  p.cu = cu_q_lens.typed_data();
+  const int64_t max_seqs = td[0];
+  const int64_t num_seqs = std::clamp<int64_t>(num_seqs_buf.typed_data()[0], 0, max_seqs);
+  const T* qp = static_cast<const T*>(q.untyped_data());
+  const T* kp = static_cast<const T*>(k_cache.untyped_data());
+  const T* vp = static_cast<const T*>(v_cache.untyped_data());
+  T* op = static_cast<T*>(out->untyped_data());
+  const int64_t row = p.num_q_heads * p.head_dim;
+
+  auto sh = std::make_shared<Shared>();
+  std::vector<char> owned(p.num_tokens, 0);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = p.cu[s], end = p.cu[s + 1];
+    if (start < 0 || end > p.num_tokens || end < start)
+      return ffi::Error::InvalidArgument("cu_q_lens out of range");
+    if (p.kv_lens[s] <= 0 || p.kv_lens[s] < end - start) continue;  // zeros
+    for (int64_t t = start; t < end; ++t) owned[t] = 1;
+    for (int64_t q0 = 0; q0 < end - start; q0 += kTileQ)
+      for (int64_t h = 0; h < p.num_kv_heads; ++h)
+        sh->items.push_back(Item{int32_t(s), int32_t(h), int32_t(q0),
+                                 int32_t(std::min<int64_t>(kTileQ, end - start - q0))});
+  }
+  for (int64_t t = 0; t < p.num_tokens; ++t)
+    if (!owned[t]) std::memset(op + t * row, 0, row * sizeof(T));
+  // Longest items first: each tile's cost grows with its context.
+  std::sort(sh->items.begin(), sh->items.end(), [&](const Item& a, const Item& b) {
+    return p.kv_lens[a.seq] - (p.cu[a.seq + 1] - p.cu[a.seq]) + a.q0 + a.nq >
+           p.kv_lens[b.seq] - (p.cu[b.seq + 1] - p.cu[b.seq]) + b.q0 + b.nq;
+  });
+  const int64_t helpers =
+      std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(sh->items.size()) - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([sh, p, qp, kp, vp, op] {
+      sh->active.fetch_add(1);
+      work(sh, p, qp, kp, vp, op);
+      sh->active.fetch_sub(1);
+    });
+  }
+  work(sh, p, qp, kp, vp, op);
+  // Every item is claimed; wait for helpers still running theirs. A helper that starts
+  // later claims nothing.
+  while (sh->active.load() > 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                    ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
+                    ffi::Result<ffi::AnyBuffer> out, float scale) {
+  const auto dt = q.element_type();
+  if (k_cache.element_type() != dt || v_cache.element_type() != dt || out->element_type() != dt)
+    return ffi::Error::InvalidArgument("q, k_cache, v_cache and out must share a dtype");
+  if (q.dimensions().size() != 3 || k_cache.dimensions().size() != 5 ||
+      block_tables.dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("expected q [T,Hq,D], caches [L,Hkv,N,bs,D], tables [S,M]");
+  if (q.dimensions()[1] % k_cache.dimensions()[1] != 0)
+    return ffi::Error::InvalidArgument("num_q_heads must be a multiple of num_kv_heads");
+  if (dt == ffi::DataType::F32)
+    return attend<float>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+                         layer, out, scale);
+  if (dt == ffi::DataType::BF16)
+    return attend<uint16_t>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+                            num_seqs, layer, out, scale);
+  return ffi::Error::InvalidArgument("dtype must be float32 or bfloat16");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionCpu, Dispatch,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // q [T, Hq, D]
+                                  .Arg<ffi::AnyBuffer>()          // k_cache [L, Hkv, N, bs, D]
+                                  .Arg<ffi::AnyBuffer>()          // v_cache
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // kv_lens [S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables [S, M]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::AnyBuffer>()          // out [T, Hq, D]
+                                  .Attr<float>("scale"));
