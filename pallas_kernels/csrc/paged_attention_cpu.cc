@@ -35,7 +35,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kTileQ = 16;          // query tokens per work item
-constexpr float kMask = -1e30f;     // finite: the library is built with -ffast-math
+constexpr float kMask = -1e30f;     // finite, so exp(kMask - m) is exactly 0
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bf16) {

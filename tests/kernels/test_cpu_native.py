@@ -130,3 +130,14 @@ def test_switch_off_selects_xla(monkeypatch):
         cpu_native.available.cache_clear()
     monkeypatch.delenv(cpu_native.ENV_DISABLE)
     assert resolve_backend(None) == "cpu"
+
+
+def test_loading_keeps_subnormal_floats():
+    """The library must not switch the process to flush-to-zero (as -ffast-math's
+    crtfastmath.o does on load): numpy, hypothesis and user code rely on IEEE subnormals."""
+    import ctypes
+
+    ctypes.cdll.LoadLibrary(str(cpu_native.build()))
+    tiny = float(np.finfo(np.float64).smallest_subnormal)
+    assert tiny * 1.0 > 0.0
+    assert np.float32(np.finfo(np.float32).smallest_subnormal) * np.float32(1) > 0
