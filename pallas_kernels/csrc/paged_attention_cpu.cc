@@ -93,10 +93,20 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
   const int64_t nblocks = last < 0 ? 0 : std::min<int64_t>(last / bs + 1, p.width);
   const int32_t* table = p.tables + int64_t(it.seq) * p.width;
   const int64_t head_base = (p.layer * p.num_kv_heads + it.head) * p.num_blocks;
+  const int64_t block_bytes = bs * D * int64_t(sizeof(T));
   for (int64_t j = 0; j < nblocks; ++j) {
     const int64_t bid = std::clamp<int64_t>(table[j], 0, p.num_blocks - 1);
     const T* kt = k_cache + (head_base + bid) * bs * D;
     const T* vt = v_cache + (head_base + bid) * bs * D;
+    if (j + 1 < nblocks) {  // blocks are scattered: fetch the next one while this one runs
+      const int64_t nb = std::clamp<int64_t>(table[j + 1], 0, p.num_blocks - 1);
+      const char* nk = reinterpret_cast<const char*>(k_cache + (head_base + nb) * bs * D);
+      const char* nv = reinterpret_cast<const char*>(v_cache + (head_base + nb) * bs * D);
+      for (int64_t off = 0; off < block_bytes; off += 64) {
+        __builtin_prefetch(nk + off);
+        __builtin_prefetch(nv + off);
+      }
+    }
     const float* kp;
     const float* vp;
     if constexpr (std::is_same_v<T, float>) {
