@@ -343,16 +343,13 @@ class ModelRunner:
         return self._zero_tokens
 
     def warmup_token_feed(self) -> None:
-        """Compile `_pad_tokens` for every sampler batch size (powers of two up to the cap)."""
+        """Compile `_pad_tokens` for every sampler batch size (the sequence buckets)."""
         if not self.feed_tokens:
             return
-        b, dev = 1, jax.local_devices()[0]
-        while True:
+        dev = jax.local_devices()[0]
+        for b in self.shape_plan.sample_buckets:
             jax.block_until_ready(self.sampled_tokens(
                 jax.device_put(np.zeros(b, np.int32), dev)))
-            if b >= self.shape_plan.seq_cap:
-                break
-            b = min(2 * b, self.shape_plan.seq_cap)
 
     # ---- block operations --------------------------------------------------
     @staticmethod

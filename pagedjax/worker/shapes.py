@@ -5,8 +5,10 @@ Every jitted call compiles once per argument shape, and a compile stalls every r
 and warm-up compiles exactly that set (`ShapePlan.step_shapes`); after it, serving never
 compiles. A step shape is ``(T, S, M, R, decode_only)``:
 
-- decode steps (one token per sequence): ``T = S = R`` = sequences rounded up to a power of
-  two (from 1: on CPU a lone decode padded to 8 rows is 1.5x slower);
+- decode steps (one token per sequence): ``T = S = R`` = sequences rounded up to a sequence
+  bucket: powers of two to 8 (a lone decode padded to 8 rows is 1.5x slower on CPU), then
+  steps of 8 to 64, 16 to 256 and 32 beyond (`seq_bucket_list`; a decode step's cost grows
+  with its rows, and power-of-two buckets made 33 sequences pay for 64: 1.7x on CPU);
 - steps with prefill tokens: ``T`` = tokens rounded up to a power of two >= 16, and ``S`` and
   ``R`` follow from ``T`` (``min(T, seq cap)``, ``R + T`` when prompt logprobs are scored),
   so mixed batches add one shape per token bucket, not one per combination;
@@ -38,6 +40,16 @@ def _pow2_range(lo: int, hi: int) -> list[int]:
     return out
 
 
+def seq_bucket_list(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then +8 to 64, +16 to 256, +32 beyond, up to the first >= max_num_seqs."""
+    out, b = [], 1
+    while True:
+        out.append(b)
+        if b >= max_num_seqs:
+            return out
+        b = 2 * b if b < 8 else b + (8 if b < 64 else 16 if b < 256 else 32)
+
+
 MIN_PREFILL_TOKENS = 16
 WIDTH_STEP = 4  # XLA path: each block-table width is 4x the previous
 
@@ -52,11 +64,11 @@ class ShapePlan:
 
     @property
     def seq_cap(self) -> int:
-        return pow2_at_least(self.max_num_seqs)
+        return self.seq_buckets[-1]
 
     @property
     def seq_buckets(self) -> list[int]:
-        return _pow2_range(1, self.max_num_seqs)
+        return seq_bucket_list(self.max_num_seqs)
 
     @property
     def token_buckets(self) -> list[int]:
@@ -79,7 +91,9 @@ class ShapePlan:
 
     def decode(self, num_seqs: int) -> tuple[int, int, int]:
         """(T, S, R) of a decode step."""
-        s = pow2_at_least(num_seqs)
+        s = next((b for b in self.seq_buckets if b >= num_seqs), None)
+        if s is None:
+            raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
         return s, s, s
 
     def mixed(self, num_tokens: int, num_seqs: int, extra_rows: int) -> tuple[int, int, int]:

@@ -49,9 +49,11 @@ def test_every_step_pads_to_a_planned_shape(max_num_seqs, budget, block_size, ma
 
 def test_plan_sizes():
     plan = ShapePlan(64, 2048, 256, fixed_width=False, block_size=16)
-    assert plan.seq_buckets == [1, 2, 4, 8, 16, 32, 64]
+    assert plan.seq_buckets == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert plan.token_buckets == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert plan.widths == [4, 16, 64, 256]
     assert ShapePlan(64, 2048, 256, fixed_width=True).widths == [256]
-    assert plan.decode(5) == (8, 8, 8)
+    assert plan.decode(5) == (8, 8, 8) and plan.decode(33) == (40, 40, 40)
+    big = ShapePlan(300, 2048, 64, fixed_width=True)
+    assert big.seq_buckets[-4:] == [240, 256, 288, 320] and big.seq_cap == 320
     assert plan.mixed(100, 3, 0) == (128, 64, 64) and plan.mixed(100, 3, 5) == (128, 64, 192)
