@@ -75,7 +75,13 @@ def build(force: bool = False) -> Path:
     cxx = _compiler()
     if cxx is None:
         raise NativeBuildError("no C++ compiler found (set $CXX)")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # read-only home: build under the temporary directory instead
+        out = Path(tempfile.gettempdir()) / "pagedjax-native" / out.name
+        if out.exists() and not force:
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
