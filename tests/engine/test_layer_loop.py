@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from models.config import LlamaConfig
-from models.llama import unstack_layers
+from models.llama import FUSED_PROJECTIONS, unstack_layers
 from models.weights import abstract_params, assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.config import EngineConfig
@@ -34,9 +34,17 @@ def test_unstack_layers_splits_arrays_and_shapes(tiny):
     flat = unstack_layers(params)
     assert "layers" not in flat and set(params) - {"layers"} <= set(flat)
     assert [k for k in flat if k.startswith("layer_")] == [f"layer_{i}" for i in range(config.num_layers)]
+    stacked = params["layers"]
+    fused_from = {n for names in FUSED_PROJECTIONS.values() for n in names}
     for i in range(config.num_layers):
-        for a, b in zip(jax.tree.leaves(flat[f"layer_{i}"]), jax.tree.leaves(params["layers"])):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+        layer = flat[f"layer_{i}"]
+        assert set(layer) == (set(stacked) - fused_from) | set(FUSED_PROJECTIONS)
+        for name in set(stacked) - fused_from:  # norms: layer i of the stack
+            for a, b in zip(jax.tree.leaves(layer[name]), jax.tree.leaves(stacked[name])):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[i])
+        for fused, names in FUSED_PROJECTIONS.items():  # columns in q, k, v / gate, up order
+            want = np.concatenate([np.asarray(stacked[n]["kernel"])[i] for n in names], axis=-1)
+            np.testing.assert_array_equal(np.asarray(layer[fused]["kernel"]), want)
     shapes = unstack_layers(abstract_params(config))
     assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == \
         jax.tree.map(lambda x: (x.shape, x.dtype), flat)
