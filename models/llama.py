@@ -6,9 +6,10 @@ over per-layer parameters (`scan_layers=False`). The loop is what serving on CPU
 scan, XLA:CPU copies each layer's weight slice out of the stacked array before the matmul, so a
 memory-bound decode step reads every weight twice and writes it once (measured: 16 vs 27 GB/s
 on this project's 2-core machine). The loop's layout also fuses each layer's q/k/v projections
-into one `qkv_proj` matmul and gate/up into one `gate_up_proj` (fewer, wider dots: 22 % less
-projection time at one row, 4 % at 64, none at 256 on that machine; `bench/fused_projections.py`). Checkpoints and loaders keep the stacked,
-unfused layout; `unstack_layers` converts once at load.
+into one `qkv_proj` matmul and gate/up into one `gate_up_proj`: fewer, wider dots, 22 % less
+projection time at one row, 4 % at 64 and none at 256 on that machine
+(`bench/fused_projections.py`). Checkpoints and loaders keep the stacked, unfused layout;
+`unstack_layers` converts once at load.
 
 Attention goes through a narrow, swappable `AttentionFn`: the model computes q/k/v and rotary
 embeddings, and hands them with the KV-cache state and per-step metadata to that function,

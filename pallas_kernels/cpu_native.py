@@ -9,8 +9,9 @@ width serves every step (`ShapePlan.fixed_width`). It is the CPU engine's attent
 pure-jnp reference, which the tests compare it against.
 
 The library is compiled on first use with the system C++ compiler (`$CXX`, else `c++`)
-against the FFI headers jaxlib ships, into a cache keyed by source, flags and jaxlib version
-(`$PAGEDJAX_CACHE_DIR`, default ``~/.cache/pagedjax``). Built for the host CPU
+against the FFI headers jaxlib ships, into a cache keyed by source, flags, jaxlib version and
+host (`$PAGEDJAX_CACHE_DIR`, default ``~/.cache/pagedjax``; the temporary directory when that
+is not writable). Built for the host CPU
 (``-march=native``): the cache lives on the machine that runs it. ``PAGEDJAX_NATIVE_CPU=0``
 turns it off (the XLA path then serves CPU).
 """
