@@ -1,10 +1,10 @@
 """Native ragged paged attention for XLA:CPU (`csrc/paged_attention_cpu.cc`, an XLA FFI call).
 
 Pallas has no CPU backend, and XLA can only express paged attention by gathering every
-sequence's K/V through its table into a dense copy whose size follows the padded table width;
-on 2 CPU cores that copy was 45 % of a 64-sequence decode step. The native kernel reads
-blocks in place through the table, so its cost follows real lengths, and one block-table
-width serves every step (`ShapePlan.fixed_width`). It is the CPU engine's attention
+sequence's K/V through its table into a dense copy whose size follows the padded table width
+(1.3-7x slower per layer than this kernel on 2 CPU cores, `bench/cpu_attention.py`). The
+native kernel reads blocks in place through the table, so its cost follows real lengths, and
+one block-table width serves every step (`ShapePlan.fixed_width`). It is the CPU engine's attention
 (`backend="cpu"`, picked automatically on CPU when it builds); `backend="xla"` keeps the
 pure-jnp reference, which the tests compare it against.
 
