@@ -64,6 +64,7 @@ from pagedjax.sampler import (
 )
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from pagedjax.worker.compile_stats import num_backend_compiles
+from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner
 from pagedjax.worker.shapes import pow2_at_least
 from pagedjax.worker.step_inputs import build_step_inputs
@@ -148,6 +149,10 @@ class LLMEngine:
                                      ec.max_num_seqs, ec.enable_prefix_caching, self.block_manager)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.beams = BeamSearcher(self.scheduler, self.outputs, self._new_seq_id)
+        # Persistent per-sequence step state (block tables by deltas); rows of sequences that
+        # end are released after each step, and rows it never hears about are swept.
+        self.input_batch = InputBatch(self.runner.max_blocks_per_seq,
+                                      max_rows=4 * ec.max_num_seqs)
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
             self.warmup()
@@ -450,7 +455,9 @@ class LLMEngine:
                          for g in range(fl.num_device_beam_groups)] + fl.host_beam_cands
                 beams = (fl.beam_groups, cands)
             touched = self._apply_samples(fl, small, beams)
-        self.scheduler.free_finished_seq_groups()
+        done = self.scheduler.free_finished_seq_groups()
+        if done:
+            self.input_batch.release(s.seq_id for g in done for s in g.seqs)
         for rid in touched:
             req = self._requests.get(rid)
             if req is None:
@@ -568,7 +575,7 @@ class LLMEngine:
         p_rows, p_plan = self._prompt_rows(sched)
         inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
                                    self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
-                                   plan=self.runner.shape_plan)
+                                   plan=self.runner.shape_plan, batch=self.input_batch)
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
         logits = self.runner.execute(inputs)

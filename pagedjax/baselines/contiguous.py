@@ -207,6 +207,10 @@ class ContiguousKVManager:
         n = min(r.num_blocks, self._blocks(seq.num_total_tokens))
         return list(range(r.start, r.start + n))
 
+    def get_block_table_ref(self, seq: Sequence) -> tuple[list[int], int]:
+        """A fresh table with no version (-1): the runner's batch rewrites its row each step."""
+        return self.get_block_table(seq), -1
+
     def get_num_free_gpu_blocks(self) -> int:
         return self.buddy.num_free
 

@@ -47,13 +47,23 @@ class PrefixHandle:
         return self.valid and len(self.blocks) == self.num_full_blocks
 
 
+# Table versions are unique across all block managers of the process (an engine may replace
+# its KV manager), so equal versions always mean the same table.
+_TABLE_VERSIONS = itertools.count()
+
+
 class _SeqBlocks:
     """Block-manager side state of one sequence."""
 
-    __slots__ = ("table", "on_cpu", "chain", "extra", "publish")
+    __slots__ = ("table", "on_cpu", "chain", "extra", "publish", "version")
 
-    def __init__(self, table: list[int], chain: list[CacheEntry], extra: tuple) -> None:
+    def __init__(self, table: list[int], chain: list[CacheEntry], extra: tuple,
+                 version: int) -> None:
         self.table = table
+        # Unique per table content up to appends: a new state, a copy-on-write replacement
+        # or a swap takes a fresh number, an append keeps it. The runner's persistent batch
+        # (`InputBatch`) then copies only the appended ids of a table it has seen.
+        self.version = version
         self.on_cpu = False
         self.chain = chain  # cache entries of the leading full blocks already published/found
         self.extra = extra
@@ -90,6 +100,7 @@ class BlockManager:
         self._pending_handles: set[int] = set()
         self._pinned: Counter[int] = Counter()
         self._handle_ids = itertools.count(1)
+        self._versions = _TABLE_VERSIONS
 
     # -- helpers ----------------------------------------------------------
     def _num_blocks(self, num_tokens: int) -> int:
@@ -135,6 +146,12 @@ class BlockManager:
 
     def get_block_table(self, seq: Sequence) -> list[int]:
         return list(self._state(seq).table)
+
+    def get_block_table_ref(self, seq: Sequence) -> tuple[list[int], int]:
+        """The live table (not a copy: read it before the next call that allocates) and its
+        version (see `_SeqBlocks.version`): the scheduler's per-step view, with no copy."""
+        st = self._state(seq)
+        return st.table, st.version
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu.get_num_free()
@@ -215,7 +232,7 @@ class BlockManager:
                 table.append(e.block_id)
             for _ in range(self._num_blocks(seq.num_total_tokens) - len(hits)):
                 table.append(self.gpu.allocate())
-            self._seqs[seq.seq_id] = _SeqBlocks(table, hits, extra)
+            self._seqs[seq.seq_id] = _SeqBlocks(table, hits, extra, next(self._versions))
             seq.num_computed_tokens = self._cached_len(seq, len(hits)) if hits else 0
 
     # -- growth -------------------------------------------------------------
@@ -268,6 +285,8 @@ class BlockManager:
                 gpu.decref(src)
                 table[i] = dst
                 copies.append((src, dst))
+        if copies:
+            st.version = next(self._versions)
         while len(table) < end_block:
             table.append(gpu.allocate())
         return copies
@@ -281,7 +300,7 @@ class BlockManager:
             raise ValueError(f"sequence {child_seq.seq_id} already has blocks")
         for b in st.table:
             self.gpu.incref(b)
-        child = _SeqBlocks(list(st.table), list(st.chain), st.extra)
+        child = _SeqBlocks(list(st.table), list(st.chain), st.extra, next(self._versions))
         child.publish = st.publish
         self._seqs[child_seq.seq_id] = child
 
@@ -330,6 +349,7 @@ class BlockManager:
             for b in reversed(st.table):
                 self.gpu.decref(b)
             st.table = new_table
+            st.version = next(self._versions)
             st.on_cpu = True
             st.chain = []  # blocks change on swap-in; republish from scratch
         return list(mapping.items())
@@ -365,6 +385,7 @@ class BlockManager:
             for c in reversed(st.table):
                 self.cpu.decref(c)
             st.table = new_table
+            st.version = next(self._versions)
             st.on_cpu = False
         return list(mapping.items())
 

@@ -57,8 +57,13 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]  # the Δ tokens to compute this step
     start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
-    block_table: list[int]  # full physical block table after allocation for this step
+    # Full physical block table after allocation for this step. From the scheduler it is the
+    # KV manager's live list, not a copy: read it before the next `schedule()`.
+    block_table: list[int]
     needs_logits: bool  # all known tokens computed after this step -> sample
+    # The table's version (`BlockManager.get_block_table_ref`): the same version as a table
+    # seen before means only appends since. -1: unknown, the runner copies the whole table.
+    table_version: int = -1
 
 
 @dataclass
@@ -401,23 +406,18 @@ class Scheduler:
         out = st.out
         bm = self.bm
         for seq, d in plan:
-            out.blocks_to_copy.extend(bm.append_slots(seq, d))
+            copies = bm.append_slots(seq, d)
+            if copies:
+                out.blocks_to_copy.extend(copies)
             start = seq.num_computed_tokens
             end = start + d
             known = seq.num_total_tokens
             ids = seq.get_token_slice(start, end)
             if end > known:  # tokens still on the device (async scheduling): placeholders
                 ids = ids + [PENDING_TOKEN] * (end - max(start, known))
-            out.scheduled.append(
-                ScheduledSeq(
-                    seq_id=seq.seq_id,
-                    request_id=g.request_id,
-                    token_ids=ids,
-                    start_pos=start,
-                    block_table=bm.get_block_table(seq),
-                    needs_logits=end == known + seq.num_pending,
-                )
-            )
+            table, version = bm.get_block_table_ref(seq)
+            out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, table,
+                                              end == known + seq.num_pending, version))
             st.budget -= d
             out.num_batched_tokens += d
         # A lone prompt of an n>1 request fans out into n sampled rows when its prefill ends:

@@ -13,6 +13,7 @@ import itertools
 import numpy as np
 
 from pagedjax.core.scheduler import ScheduledSeq
+from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.paged_attention import PagedMeta
 from pagedjax.worker.shapes import ShapePlan, pow2_at_least
 
@@ -41,16 +42,19 @@ class StepInputs:
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks_per_seq: int,
                       rows_per_seq: list[int] | None = None,
                       extra_rows: list[int] | None = None,
-                      plan: ShapePlan | None = None) -> StepInputs:
+                      plan: ShapePlan | None = None,
+                      batch: InputBatch | None = None) -> StepInputs:
     """Flatten scheduled sequences into a ragged token batch.
 
     `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
     n when a prompt fans out into n samples); default: 1 if `needs_logits` else 0.
     `extra_rows` are flat token indices whose logits are wanted too (prompt logprobs); they
     follow the sampled rows in `logits_indices`. `plan` fixes the padded shapes (default: a
-    plan sized for this batch, for tools that build one step by hand).
-    Vectorised over tokens: the only per-sequence Python work is copying its block table row
-    (host overhead is on the critical path of every step).
+    plan sized for this batch, for tools that build one step by hand). `batch` (the engine's
+    persistent `InputBatch`) supplies the block tables by deltas; without it each table is
+    copied whole.
+    Vectorised over tokens: the only per-sequence Python work is its block table row (host
+    overhead is on the critical path of every step).
     """
     num_seqs = len(scheduled)
     q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int32, num_seqs)
@@ -78,9 +82,12 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     cu_q_lens = np.full(s_pad + 1, total, np.int32)
     cu_q_lens[0] = 0
     np.cumsum(q_lens, out=cu_q_lens[1 : num_seqs + 1])
-    block_tables = np.zeros((s_pad, m_pad), np.int32)
-    for i, s in enumerate(scheduled):
-        block_tables[i, : len(s.block_table)] = s.block_table
+    if batch is not None:
+        block_tables = batch.block_tables(scheduled, s_pad, m_pad)
+    else:
+        block_tables = np.zeros((s_pad, m_pad), np.int32)
+        for i, s in enumerate(scheduled):
+            block_tables[i, : len(s.block_table)] = s.block_table
 
     seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)
     pos = start_pos[seq_of_token] + (np.arange(total, dtype=np.int32) - cu_q_lens[seq_of_token])

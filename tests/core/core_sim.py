@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+
 from pagedjax.core import (
     BlockManager,
     SampledToken,
@@ -20,6 +22,7 @@ from pagedjax.core import (
     SequenceGroup,
     SequenceStatus,
 )
+from pagedjax.worker.input_batch import InputBatch
 
 
 def next_token(tokens: list[int]) -> int:
@@ -53,6 +56,9 @@ class FakeEngine:
         self.first_token_at: dict[str, int] = {}
         self.outputs: list[SchedulerOutput] = []
         self.failed: set[str] = set()  # groups whose scheduling raised (SchedulerOutput.failed)
+        # The runner's persistent block tables, checked against the live tables every step;
+        # few rows and only every other finished group released, so rows are swept and reused.
+        self.batch = InputBatch(-(-cfg["max_model_len"] // block_size) + 1, max_rows=8)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, **kw):
         seq = Sequence(next(self.ids), prompt)
@@ -94,6 +100,13 @@ class FakeEngine:
                 p = s.start_pos + i
                 self.gpu.setdefault(s.block_table[p // bs], {})[p % bs] = tuple(toks[: p + 1])
             assert s.needs_logits == (s.start_pos + len(s.token_ids) == len(toks))
+        if out.scheduled:
+            width = max(len(s.block_table) for s in out.scheduled)
+            got = self.batch.block_tables(out.scheduled, len(out.scheduled) + 1, width)
+            want = np.zeros_like(got)
+            for i, s in enumerate(out.scheduled):
+                want[i, : len(s.block_table)] = s.block_table
+            assert (got == want).all(), "persistent block tables differ from the live tables"
         self.sched.update_after_step(out)
         sampled = []
         for s in out.scheduled:
@@ -108,6 +121,8 @@ class FakeEngine:
                 assert a.seq.status is SequenceStatus.FINISHED_LENGTH
         for g in self.sched.free_finished_seq_groups():
             self.finished_at[g.request_id] = self.steps
+            if len(self.finished_at) % 2:
+                self.batch.release(s.seq_id for s in g.seqs)
         for g in out.rejected:
             self.finished_at[g.request_id] = self.steps
         for g, _error in out.failed:
