@@ -35,6 +35,7 @@ from pagedjax.parallel.mesh import (
     validate_tp,
     vocab_sharded,
 )
+from pagedjax.worker.host_heap import keep_freed_memory
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pagedjax.worker.shapes import ShapePlan
 from pagedjax.worker.step_inputs import StepInputs, bucket
@@ -85,6 +86,8 @@ class ModelRunner:
     def __init__(self, config: LlamaConfig, params: dict, engine_config: EngineConfig, dtype,
                  max_model_len: int, shard_vocab: bool = True):
         self._setup(config, engine_config, dtype, max_model_len, shard_vocab)
+        if jax.local_devices()[0].platform == "cpu":  # device buffers are heap memory
+            keep_freed_memory()
         if self.mesh is not None:
             params = shard_params(params, config, self.mesh, shard_vocab)
         # Committed placement: `update_params` keeps shardings, so the step sees arguments of

@@ -141,6 +141,34 @@ def test_filter_masks_match_numpy() -> None:
     np.testing.assert_array_equal(kept[want], logits[want])
 
 
+@pytest.mark.parametrize("candidates", [1, 64, V])
+def test_top_k_top_p_thresholds_from_candidates_and_search_match_numpy(monkeypatch, candidates):
+    """Both ways to a threshold, against float64 numpy: read from the top candidates (peaked
+    rows, k within them) and the exact bisection (flat rows, k past the candidates; with one
+    candidate almost every row searches, with V none does). Ties cross the boundaries."""
+    import pagedjax.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "TOP_CANDIDATES", candidates)
+    rng = np.random.default_rng(5)
+    rows, settings = [], []
+    for scale in (0.3, 1.0, 4.0, 12.0):  # flat .. peaked
+        for k, p in ((-1, 0.9), (-1, 0.5), (-1, 0.99), (10, 0.9), (100, 0.95), (300, 1.0),
+                     (100, 1.0), (64, 0.7), (1, 0.5), (V - 1, 0.8)):
+            row = rng.normal(size=V) * scale
+            if k in (64, 100):
+                row = np.round(row, 1)  # ties, also at the k-th value and past the candidates
+            rows.append(row)
+            settings.append((k if k > 0 else V, p))
+    logits = np.asarray(rows, np.float32)
+    top_k = np.array([k for k, _ in settings], np.int32)
+    top_p = np.array([p for _, p in settings], np.float32)
+    min_p = np.zeros(len(rows), np.float32)
+    got = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), top_k, top_p, min_p)))
+    want, ambiguous = np_keep_mask(logits, top_k, top_p, min_p)
+    assert ambiguous.sum() <= 2
+    np.testing.assert_array_equal(got[~ambiguous], want[~ambiguous])
+
+
 def test_sampled_tokens_lie_in_filtered_set_with_temperature() -> None:
     rng = np.random.default_rng(3)
     b, temp = len(FILTERS), 0.7
@@ -303,3 +331,37 @@ def test_from_params_shapes_and_padding() -> None:
     assert meta.temperature.tolist() == [0.5, 0.0, 0.0] and meta.step.tolist() == [17, 0, 0]
     with pytest.raises(ValueError, match="pad_to"):
         meta_for([p, p], [st(), st()], pad_to=1)
+
+
+def test_first_argmax_matches_jnp_argmax_with_ties_nan_and_inf() -> None:
+    from pagedjax.sampler import categorical, first_argmax
+
+    rng = np.random.default_rng(3)
+    x = rng.integers(-3, 3, (64, 257)).astype(np.float32)  # many ties
+    x[5, 17] = np.nan
+    x[6] = -np.inf
+    x[7, [3, 9]] = np.inf
+    x[8, [4, 6]] = np.nan
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))),
+                                  np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    logits = jnp.asarray(rng.standard_normal(1000), jnp.float32)
+    for i in range(20):
+        key = jax.random.key(i)
+        assert int(categorical(key, logits)) == int(jax.random.categorical(key, logits))
+
+
+def test_sampler_never_sorts_the_vocabulary() -> None:
+    """A sort of [rows, vocab] costs XLA:CPU 250 ms at 64 x 49152; XLA also turns `top_k` back
+    into one when its result feeds whole-row work in some patterns (see
+    `_top_k_top_p_threshold`). The compiled sampler, top-k/top-p/logprobs on, has none."""
+    import re
+
+    b, v = 8, 1024
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=40, logprobs=5, seed=1),
+              SamplingParams(temperature=1.0, top_p=0.5)] * (b // 2)
+    meta = meta_for(params, [st()] * b, pad_to=b)
+    hlo = sample.lower(jnp.zeros((b, v), jnp.float32), meta, num_logprobs=20,
+                       rows=np.arange(b, dtype=np.int32)).compile().as_text()
+    assert "TopK" in hlo or "top_k" in hlo.lower()
+    sorts = [line for line in hlo.splitlines() if re.search(rf"f32\[{b},{v}\].*\bsort\(", line)]
+    assert not sorts, sorts[:2]

@@ -1,0 +1,158 @@
+"""The sampler on XLA:CPU: argmax formulations, the whole `sample` call, and the host heap.
+
+    .venv/bin/python bench/sampler.py [--rows 1,64,256] [--reps 3] [--iters 20]
+
+Each rep runs two fresh processes, one with freed heap memory kept in the process
+(`pagedjax/worker/host_heap.py`, the CPU engine's default) and one without
+(`PAGEDJAX_KEEP_HEAP=0`), alternating which goes first (A, B, B, A, ...). Each process times,
+interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
+
+- `jnp_argmax`: `jnp.argmax` (XLA:CPU's variadic reduce) against `first_argmax`
+  (`pagedjax/sampler.py`: max, then the first index holding it);
+- `log_softmax` (the sampler's raw logprobs);
+- `sample_greedy`, `sample_top_p`, `sample_logprobs`: the jitted `sample` as the engine calls
+  it (all rows greedy with no top logprobs; all rows temperature 0.8, top-p 0.9; greedy with
+  the top-20 logprobs).
+
+Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
+average at the start. Writes bench/results/cpu/sampler.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 49152
+
+
+def child(rows: list[int], iters: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pagedjax.sampler import SamplingMetadata, SeqSamplingState, first_argmax, sample
+    from pagedjax.sampling_params import SamplingParams
+    from pagedjax.worker.host_heap import keep_freed_memory
+
+    kept = keep_freed_memory()
+    rng = np.random.default_rng(0)
+    out: dict = {"heap_kept": kept, "ms": {}}
+    argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1))
+    fast = jax.jit(first_argmax)
+    log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))
+    for b in rows:
+        logits = jax.device_put(rng.standard_normal((b, VOCAB)).astype(np.float32))
+        idx = np.arange(b, dtype=np.int32)
+
+        def meta(p: SamplingParams, want_topk: bool, b=b):
+            m = SamplingMetadata.from_params([(p, SeqSamplingState([1], []))] * b, b, VOCAB)
+            return m.replace(want_topk=np.bool_(want_topk))
+
+        greedy = meta(SamplingParams(temperature=0), False)
+        top_p = meta(SamplingParams(temperature=0.8, top_p=0.9, seed=1), False)
+        with_lp = meta(SamplingParams(temperature=0, logprobs=20), True)
+        calls = {
+            "jnp_argmax": lambda x=logits: argmax(x),
+            "first_argmax": lambda x=logits: fast(x),
+            "log_softmax": lambda x=logits: log_softmax(x),
+            "sample_greedy": lambda x=logits, m=greedy, i=idx: sample(x, m, num_logprobs=20,
+                                                                      rows=i),
+            "sample_top_p": lambda x=logits, m=top_p, i=idx: sample(x, m, num_logprobs=20,
+                                                                    rows=i),
+            "sample_logprobs": lambda x=logits, m=with_lp, i=idx: sample(x, m, num_logprobs=20,
+                                                                         rows=i),
+        }
+        assert (np.asarray(argmax(logits)) == np.asarray(fast(logits))).all()
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for f in calls.values():
+            jax.block_until_ready(f())
+        for _ in range(iters):
+            for k, f in calls.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(f())
+                times[k].append(time.perf_counter() - t0)
+        out["ms"][str(b)] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return out
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    ops = list(res["median_ms"]["kept"][str(rows[0])])
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4))
+    for ax, b in zip(axes if len(rows) > 1 else [axes], rows):
+        x = range(len(ops))
+        for off, heap in ((-0.2, "not_kept"), (0.2, "kept")):
+            ax.bar([i + off for i in x], [res["median_ms"][heap][str(b)][o] for o in ops],
+                   width=0.4, label=f"heap {heap.replace('_', ' ')}")
+        ax.set_xticks(list(x), ops, rotation=35, ha="right", fontsize=8)
+        ax.set_title(f"[{b}, {VOCAB}] fp32 logits")
+        ax.set_ylabel("ms per call (median)")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"sampler on XLA:CPU, {res['machine']['cpu_count']} cores "
+                 f"(load {res['machine']['load_avg_1m_at_start']:.2f} at start)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,64,256")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/sampler.json"))
+    args = ap.parse_args()
+    rows = [int(x) for x in args.rows.split(",")]
+    if args.child:
+        print(json.dumps(child(rows, args.iters)))
+        return
+    load = os.getloadavg()[0]
+    runs = []
+    for rep in range(args.reps):
+        order = ("1", "0") if rep % 2 == 0 else ("0", "1")
+        for keep in order:
+            env = {**os.environ, "PAGEDJAX_KEEP_HEAP": keep, "JAX_PLATFORMS": "cpu"}
+            proc = subprocess.run([sys.executable, __file__, "--child", "--rows", args.rows,
+                                   "--iters", str(args.iters)], env=env, check=True,
+                                  capture_output=True, text=True)
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            assert r["heap_kept"] == (keep == "1"), r["heap_kept"]
+            runs.append({"rep": rep, "heap": "kept" if keep == "1" else "not_kept", **r})
+            print(f"rep {rep} heap {runs[-1]['heap']}: {r['ms']}", flush=True)
+    med = {heap: {str(b): {op: statistics.median(
+        x["ms"][str(b)][op] for x in runs if x["heap"] == heap)
+        for op in runs[0]["ms"][str(b)]} for b in rows} for heap in ("kept", "not_kept")}
+    import jax
+
+    res = {"what": "ms per call, median over reps of per-process medians (bench/sampler.py)",
+           "command": "python bench/sampler.py " + " ".join(sys.argv[1:]),
+           "machine": {"cpu": platform.processor() or platform.machine(),
+                       "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load},
+           "versions": {"jax": jax.__version__}, "rows": rows, "median_ms": med, "runs": runs}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json.dump(res, open(out, "w"), indent=1)
+    plot(res, out.with_suffix(".png"))
+    for b in rows:
+        for op in med["kept"][str(b)]:
+            print(f"{b:4d} rows {op:16s} heap kept {med['kept'][str(b)][op]:7.2f} ms   "
+                  f"not kept {med['not_kept'][str(b)][op]:7.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
