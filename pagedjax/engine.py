@@ -586,8 +586,11 @@ class LLMEngine:
         b_pad = self._sample_batch(len(row_info), inputs.shape_key[1])
         src = np.zeros(b_pad, np.int32)
         src[: len(row_src)] = row_src
-        rows = [(req.params, SeqSamplingState(seq.prompt_token_ids, seq.output_token_ids,
-                                              req.counter, index, seq.num_pending))
+        hist = self.input_batch.histories  # penalty histories: persistent, grown by deltas
+        rows = [(req.params, SeqSamplingState(
+                    *(hist(seq) if req.params.uses_penalties
+                      else (seq.prompt_token_ids, seq.output_token_ids)),
+                    req.counter, index, seq.num_pending))
                 for req, seq, index, _ in row_info]
         meta = self._sampling_metadata(rows, b_pad)
         out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)

@@ -9,7 +9,13 @@ the tables barely change: a decoding sequence gains one block every `block_size`
 - a new sequence, a copy-on-write replacement, a swap or a recompute (each a new version) gets
   its row rewritten, with the stale tail zeroed, so the row is exactly the table.
 
-A step's `[S, M]` block-table array is then one gather of the scheduled rows. The batch is a
+A step's `[S, M]` block-table array is then one gather of the scheduled rows.
+
+Penalised requests' token histories (the sampler's repetition / frequency / presence inputs)
+are kept the same way: one int32 buffer per sequence holding its prompt and outputs, which a
+step extends by the tokens appended since the last (`histories`), so packing a step's
+`[rows, max_model_len]` histories copies arrays instead of converting every row's whole token
+list each step. The batch is a
 cache, never the source of truth: a row is checked against the live table's version every
 time it is used, so a missed release or a step that was dropped after scheduling can cost a
 rewrite but never a stale block id (a stale id would read another request's KV).
@@ -37,6 +43,8 @@ class InputBatch:
         self._version: list[int] = []  # per row: the table version it mirrors (-2: none)
         self._written: list[int] = []  # per row: table entries written
         self.num_rewrites = 0  # full-row writes (tests and benchmarks read it)
+        # seq id -> (prompt + outputs buffer, outputs written): penalised sequences only.
+        self._hist: dict[int, tuple[np.ndarray, int]] = {}
 
     def __len__(self) -> int:
         return len(self._row)
@@ -62,6 +70,7 @@ class InputBatch:
     def release(self, seq_ids: Iterable[int]) -> None:
         """Forget the rows of sequences that ended (finished, aborted, dropped beams)."""
         for sid in seq_ids:
+            self._hist.pop(sid, None)
             r = self._row.pop(sid, None)
             if r is not None:
                 self._version[r] = -2
@@ -72,6 +81,7 @@ class InputBatch:
         if len(self._row) >= self.max_rows:  # releases were missed: start over, keep this step
             keep = {s.seq_id for s in scheduled}
             self.release([sid for sid in self._row if sid not in keep])
+            self._hist = {k: v for k, v in self._hist.items() if k in keep}
         row_of, version, written, tables = self._row, self._version, self._written, self._tables
         out = []
         for s in scheduled:
@@ -106,3 +116,21 @@ class InputBatch:
         out = np.zeros((s_pad, m_pad), np.int32)
         out[: len(rows)] = self._tables[rows, :m_pad]
         return out
+
+    def histories(self, seq) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt ids, output ids) of a sequence as int32 arrays (views of its buffer), with
+        only the outputs appended since the last call copied in (outputs only ever grow: a fork
+        is a new sequence; a buffer that is full or disagrees is rebuilt, twice as large)."""
+        prompt, out = seq.prompt_token_ids, seq.output_token_ids
+        p, n = len(prompt), len(out)
+        entry = self._hist.get(seq.seq_id)
+        if entry is None or entry[0].shape[0] < p + n or entry[1] > n:
+            buf = np.empty(max(p + n, 2 * (p + n), 64), np.int32)  # room to grow
+            buf[:p] = prompt
+            done = 0
+        else:
+            buf, done = entry
+        if n > done:
+            buf[p + done : p + n] = out[done:]
+        self._hist[seq.seq_id] = (buf, n)
+        return buf[:p], buf[p : p + n]

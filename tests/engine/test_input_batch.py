@@ -82,3 +82,21 @@ def test_missed_releases_are_swept_and_rows_rebuilt():
 def test_table_wider_than_the_batch_is_refused():
     with pytest.raises(ValueError, match="max_blocks_per_seq"):
         InputBatch(2).block_tables([ScheduledSeq(0, "a", [0], 0, [1, 2, 3], True, 1)], 1, 4)
+
+
+def test_penalty_histories_follow_the_token_lists():
+    rng = np.random.default_rng(1)
+    batch = InputBatch(8)
+    seqs = [Sequence(i, [int(x) for x in rng.integers(0, 50, rng.integers(1, 40))])
+            for i in range(6)]
+    for step in range(300):
+        seq = seqs[int(rng.integers(len(seqs)))]
+        for _ in range(int(rng.integers(0, 4))):
+            seq.append_token(int(rng.integers(0, 50)))
+        if rng.random() < 0.05:  # a fork: a new sequence with a copy of the history
+            seqs.append(seq.fork(100 + step))
+        prompt, out = batch.histories(seq)
+        assert prompt.dtype == out.dtype == np.int32
+        assert prompt.tolist() == seq.prompt_token_ids and out.tolist() == seq.output_token_ids
+        if rng.random() < 0.05:
+            batch.release([seq.seq_id])
