@@ -12,7 +12,10 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
 - `log_softmax` (the sampler's raw logprobs);
 - `sample_greedy`, `sample_top_p`, `sample_logprobs`: the jitted `sample` as the engine calls
   it (all rows greedy with no top logprobs; all rows temperature 0.8, top-p 0.9; greedy with
-  the top-20 logprobs).
+  the top-20 logprobs), over standard-normal logits: a flat distribution whose nucleus holds
+  thousands of tokens, the top-p worst case (the threshold by bisection);
+- `sample_top_p_peaked`: top-p over the same logits times 8, a confident distribution whose
+  nucleus lies within the 64 candidates (`TOP_CANDIDATES`), the common case for a trained model.
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
 average at the start. Writes bench/results/cpu/sampler.json and .png.
@@ -52,6 +55,7 @@ def child(rows: list[int], iters: int) -> dict:
     log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))
     for b in rows:
         logits = jax.device_put(rng.standard_normal((b, VOCAB)).astype(np.float32))
+        peaked = logits * 8
         idx = np.arange(b, dtype=np.int32)
 
         def meta(p: SamplingParams, want_topk: bool, b=b):
@@ -71,6 +75,8 @@ def child(rows: list[int], iters: int) -> dict:
                                                                     rows=i),
             "sample_logprobs": lambda x=logits, m=with_lp, i=idx: sample(x, m, num_logprobs=20,
                                                                          rows=i),
+            "sample_top_p_peaked": lambda x=peaked, m=top_p, i=idx: sample(x, m, num_logprobs=20,
+                                                                           rows=i),
         }
         assert (np.asarray(argmax(logits)) == np.asarray(fast(logits))).all()
         times: dict[str, list[float]] = {k: [] for k in calls}

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.extend.random import threefry2x32_p
 
 from pagedjax.sampling_params import _GREEDY_EPS, SamplingParams
 
@@ -322,8 +323,10 @@ def _smallest_key(pred, rows: int) -> jax.Array:
     return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
 
 
-def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """Per-row logit threshold of top-k then top-p, without sorting the vocabulary.
+def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array
+                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-row logit threshold of top-k then top-p, without sorting the vocabulary; also
+    returns the candidates (values [B, kc] descending, and their token ids).
 
     Sorting [rows, vocab] costs XLA:CPU 250 ms at 64 x 49152 (`bench/sampler.py`). The
     thresholds are values of the row: the k-th largest logit, and the smallest logit whose
@@ -345,7 +348,7 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
     all_k = k >= v
     need_p = top_p < 1.0
     row_max = jnp.max(x, axis=-1)
-    cand = jax.lax.top_k(x, kc)[0]  # [B, kc], descending
+    cand, cand_ids = jax.lax.top_k(x, kc)  # [B, kc], descending
     slot = jax.lax.broadcasted_iota(jnp.int32, cand.shape, 1)
 
     def pick(i):  # cand[row, i[row]] without a slice or gather of the top_k result
@@ -370,15 +373,49 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array) -> 
 
     def search():  # exact for every row, from `x` alone
         key = _order_key(x)
-        kth_s = jnp.where(all_k, -jnp.inf, _from_order_key(_smallest_key(
-            lambda m: jnp.sum(key > m[:, None], axis=-1) < k, b)))
+        # The k-th value by search only where the candidates do not give it (top-k is
+        # usually off or small): 32 passes saved in the common case.
+        kth_s = jax.lax.cond((~k_known).any(), lambda: jnp.where(k_known, kth, _from_order_key(
+            _smallest_key(lambda m: jnp.sum(key > m[:, None], axis=-1) < k, b))), lambda: kth)
         e = jnp.where(x >= kth_s[:, None], jnp.exp(x - row_max[:, None]), 0.0)
         tot = jnp.sum(e, axis=-1)
         thr = _from_order_key(_smallest_key(
             lambda m: jnp.sum(jnp.where(key > m[:, None], e, 0.0), axis=-1) < top_p * tot, b))
         return jnp.where(need_p, thr, kth_s)  # thr >= kth_s: lower keys hold all the mass
 
-    return jnp.where(known, thr_c, jax.lax.cond((~known).any(), search, lambda: thr_c))
+    thr = jnp.where(known, thr_c, jax.lax.cond((~known).any(), search, lambda: thr_c))
+    return thr, cand, cand_ids.astype(jnp.int32)
+
+
+def filter_threshold(
+    logits: jax.Array,
+    top_k: jax.Array,
+    top_p: jax.Array,
+    min_p: jax.Array,
+    *,
+    do_top_k_top_p: bool | jax.Array = True,
+    do_min_p: bool | jax.Array = True,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The per-row logit threshold of `filter_logits` (keep ``logits >= threshold``), with
+    the `TOP_CANDIDATES` largest logits, their token ids, and whether every kept token is
+    among them (the threshold above the last candidate), which lets the sampler draw from
+    the candidates alone."""
+    b, v = logits.shape
+    kc = min(TOP_CANDIDATES, v)
+
+    def none(x):
+        return (jnp.full((b,), _NEG_INF, x.dtype), jnp.zeros((b, kc), x.dtype),
+                jnp.zeros((b, kc), jnp.int32))
+
+    threshold, cand, cand_ids = jax.lax.cond(
+        do_top_k_top_p, lambda x: _top_k_top_p_threshold(x, top_k, top_p), none, logits)
+    row_max = jnp.max(logits, axis=-1)
+    min_p_thr = jnp.where(min_p > 0, row_max + jnp.log(min_p), _NEG_INF)
+    threshold = jnp.where(do_min_p, jnp.maximum(threshold, min_p_thr), threshold)
+    slot = jax.lax.broadcasted_iota(jnp.int32, cand.shape, 1)
+    last = jnp.max(jnp.where(slot == kc - 1, cand, _NEG_INF), axis=-1)  # not a slice: see above
+    contained = do_top_k_top_p & ((kc == v) | (threshold > last))
+    return threshold, cand, cand_ids, contained
 
 
 def filter_logits(
@@ -400,13 +437,8 @@ def filter_logits(
     without a sort (`_top_k_top_p_threshold`). Min-p keeps ``p >= min_p * p_max``
     which, being a ratio, is unaffected by the renormalisation of earlier filters.
     """
-    no_threshold = jnp.full(logits.shape[:1], _NEG_INF, logits.dtype)
-    threshold = jax.lax.cond(do_top_k_top_p,
-                             lambda x: _top_k_top_p_threshold(x, top_k, top_p),
-                             lambda x: no_threshold, logits)
-    row_max = jnp.max(logits, axis=-1)
-    min_p_thr = jnp.where(min_p > 0, row_max + jnp.log(min_p), _NEG_INF)
-    threshold = jnp.where(do_min_p, jnp.maximum(threshold, min_p_thr), threshold)
+    threshold = filter_threshold(logits, top_k, top_p, min_p, do_top_k_top_p=do_top_k_top_p,
+                                 do_min_p=do_min_p)[0]
     return jnp.where(logits >= threshold[:, None], logits, _NEG_INF)
 
 
@@ -426,6 +458,29 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """`jax.random.categorical` for one row (the same Gumbel noise, so the same token for
     the same key) with `first_argmax`."""
     return first_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+
+
+def gumbel_at(key: jax.Array, ids: jax.Array) -> jax.Array:
+    """``jax.random.gumbel(key, (V,), float32)[ids]`` for any V > max(ids), computing only
+    the listed entries. With partitionable threefry (jax's default since 0.5) each entry's
+    bits hash its own index, so a subset costs its size, not the vocabulary's; the float
+    conversion repeats `jax.random.uniform`'s. `tests/sampling` checks equality with the
+    full draw, so a change in jax shows up there."""
+    k = jax.random.key_data(key)
+    ids = ids.astype(jnp.uint32)
+    b1, b2 = threefry2x32_p.bind(k[0], k[1], jnp.zeros_like(ids), ids)
+    bits = b1 ^ b2
+    one = np.array(1.0, np.float32).view(np.uint32)
+    floats = jax.lax.bitcast_convert_type((bits >> np.uint32(9)) | one, jnp.float32) - 1.0
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    u = jax.lax.max(tiny, floats * (jnp.float32(1.0) - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
+def gumbel_at_supported() -> bool:
+    """`gumbel_at` reproduces the full draw only with partitionable threefry keys."""
+    return bool(jax.config.jax_threefry_partitionable) and \
+        jax.config.jax_default_prng_impl == "threefry2x32"
 
 
 def row_keys(meta: SamplingMetadata) -> jax.Array:
@@ -492,9 +547,25 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     def random(x):
         greedy = meta.temperature < _GREEDY_EPS
         x = x / jnp.where(greedy, 1.0, meta.temperature)[:, None]
-        x = filter_logits(x, meta.top_k, meta.top_p, meta.min_p,
-                          do_top_k_top_p=meta.do_top_k_top_p, do_min_p=meta.do_min_p)
-        sampled = jax.vmap(categorical)(row_keys(meta), x).astype(jnp.int32)
+        thr, cand, cand_ids, contained = filter_threshold(
+            x, meta.top_k, meta.top_p, meta.min_p, do_top_k_top_p=meta.do_top_k_top_p,
+            do_min_p=meta.do_min_p)
+        keys = row_keys(meta)
+
+        def among_candidates():
+            # Every kept token is a candidate: Gumbel noise for the candidates only (the
+            # values the full draw gives them), the same token as the full draw.
+            noisy = jnp.where(cand >= thr[:, None],
+                              jax.vmap(gumbel_at)(keys, cand_ids) + cand, _NEG_INF)
+            best = jnp.max(noisy, axis=-1, keepdims=True)
+            return jnp.min(jnp.where(noisy == best, cand_ids, x.shape[-1]), axis=-1)
+
+        def over_vocabulary():  # noise for the whole vocabulary: 0.4 ms per row on 2 cores
+            kept = jnp.where(x >= thr[:, None], x, _NEG_INF)
+            return jax.vmap(categorical)(keys, kept)
+
+        fast = jnp.all(contained | greedy) if gumbel_at_supported() else False
+        sampled = jax.lax.cond(fast, among_candidates, over_vocabulary).astype(jnp.int32)
         return jnp.where(greedy, greedy_tokens, sampled)
 
     tokens = jax.lax.cond(meta.all_greedy, lambda x: greedy_tokens, random, x)

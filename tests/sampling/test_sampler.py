@@ -365,3 +365,38 @@ def test_sampler_never_sorts_the_vocabulary() -> None:
     assert "TopK" in hlo or "top_k" in hlo.lower()
     sorts = [line for line in hlo.splitlines() if re.search(rf"f32\[{b},{v}\].*\bsort\(", line)]
     assert not sorts, sorts[:2]
+
+
+def test_gumbel_at_equals_the_full_draw() -> None:
+    from pagedjax.sampler import gumbel_at, gumbel_at_supported
+
+    assert gumbel_at_supported()
+    v = 49152
+    rng = np.random.default_rng(7)
+    for i in range(8):
+        key = jax.random.fold_in(jax.random.key(int(rng.integers(2**31))), i)
+        ids = jnp.asarray(rng.choice(v, 64, replace=False), jnp.int32)
+        full = jax.random.gumbel(key, (v,), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(gumbel_at(key, ids)), np.asarray(full[ids]))
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0])
+def test_sampling_among_candidates_draws_the_full_vocabulary_token(monkeypatch, scale) -> None:
+    """Peaked rows (kept set within the candidates) take the candidate draw; it must give
+    the token the whole-vocabulary Gumbel draw gives, seed by seed. Flat rows fall back."""
+    import pagedjax.sampler as sampler_mod
+
+    rng = np.random.default_rng(8)
+    b = 16
+    logits = (rng.normal(size=(b, V)) * scale).astype(np.float32)
+    params = [SamplingParams(temperature=float(rng.uniform(0.5, 1.2)), top_p=0.9,
+                             top_k=[-1, 20][i % 2], min_p=[0.0, 0.01][i % 3 == 0], seed=i)
+              for i in range(b)]
+    meta = meta_for(params, [st()] * b, pad_to=b)
+    got = [np.asarray(sample(logits, meta.replace(seed=meta.seed + s)).token_ids)
+           for s in range(30)]
+    monkeypatch.setattr(sampler_mod, "gumbel_at_supported", lambda: False)
+    sample_full = jax.jit(sampler_mod.sample.__wrapped__, static_argnames=("num_logprobs",))
+    want = [np.asarray(sample_full(logits, meta.replace(seed=meta.seed + s)).token_ids)
+            for s in range(30)]
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
