@@ -16,7 +16,10 @@ Results: tokens/s per engine and workload (median over reps), per-rep ratios,
 time to first token for the 1-prompt workload, and how many greedy outputs are identical.
 
 Engine `pagedjax-async` is pagedjax with asynchronous scheduling forced on (off by default on
-CPU): `--engines pagedjax,pagedjax-async --out bench/results/cpu/async_scheduling.json`
+CPU): `--engines pagedjax,pagedjax-async --out bench/results/cpu/async_scheduling.json`.
+Engine `pagedjax-heap-off` is pagedjax with `PAGEDJAX_KEEP_HEAP=0` (freed heap memory returned
+to the OS, as before `pagedjax/worker/host_heap.py`):
+`--engines pagedjax,pagedjax-heap-off --out bench/results/cpu/host_heap.json`
 compares the two.
 
 `--busy-core` keeps the last CPU busy with a pinned spinning process during every timed run
@@ -96,8 +99,10 @@ def ensure_peers(gguf: Path, hf_dir: Path) -> None:
 
 
 def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) -> list[str]:
-    if name in ("pagedjax", "pagedjax-async"):
+    if name in ("pagedjax", "pagedjax-async", "pagedjax-heap-off"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
+        if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
+            cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
         # "pagedjax-async": the same engine with asynchronous scheduling forced on (off by
         # default on CPU), to measure what overlapping host and device work buys here.
         mode = f"async_scheduling={name == 'pagedjax-async'}"
