@@ -111,7 +111,8 @@ class _InFlight:
     # Sequence id -> its row, for sequences given a pending token by this step.
     pending_rows: dict[int, int] = dataclasses.field(default_factory=dict)
     # The next step cannot be scheduled before this one's tokens are applied: beams and
-    # fan-outs fork on the host, penalties need the token in the sampler's history.
+    # fan-outs fork on the host. (Penalised rows get their pending token into the sampler's
+    # history on the device: `ModelRunner.merge_pending_history`.)
     needs_sync: bool = False
 
 
@@ -215,7 +216,7 @@ class LLMEngine:
         plan = self.runner.shape_plan
         with_prompt_lp = not self.engine_config.enable_prefix_caching
         shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp)
-        self.runner.warmup_token_feed()
+        self.runner.warmup_token_feed(history_width=self.max_model_len)
         vocab = self.model_config.vocab_size
         dummy = SamplingParams(max_tokens=1)
         full = SamplingParams(max_tokens=2, min_tokens=1, repetition_penalty=1.1)
@@ -593,6 +594,8 @@ class LLMEngine:
                     req.counter, index, seq.num_pending))
                 for req, seq, index, _ in row_info]
         meta = self._sampling_metadata(rows, b_pad)
+        if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
+            meta = self._feed_pending_history(meta, row_info, prev)
         out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
         fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
@@ -607,8 +610,6 @@ class LLMEngine:
             if req.is_beam or fan_out:  # forks are decided on the host
                 fl.needs_sync = True
                 continue
-            if req.params.uses_penalties:  # the sampler needs the token in the history
-                fl.needs_sync = True
             after = seq.num_pending + 1  # tokens this sequence will have gained
             if (seq.num_output_tokens + after >= req.params.max_tokens
                     or seq.num_total_tokens + after >= self.max_model_len):
@@ -616,6 +617,27 @@ class LLMEngine:
             seq.num_pending += 1
             fl.pending_rows[seq.seq_id] = r
         return fl
+
+    def _feed_pending_history(self, meta: SamplingMetadata, row_info, prev: _InFlight | None
+                              ) -> SamplingMetadata:
+        """Write each penalised row's pending token (sampled by the step still in flight) into
+        its output history on the device, after the tokens the host knows."""
+        cols = None
+        for r, (req, seq, _index, _fan_out) in enumerate(row_info):
+            if not (seq.num_pending and req.params.uses_penalties):
+                continue
+            src = prev.pending_rows.get(seq.seq_id) if prev is not None else None
+            if src is None:
+                raise RuntimeError(f"sequence {seq.seq_id} has a pending token that no "
+                                   f"launched step samples")
+            if cols is None:
+                b = meta.output_token_ids.shape[0]
+                cols, srcs = np.full(b, -1, np.int32), np.zeros(b, np.int32)
+            cols[r], srcs[r] = seq.num_output_tokens, src
+        if cols is None:
+            return meta
+        return meta.replace(output_token_ids=self.runner.merge_pending_history(
+            meta.output_token_ids, cols, srcs, prev.tokens))
 
     def _feed_pending(self, sched, inputs, prev: _InFlight | None) -> None:
         """Point each pending token of the step at its row in the previous step's sampled

@@ -73,7 +73,8 @@ class SeqSamplingState(NamedTuple):
     request_counter: int = 0
     seq_index: int = 0
     # Tokens sampled by a step still on the device (async scheduling): they count towards
-    # `step` (the row's random stream) and `min_tokens`, not the penalty histories.
+    # `step` (the row's random stream) and `min_tokens`; the engine writes them into the
+    # penalty histories on the device (`ModelRunner.merge_pending_history`).
     num_pending: int = 0
 
 

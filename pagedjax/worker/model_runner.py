@@ -345,14 +345,33 @@ class ModelRunner:
                                                jax.local_devices()[0])
         return self._zero_tokens
 
-    def warmup_token_feed(self) -> None:
-        """Compile `_pad_tokens` for every sampler batch size (the sequence buckets)."""
+    @partial(jax.jit, static_argnums=0)
+    def _merge_history(self, history, cols, prev_rows, prev_tokens):
+        b = jnp.arange(history.shape[0])
+        col = jnp.where(cols >= 0, cols, history.shape[1])  # -1: nothing (out of bounds, dropped)
+        return history.at[b, col].set(prev_tokens[jnp.maximum(prev_rows, 0)], mode="drop")
+
+    def merge_pending_history(self, history: np.ndarray, cols: np.ndarray, prev_rows: np.ndarray,
+                              prev_tokens: jax.Array) -> jax.Array:
+        """Penalty histories `[rows, width]` with each pending token written in on the device:
+        row r gets the previous step's sampled token of row `prev_rows[r]` at column `cols[r]`
+        (-1: none). The host never sees that token before the sampler needs it, so penalised
+        requests need no host sync under async scheduling."""
+        return self._merge_history(history, cols, prev_rows, prev_tokens)
+
+    def warmup_token_feed(self, history_width: int = 0) -> None:
+        """Compile `_pad_tokens`, and `_merge_history` at `history_width`, for every sampler
+        batch size (the sequence buckets)."""
         if not self.feed_tokens:
             return
         dev = jax.local_devices()[0]
         for b in self.shape_plan.sample_buckets:
-            jax.block_until_ready(self.sampled_tokens(
-                jax.device_put(np.zeros(b, np.int32), dev)))
+            tokens = self.sampled_tokens(jax.device_put(np.zeros(b, np.int32), dev))
+            jax.block_until_ready(tokens)
+            if history_width:
+                none = np.full(b, -1, np.int32)
+                jax.block_until_ready(self.merge_pending_history(
+                    np.zeros((b, history_width), np.int32), none, none, tokens))
 
     # ---- block operations --------------------------------------------------
     @staticmethod

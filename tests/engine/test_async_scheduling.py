@@ -33,7 +33,7 @@ def _params(rng: np.random.Generator, prefix_caching: bool) -> SamplingParams:
         return SamplingParams(temperature=0.9, top_p=0.9, top_k=int(rng.integers(1, 40)),
                               seed=int(rng.integers(0, 1000)), max_tokens=m,
                               logprobs=int(rng.integers(0, 6)), min_tokens=min(4, m))
-    if kind == 2:  # penalties: the step after must wait for the token (history)
+    if kind == 2:  # penalties: the pending token reaches the history on the device
         return SamplingParams(temperature=0.8, presence_penalty=0.5, repetition_penalty=1.2,
                               seed=int(rng.integers(0, 1000)), max_tokens=m)
     if kind == 3:  # beams: forks decided on the host
@@ -187,3 +187,36 @@ def test_async_scheduling_refused_with_tensor_parallelism():
         resolve_async_scheduling(True, 2)
     assert resolve_async_scheduling(None, 2) is False
     assert resolve_async_scheduling(False, 1) is False
+
+
+def test_penalised_requests_run_ahead_and_equal_sync(tiny):
+    """Penalties no longer force a host sync: the pending token is written into the
+    sampler's history on the device (`ModelRunner.merge_pending_history`). Every request
+    penalised, sampled and seeded: async runs ahead on most steps and draws exactly the
+    tokens of the synchronous engine (a history missing the pending token changes them)."""
+    config, params = tiny
+    runs = {}
+    for async_on in (False, True):
+        llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=64, block_size=8,
+                              max_num_seqs=8, max_model_len=128, async_scheduling=async_on)
+        fed = []
+        execute = llm.engine.runner.execute
+
+        def spy(inputs, execute=execute, fed=fed):
+            fed.append(0 if inputs.prev_rows is None else int((inputs.prev_rows >= 0).sum()))
+            return execute(inputs)
+
+        llm.engine.runner.execute = spy
+        rng = np.random.default_rng(5)
+        prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 40, int(n))]}
+                   for n in rng.integers(2, 20, 6)]
+        sps = [SamplingParams(temperature=1.5, frequency_penalty=float(f), presence_penalty=0.7,
+                              repetition_penalty=1.3, seed=i, max_tokens=40, ignore_eos=True)
+               for i, f in enumerate(rng.uniform(0.5, 2.0, 6))]
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        runs[async_on] = ([o.outputs[0].token_ids for o in outs], fed)
+        bm = llm.engine.block_manager
+        assert bm.get_num_free_gpu_blocks() == llm.engine.runner.num_gpu_blocks
+    assert runs[True][0] == runs[False][0]
+    fed = runs[True][1]
+    assert sum(1 for f in fed if f) > 0.6 * len(fed), fed
