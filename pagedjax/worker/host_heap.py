@@ -4,7 +4,9 @@ XLA:CPU allocates every step's large buffers with `malloc`: the logits and the s
 `[rows, vocab]` temporaries are 50 MB each at 256 rows of a 49k vocabulary. glibc serves
 allocations that large with a fresh `mmap` and unmaps them on free, so every step touches
 every page of them anew, one page fault per 4 KiB. On this project's 2-core CPU that made
-`log_softmax` over [256, 49152] take 28.9 ms instead of 7.2 ms (`bench/sampler.py --heap`).
+`log_softmax` over [256, 49152] take 34.9 ms instead of 8.4 ms, and the whole engine 8-11 %
+slower on batched runs (`bench/sampler.py`; `bench/offline_throughput.py --engines
+pagedjax,pagedjax-heap-off`).
 vLLM's CPU backend avoids it by preloading tcmalloc; here `mallopt` does the same in-process:
 no `mmap` for large blocks (they come from the heap and are reused) and no trimming of the
 heap's top. The price is that the process keeps its peak heap, as with tcmalloc.

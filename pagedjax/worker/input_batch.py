@@ -15,10 +15,12 @@ Penalised requests' token histories (the sampler's repetition / frequency / pres
 are kept the same way: one int32 buffer per sequence holding its prompt and outputs, which a
 step extends by the tokens appended since the last (`histories`), so packing a step's
 `[rows, max_model_len]` histories copies arrays instead of converting every row's whole token
-list each step. The batch is a
-cache, never the source of truth: a row is checked against the live table's version every
-time it is used, so a missed release or a step that was dropped after scheduling can cost a
-rewrite but never a stale block id (a stale id would read another request's KV).
+list each step.
+
+The batch is a cache, never the source of truth: a row is checked against the live table's
+version every time it is used, so a missed release or a step that was dropped after
+scheduling can cost a rewrite but never a stale block id (a stale id would read another
+request's KV).
 Rows are released when their sequences end (`release`); if releases are missed, the batch
 forgets every row not in the current step once it holds `max_rows`.
 
@@ -125,7 +127,7 @@ class InputBatch:
         p, n = len(prompt), len(out)
         entry = self._hist.get(seq.seq_id)
         if entry is None or entry[0].shape[0] < p + n or entry[1] > n:
-            buf = np.empty(max(p + n, 2 * (p + n), 64), np.int32)  # room to grow
+            buf = np.empty(max(2 * (p + n), 64), np.int32)  # room to grow
             buf[:p] = prompt
             done = 0
         else:
