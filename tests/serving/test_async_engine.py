@@ -61,17 +61,21 @@ def test_asyncio_streams():
     async def main(a):
         async def one(i):
             stream = await a.add_request_async(f"a{i}", "hi", {"max_tokens": 4})
-            return [o.outputs[0].text async for o in stream]
+            return [o.outputs[0].text async for o in stream], stream.coalesced
 
         return await asyncio.gather(*(one(i) for i in range(5)))
 
     a = AsyncEngine(FakeEngine()).start()
     try:
-        texts = asyncio.run(main(a))
+        results = asyncio.run(main(a))
     finally:
         a.shutdown()
+    texts = [t for t, _ in results]
     assert [t[-1] for t in texts] == ["w0 w1 w2 w3 "] * 5
-    assert all(len(t) == 4 for t in texts)
+    # One output per step (4), less those a busy event loop had not taken before the next
+    # one replaced them (latest wins): growing cumulative texts, none lost without a count.
+    assert all(len(t) + coalesced == 4 for t, coalesced in results), results
+    assert all(a_.startswith(b) and a_ != b for t in texts for b, a_ in zip(t, t[1:]))
 
 
 def test_validation_errors_name_the_field(aeng):
