@@ -1,0 +1,113 @@
+"""Where the CPU decode step stands against this machine's floors (demo model, fp32).
+
+    .venv/bin/python bench/cpu_floor.py [--iters 15]
+
+Times, interleaved (A, B, C, ... repeated), the median of:
+
+- `stream_weights`: a jitted sum over an fp32 array as large as the model's weights: the
+  memory-bandwidth floor of a batch-1 decode step, which must read every weight once;
+- `matvec_chain`: every weight matmul of the model (the layers' fused projections and the LM
+  head) at one row, chained, with nothing else: what XLA's GEMVs take;
+- `decode_step_1`, `decode_step_64`: the engine's jitted step (`ModelRunner.execute`, unrolled
+  layers, native CPU attention) at 1 and 64 decoding sequences of 128-token contexts;
+- `matmuls_64`: the same weight matmuls at 64 rows, with the GFLOP/s they reach.
+
+Writes bench/results/cpu/cpu_floor.json with the load average at the start and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=15)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/cpu_floor.json"))
+    args = ap.parse_args()
+    load = os.getloadavg()[0]
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.loader import load_model
+    from pagedjax.config import EngineConfig
+    from pagedjax.core.scheduler import ScheduledSeq
+    from pagedjax.worker.model_runner import ModelRunner
+    from pagedjax.worker.step_inputs import build_step_inputs
+
+    config, params, _ = load_model("smollm2", None)
+    runner = ModelRunner(config, params, EngineConfig(num_gpu_blocks=1024, max_model_len=1024,
+                                                      warmup=False), jnp.float32, 1024)
+    p = runner.params
+    layers = [p[f"layer_{i}"] for i in range(config.num_layers)]
+    emb = jax.tree.leaves(p["embed"])[0]
+    n_weights = sum(x.size for x in jax.tree.leaves(p))
+    hidden, inter = config.hidden_size, config.intermediate_size
+
+    def chain(h, layers, emb):
+        for lp in layers:
+            h = h + (h @ lp["qkv_proj"]["kernel"])[:, :hidden]
+            h = h + h @ lp["o_proj"]["kernel"]
+            g = h @ lp["gate_up_proj"]["kernel"]
+            h = h + g[:, :inter] @ lp["down_proj"]["kernel"]
+        return jnp.einsum("bd,vd->bv", h, emb)
+
+    chain_j = jax.jit(chain)
+    flops_64 = 2 * 64 * sum(lp[k]["kernel"].size for lp in layers
+                            for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    flops_64 += 2 * 64 * emb.size
+    weights = jax.device_put(np.ones(n_weights, np.float32))
+    total = jax.jit(jnp.sum)
+    h1 = jnp.full((1, hidden), 1e-3, jnp.float32)
+    h64 = jnp.full((64, hidden), 1e-3, jnp.float32)
+
+    def step_inputs(n, ctx=128):
+        per = ctx // 16 + 1
+        seqs = [ScheduledSeq(i, str(i), [7], ctx - 1, list(range(i * per, (i + 1) * per)), True)
+                for i in range(n)]
+        return build_step_inputs(seqs, 16, runner.max_blocks_per_seq, plan=runner.shape_plan)
+
+    in1, in64 = step_inputs(1), step_inputs(64)
+    calls = {
+        "stream_weights": lambda: total(weights),
+        "matvec_chain": lambda: chain_j(h1, layers, emb),
+        "decode_step_1": lambda: runner.execute(in1),
+        "decode_step_64": lambda: runner.execute(in64),
+        "matmuls_64": lambda: chain_j(h64, layers, emb),
+    }
+    for f in calls.values():
+        jax.block_until_ready(f())
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(args.iters):
+        for k, f in calls.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f())
+            times[k].append(time.perf_counter() - t0)
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    gb = 4 * n_weights / 1e9
+    res = {"what": "ms per call, median of interleaved calls (bench/cpu_floor.py)",
+           "command": "python bench/cpu_floor.py " + " ".join(sys.argv[1:]),
+           "machine": {"cpu": platform.processor() or platform.machine(),
+                       "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load},
+           "versions": {"jax": jax.__version__}, "weights_gb_fp32": gb, "ms": ms,
+           "stream_gb_per_s": gb / ms["stream_weights"] * 1e3,
+           "matmuls_64_gflop_per_s": flops_64 / ms["matmuls_64"] / 1e6}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json.dump(res, open(out, "w"), indent=1)
+    print(json.dumps({k: v for k, v in res.items() if k not in ("what",)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
