@@ -5,7 +5,7 @@
 30 layers of the demo model's projection matmuls (hidden 576; q 576, k and v 192 columns;
 gate and up 1536 each), fp32, per-layer weights as the unrolled loop holds them: q, k, v and
 gate, up as separate dots, against one `qkv_proj` and one `gate_up_proj` dot per layer (what
-`models.llama.unstack_layers` builds). Each layer feeds the next, so XLA cannot batch layers.
+`models.decoder.unstack_layers` builds). Each layer feeds the next, so XLA cannot batch layers.
 Runs interleaved (A, B, A, B); medians at 1, 64 and 256 rows. Writes
 bench/results/cpu/fused_projections.json with the load average at the start.
 """

@@ -18,9 +18,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from models.decoder import ContiguousMeta, init_contiguous_cache
 from models.demo import ensure_demo_model
 from models.gguf_loader import load_gguf
-from models.llama import ContiguousMeta, init_contiguous_cache
 from pagedjax.reference import ReferenceGenerator
 
 

@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from results_dir import RESULTS, device_tag  # noqa: E402
 
-from models.config import LlamaConfig  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
 from pagedjax.config import EngineConfig  # noqa: E402
 from pagedjax.core.scheduler import ScheduledSeq  # noqa: E402
@@ -49,13 +49,13 @@ from pagedjax.worker.model_runner import ModelRunner  # noqa: E402
 from pagedjax.worker.step_inputs import StepInputs, build_step_inputs  # noqa: E402
 
 
-def bench_config(layers: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536,
+def bench_config(layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=1536,
                        num_layers=layers, num_heads=8, num_kv_heads=2, head_dim=64,
                        max_position_embeddings=1024, eos_token_ids=(2,))
 
 
-def random_params(config: LlamaConfig, seed: int = 0) -> dict:
+def random_params(config: ModelConfig, seed: int = 0) -> dict:
     from models.weights import assemble_params, expected_shapes
 
     rng = np.random.default_rng(seed)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 
 CONFIG_FILE = "pagedjax_config.json"
 PARAMS_DIR = "params"
@@ -20,7 +20,7 @@ def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / CONFIG_FILE).is_file()
 
 
-def save_checkpoint(path: str | Path, config: LlamaConfig, params: dict,
+def save_checkpoint(path: str | Path, config: ModelConfig, params: dict,
                     tokenizer=None, dtype: str | None = None) -> Path:
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
@@ -37,10 +37,10 @@ def save_checkpoint(path: str | Path, config: LlamaConfig, params: dict,
     return path
 
 
-def load_checkpoint(path: str | Path) -> tuple[LlamaConfig, dict]:
+def load_checkpoint(path: str | Path) -> tuple[ModelConfig, dict]:
     path = Path(path).absolute()
     meta = json.loads((path / CONFIG_FILE).read_text())
-    config = LlamaConfig.from_dict(meta["config"])
+    config = ModelConfig.from_dict(meta["config"])
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(path / PARAMS_DIR)
     params = jax.tree.map(lambda x: jax.numpy.asarray(x) if isinstance(x, np.ndarray) else x, params)

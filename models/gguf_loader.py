@@ -13,7 +13,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import LlamaConfig, ModelConfigError
+from models.config import ModelConfig, ModelConfigError
 from models.weights import WeightError, assemble_params
 
 # Quantization types we dequantize; anything else is refused by name.
@@ -51,7 +51,7 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def metadata_config(reader: gguf.GGUFReader) -> LlamaConfig:
+def metadata_config(reader: gguf.GGUFReader) -> ModelConfig:
     arch = field_value(reader, "general.architecture")
     if arch != "llama":
         raise ModelConfigError(
@@ -85,7 +85,7 @@ def metadata_config(reader: gguf.GGUFReader) -> LlamaConfig:
             "original_max_position_embeddings": int(
                 field_value(reader, "llama.rope.scaling.original_context_length") or 8192),
         }.items()))
-    return LlamaConfig(
+    return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(need("feed_forward_length")),
@@ -122,7 +122,7 @@ def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
-def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[LlamaConfig, dict]:
+def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")

@@ -1,4 +1,5 @@
-"""Load a Hugging Face Llama directory: `config.json` + `model.safetensors` (or sharded index)."""
+"""Load a Hugging Face directory: `config.json` (+ `generation_config.json`) and
+`model.safetensors` or a sharded index, for every family `ModelConfig` reads."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from models.config import LlamaConfig
-from models.weights import LAYER_TENSORS, WeightError, assemble_params, expected_shapes
+from models.config import ModelConfig
+from models.weights import WeightError, assemble_params, expected_shapes, layer_tensors
 
 
 def safetensors_files(path: Path) -> dict[str, Path]:
@@ -33,11 +34,11 @@ def _to_numpy(f, name: str) -> np.ndarray:
 
 
 def load_hf_dir(path: str | Path, dtype=jnp.float32, tensor_parallel_size: int = 1,
-                shard_vocab: bool = True) -> tuple[LlamaConfig, dict]:
+                shard_vocab: bool = True) -> tuple[ModelConfig, dict]:
     """Load config and params; with `tensor_parallel_size` > 1 the params come back already
     placed on the ("tp",) mesh and each process reads only its devices' slices."""
     path = Path(path)
-    config = LlamaConfig.from_hf_dir(path)
+    config = ModelConfig.from_hf_dir(path)
     files = safetensors_files(path)
     handles: dict[Path, object] = {}
 
@@ -51,7 +52,7 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32, tensor_parallel_size: int =
             handles[fname] = safe_open(fname, framework="numpy")
         return handles[fname]
 
-    if tensor_parallel_size > 1:
+    if tensor_parallel_size > 1 and sliceable(config):
         from pagedjax.parallel.mesh import make_mesh, validate_tp
 
         validate_tp(config, tensor_parallel_size)  # before reading any weight
@@ -66,7 +67,15 @@ def load_hf_dir(path: str | Path, dtype=jnp.float32, tensor_parallel_size: int =
     return config, assemble_params(config, get, dtype)
 
 
-def load_sharded(config: LlamaConfig, get_slice, dtype, mesh, shard_vocab: bool = True) -> dict:
+def sliceable(config: ModelConfig) -> bool:
+    """Whether `load_sharded` can read this family slice by slice: Llama's tensor set (no
+    biases, q/k norms, sandwich norms or experts). Other families load whole and the runner
+    places them on the mesh (`shard_params`)."""
+    return not (config.qkv_bias or config.o_bias or config.qk_norm or config.sandwich_norm
+                or config.num_experts)
+
+
+def load_sharded(config: ModelConfig, get_slice, dtype, mesh, shard_vocab: bool = True) -> dict:
     """Build each param with `jax.make_array_from_callback`: the callback of a device reads
     only that device's slice through safetensors' lazy `get_slice` (HF `[out, in]` layout,
     so a column-parallel shard is a row range of the file's tensor). KV-head replication
@@ -109,7 +118,8 @@ def load_sharded(config: LlamaConfig, get_slice, dtype, mesh, shard_vocab: bool 
         return jax.make_array_from_callback(shape, sharding, lambda idx: cb(idx).astype(np_dtype))
 
     layer_params: dict = {}
-    for suffix, (key, transpose) in LAYER_TENSORS.items():
+    for t in layer_tensors(config):
+        suffix, key, transpose = t.hf, t.key[0], t.transpose
         shape0 = shapes[f"model.layers.0.{suffix}"]
         rep = r if key in ("k_proj", "v_proj") else 1
         ours = (shape0[1], shape0[0] * rep) if transpose else shape0

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from models.checkpoint import is_checkpoint, load_checkpoint
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.demo import DEMO_ALIASES, ensure_demo_model
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_dir
@@ -38,7 +38,7 @@ def resolve_model_path(model: str | Path) -> Path:
     return path
 
 
-def read_config(model: str | Path) -> LlamaConfig:
+def read_config(model: str | Path) -> ModelConfig:
     """The model's config without loading weights (to validate options before a long load)."""
     path = resolve_model_path(model)
     if path.is_file() and path.suffix == ".gguf":
@@ -52,12 +52,12 @@ def read_config(model: str | Path) -> LlamaConfig:
 
         from models.checkpoint import CONFIG_FILE
 
-        return LlamaConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())["config"])
-    return LlamaConfig.from_hf_dir(path)
+        return ModelConfig.from_dict(json.loads((path / CONFIG_FILE).read_text())["config"])
+    return ModelConfig.from_hf_dir(path)
 
 
 def load_model(model: str | Path, dtype=None, tensor_parallel_size: int = 1
-               ) -> tuple[LlamaConfig, dict, Path]:
+               ) -> tuple[ModelConfig, dict, Path]:
     """Returns (config, params, resolved path).
 
     With `tensor_parallel_size` > 1, safetensors checkpoints are read shard by shard straight

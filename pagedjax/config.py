@@ -31,7 +31,7 @@ class EngineConfig:
     # compile. None: on accelerators only (on CPU each of ~12 compiles takes seconds).
     warmup: bool | None = None
     # Decoder layers as one `scan` ("scan": one compiled layer body, fast compiles) or a loop
-    # over per-layer weights ("unrolled": no per-step weight copies, see models/llama.py).
+    # over per-layer weights ("unrolled": no per-step weight copies, see models/decoder.py).
     # None: $PAGEDJAX_LAYER_LOOP, else "unrolled" on a single CPU device, where it makes decode
     # 1.7x faster; "scan" on GPUs and under tensor parallelism until a GPU run has measured
     # the loop there (`worker.model_runner.resolve_layer_loop`).

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from pagedjax.beam_search import beam_candidates_from_rows
 from pagedjax.beam_steps import BeamSearcher
 from pagedjax.config import EngineConfig
@@ -119,7 +119,7 @@ class _InFlight:
 class LLMEngine:
     CACHE_RETRY_S = 0.5  # pause between attempts to rebuild a lost KV cache
 
-    def __init__(self, config: LlamaConfig, params: dict, tokenizer,
+    def __init__(self, config: ModelConfig, params: dict, tokenizer,
                  engine_config: EngineConfig | None = None,
                  dtype=jnp.float32, model_name: str = "model"):
         self.model_config = config

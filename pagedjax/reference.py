@@ -1,7 +1,7 @@
 """The reference generator: the oracle the paged engine is checked against.
 
 Deliberately simple: every sequence owns one contiguous KV region of `max_len` slots
-(`models.llama.ContiguousAttention`), prompts are right-padded into one batch, one jitted
+(`models.decoder.ContiguousAttention`), prompts are right-padded into one batch, one jitted
 prefill, then one jitted decode step per token driven from Python. No paging, no sharing,
 no scheduling: if the paged engine disagrees with this, the engine is wrong.
 """
@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import LlamaConfig
-from models.llama import ContiguousAttention, ContiguousMeta, LlamaForCausalLM, init_contiguous_cache
+from models.config import ModelConfig
+from models.decoder import ContiguousAttention, ContiguousMeta, DecoderLM, init_contiguous_cache
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -59,11 +59,11 @@ def _sample_rows(logits: jax.Array, keys: jax.Array, temperature: float, top_k: 
 class ReferenceGenerator:
     """Batched generation with a contiguous KV cache (greedy and seeded sampling)."""
 
-    def __init__(self, config: LlamaConfig, params: dict, dtype=jnp.float32):
+    def __init__(self, config: ModelConfig, params: dict, dtype=jnp.float32):
         self.config = config
         self.params = params
         self.dtype = dtype
-        self.model = LlamaForCausalLM(config, ContiguousAttention(), dtype)
+        self.model = DecoderLM(config, ContiguousAttention(), dtype)
 
     @partial(jax.jit, static_argnums=0, donate_argnums=2)
     def _forward(self, params, cache, ids, pos, logits_idx):

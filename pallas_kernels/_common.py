@@ -43,3 +43,26 @@ def as_5d(cache: jax.Array) -> jax.Array:
 
 def from_5d(cache5: jax.Array, ndim: int) -> jax.Array:
     return cache5[0] if ndim == 4 else cache5
+
+
+# A window this wide is "no window": larger than any context, small enough that position
+# arithmetic on it never overflows int32.
+NO_WINDOW = 1 << 30
+
+
+def window_arg(window: int | jax.Array | None) -> jax.Array:
+    """Sliding window as an int32 scalar array (0 or None: full attention). Data, not a
+    static argument, so windowed and full layers share one compilation."""
+    w = jnp.asarray(0 if window is None else window, jnp.int32).reshape(())
+    return w
+
+
+def window_span(window: jax.Array | int) -> jax.Array:
+    """How many positions back a query sees, itself included: the window, or `NO_WINDOW`."""
+    w = jnp.asarray(window, jnp.int32)
+    return jnp.where(w > 0, w, NO_WINDOW)
+
+
+def apply_softcap(logits: jax.Array, softcap: float | None) -> jax.Array:
+    """Attention logit soft-capping ``c * tanh(logits / c)`` (Gemma 2); None: unchanged."""
+    return logits if softcap is None else softcap * jnp.tanh(logits / softcap)

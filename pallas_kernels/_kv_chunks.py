@@ -31,25 +31,27 @@ def chunk_layout(block_size: int, chunk_tokens: int) -> tuple[int, int]:
 
 
 def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, *,
-                  block_size: int, chunk_tokens: int):
+                  block_size: int, chunk_tokens: int, first_token=0):
     """Masked loads of one KV chunk ``[chunk_tokens, D]`` through the block table.
 
-    Token slots at or past ``used_tokens`` are not read (masked loads, zero-filled), so the
-    kernel never depends on cache contents the table does not name for this context, and
-    Triton can software-pipeline the loads. Table entries past the last used page are
-    replaced by page 0 of the same layer/head, so no address comes from junk entries.
+    Token slots outside ``[first_token, used_tokens)`` are not read (masked loads,
+    zero-filled), so the kernel never depends on cache contents the table does not name for
+    this context (a sliding window's ``first_token`` may sit in a block already freed), and
+    Triton can software-pipeline the loads. Table entries outside the used pages are replaced
+    by page 0 of the same layer/head, so no address comes from junk entries.
     """
     head_dim = k_ref.shape[-1]
     pages_per_chunk, chunks_per_page = chunk_layout(block_size, chunk_tokens)
     used_pages = (used_tokens + block_size - 1) // block_size
+    first_page = lax.div(first_token, jnp.int32(block_size))
     if chunks_per_page == 1:
         page0 = chunk * pages_per_chunk
         page_pos = page0 + jnp.arange(pages_per_chunk, dtype=jnp.int32)
         ids = tables_ref[seq, pl.ds(page0, pages_per_chunk)]
-        ids = jnp.where(page_pos < used_pages, ids, 0) + base_page
+        ids = jnp.where((page_pos < used_pages) & (page_pos >= first_page), ids, 0) + base_page
         tok = page0 * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
         mask = jnp.broadcast_to(
-            (tok < used_tokens).reshape(pages_per_chunk, block_size, 1),
+            ((tok < used_tokens) & (tok >= first_token)).reshape(pages_per_chunk, block_size, 1),
             (pages_per_chunk, block_size, head_dim))
         # Index every axis with a (broadcast) array: the same pointer arithmetic as slices
         # for Triton, and a form the CPU interpreter can run as a masked gather.
@@ -61,9 +63,11 @@ def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, 
         # Plain multiply/subtract: jnp's floor `//` and `%` lower to selects Triton rejects.
         page = lax.div(chunk, jnp.int32(chunks_per_page))
         offset = (chunk - page * chunks_per_page) * chunk_tokens
-        block = jnp.where(page < used_pages, tables_ref[seq, page], 0) + base_page
+        live = (page < used_pages) & (page >= first_page)
+        block = jnp.where(live, tables_ref[seq, page], 0) + base_page
         tok = chunk * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        mask = jnp.broadcast_to((tok < used_tokens)[:, None], (chunk_tokens, head_dim))
+        mask = jnp.broadcast_to(((tok < used_tokens) & (tok >= first_token))[:, None],
+                                (chunk_tokens, head_dim))
         rows = pl.ds(offset, chunk_tokens)
         k = plgpu.load(k_ref.at[block, rows, :], mask=mask, other=0)
         v = plgpu.load(v_ref.at[block, rows, :], mask=mask, other=0)

@@ -127,11 +127,13 @@ def supports(q: jax.Array, k_cache: jax.Array) -> bool:
 def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                kv_lens: jax.Array, block_tables: jax.Array,
                                cu_q_lens: jax.Array, num_seqs: jax.Array, layer: jax.Array,
-                               *, scale: float) -> jax.Array:
+                               window: jax.Array | int = 0, *, scale: float,
+                               softcap: float | None = None) -> jax.Array:
     """Same contract as `ragged_paged_attention_ref` (5-D caches, int32 metadata)."""
     if not _register():
         raise NativeBuildError("native CPU attention is not available")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_cache, v_cache, i32(kv_lens), i32(block_tables), i32(cu_q_lens),
-                i32(num_seqs).reshape(()), i32(layer).reshape(()), scale=np.float32(scale))
+                i32(num_seqs).reshape(()), i32(layer).reshape(()), i32(window).reshape(()),
+                scale=np.float32(scale), softcap=np.float32(softcap or 0.0))

@@ -33,7 +33,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import cpu_native, tuning
-from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
+from pallas_kernels._common import (
+    MASK_VALUE,
+    apply_softcap,
+    as_5d,
+    cdiv,
+    layer_arg,
+    next_pow2,
+    window_arg,
+    window_span,
+)
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import (
     interpret_mode,
@@ -48,7 +57,7 @@ _TARGET_PROGRAMS = 264
 
 
 def _decode_kernel(
-    layer_ref,  # [1] int32
+    scalars_ref,  # [2] int32: layer, window span
     lens_ref,  # [S] int32
     tables_ref,  # [S, pages_padded] int32
     q_ref,  # [Gp, D] block
@@ -63,6 +72,7 @@ def _decode_kernel(
     chunk_tokens: int,
     chunks_per_split: int,
     scale: float,
+    softcap: float | None,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, block_size, head_dim = k_ref.shape
@@ -70,19 +80,24 @@ def _decode_kernel(
     exact = q_ref.dtype == jnp.float32
 
     ctx_len = lens_ref[seq]
-    base_page = (layer_ref[0] * num_kv_heads + head) * num_blocks
+    base_page = (scalars_ref[0] * num_kv_heads + head) * num_blocks
+    # The query (position ctx_len - 1) sees [lo, ctx_len); chunks before lo's are skipped.
+    lo = jnp.maximum(ctx_len - scalars_ref[1], 0)
     used_chunks = (ctx_len + chunk_tokens - 1) // chunk_tokens
-    first = split * chunks_per_split
-    num_chunks = jnp.maximum(jnp.minimum(first + chunks_per_split, used_chunks) - first, 0)
+    first = jnp.maximum(split * chunks_per_split, lax.div(lo, jnp.int32(chunk_tokens)))
+    num_chunks = jnp.maximum(
+        jnp.minimum((split + 1) * chunks_per_split, used_chunks) - first, 0)
 
     q = q_ref[...]
 
     def body(c, carry):
         acc, m_prev, l_prev = carry
         k, v, tok = load_kv_chunk(k_ref, v_ref, tables_ref, seq, first + c, ctx_len, base_page,
-                                  block_size=block_size, chunk_tokens=chunk_tokens)
-        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale
-        logits = jnp.where((tok < ctx_len)[None, :], logits, MASK_VALUE)
+                                  block_size=block_size, chunk_tokens=chunk_tokens,
+                                  first_token=lo)
+        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
+                               softcap)
+        logits = jnp.where(((tok < ctx_len) & (tok >= lo))[None, :], logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(logits - m_next[:, None])
@@ -122,7 +137,7 @@ def decode_plan(num_seqs: int, num_kv_heads: int, max_pages: int, block_size: in
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "num_splits", "chunk_tokens", "num_warps", "num_stages", "interpret"
+        "scale", "softcap", "num_splits", "chunk_tokens", "num_warps", "num_stages", "interpret"
     ),
 )
 def _decode_pallas(
@@ -132,8 +147,10 @@ def _decode_pallas(
     block_tables: jax.Array,
     context_lens: jax.Array,
     layer: jax.Array,
+    window: jax.Array,
     *,
     scale: float,
+    softcap: float | None,
     num_splits: int | None,
     chunk_tokens: int,
     num_warps: int,
@@ -161,6 +178,7 @@ def _decode_pallas(
         chunk_tokens=chunk_tokens,
         chunks_per_split=chunks_per_split,
         scale=float(scale),
+        softcap=softcap,
     )
     whole = pl.no_block_spec
     acc, m, denom = pl.pallas_call(
@@ -188,7 +206,7 @@ def _decode_pallas(
         compiler_params=triton_params(num_warps, num_stages),
         name=f"paged_decode_g{group_p}_d{head_dim}_c{chunk_tokens}_bs{block_size}",
     )(
-        layer.reshape(1),
+        jnp.stack([layer.reshape(()), window_span(window)]),
         context_lens.astype(jnp.int32),
         tables,
         qg,
@@ -209,7 +227,7 @@ def combine_splits(acc: jax.Array, m: jax.Array, lsum: jax.Array) -> jax.Array:
     return jnp.where(denom[..., None] > 0, num / safe[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
 def paged_decode_attention_ref(
     q: jax.Array,
     k_cache: jax.Array,
@@ -217,10 +235,16 @@ def paged_decode_attention_ref(
     block_tables: jax.Array,
     context_lens: jax.Array,
     layer: jax.Array,
+    window: jax.Array | int = 0,
     *,
     scale: float,
+    softcap: float | None = None,
 ) -> jax.Array:
-    """Pure-jnp reference: gather dense K/V through the block table, masked fp32 softmax."""
+    """Pure-jnp reference: gather dense K/V through the block table, masked fp32 softmax.
+
+    The query sits at position ``context_len - 1`` and sees the last ``window`` positions
+    (all of them when ``window`` is 0); K/V outside that range are zeroed before use, so stale
+    or freed blocks the table still names cannot leak in."""
     k5, v5 = as_5d(k_cache), as_5d(v_cache)
     _, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
     num_seqs, num_q_heads, _ = q.shape
@@ -231,11 +255,14 @@ def paged_decode_attention_ref(
     # [Hkv, S, pages, bs, D] -> [S, Hkv, T, D]
     k = kl[:, tables].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(1, 0, 2, 3)
     v = vl[:, tables].reshape(num_kv_heads, num_seqs, -1, head_dim).transpose(1, 0, 2, 3)
-    valid = jnp.arange(k.shape[2])[None, :] < context_lens[:, None]  # [S, T]
+    kv_pos = jnp.arange(k.shape[2])[None, :]
+    valid = kv_pos < context_lens[:, None]  # [S, T]
+    valid &= kv_pos >= context_lens[:, None] - window_span(window)
     k = jnp.where(valid[:, None, :, None], k.astype(jnp.float32), 0.0)
     v = jnp.where(valid[:, None, :, None], v.astype(jnp.float32), 0.0)
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
     logits = jnp.einsum("shgd,shtd->shgt", qg, k, precision=lax.Precision.HIGHEST) * scale
+    logits = apply_softcap(logits, softcap)
     logits = jnp.where(valid[:, None, None, :], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("shgt,shtd->shgd", probs, v, precision=lax.Precision.HIGHEST)
@@ -252,6 +279,8 @@ def paged_decode_attention(
     *,
     scale: float,
     layer: int | jax.Array | None = None,
+    window: int | jax.Array | None = None,
+    softcap: float | None = None,
     backend: str | None = None,
     num_splits: int | None = None,
     chunk_tokens: int | None = None,
@@ -269,6 +298,9 @@ def paged_decode_attention(
       context_lens: ``[num_seqs]`` int32; 0 marks a padding row (output zeros).
       scale: softmax scale, usually ``head_dim ** -0.5``.
       layer: python int or traced int32 scalar selecting the cache layer.
+      window: sliding window (the query sees its last ``window`` positions, itself
+        included); 0 or None: the whole context. Data, so it may be traced per layer.
+      softcap: attention logit soft-capping ``c * tanh(logits / c)``; None: off.
       backend: "pallas", "xla", "cpu" or None (auto, see :mod:`pallas_kernels.backend`).
       num_splits: flash-decoding partitions of the context (None: fill the GPU).
       chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters; None takes
@@ -277,6 +309,8 @@ def paged_decode_attention(
       ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.
     """
     lay = layer_arg(k_cache, layer)
+    win = window_arg(window)
+    cap = None if softcap is None else float(softcap)
     if q.shape[1] % k_cache.shape[-4]:
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
     chosen = resolve_backend(backend)
@@ -284,17 +318,17 @@ def paged_decode_attention(
         num_seqs = q.shape[0]
         return cpu_native.ragged_paged_attention_cpu(
             q, as_5d(k_cache), as_5d(v_cache), context_lens, block_tables,
-            jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.int32(num_seqs), lay,
-            scale=float(scale))
+            jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.int32(num_seqs), lay, win,
+            scale=float(scale), softcap=cap)
     if chosen != "pallas":
         return paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, context_lens, lay, scale=float(scale)
-        )
+            q, k_cache, v_cache, block_tables, context_lens, lay, win, scale=float(scale),
+            softcap=cap)
     tuned = tuning.lookup("decode", k_cache.dtype, q.shape[-1])
     impl = {"triton": _decode_pallas}[pallas_lowering()]
     return impl(
-        q, k_cache, v_cache, block_tables, context_lens, lay,
-        scale=float(scale), num_splits=num_splits,
+        q, k_cache, v_cache, block_tables, context_lens, lay, win,
+        scale=float(scale), softcap=cap, num_splits=num_splits,
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
                                           tuned.chunk_tokens),
         num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages,

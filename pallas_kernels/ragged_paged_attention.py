@@ -27,7 +27,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import cpu_native, tuning
-from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, layer_arg, next_pow2
+from pallas_kernels._common import (
+    MASK_VALUE,
+    apply_softcap,
+    as_5d,
+    cdiv,
+    layer_arg,
+    next_pow2,
+    window_arg,
+    window_span,
+)
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import (
     interpret_mode,
@@ -77,7 +86,7 @@ def work_items(
 
 
 def _ragged_kernel(
-    layer_ref,  # [1]
+    scalars_ref,  # [2] int32: layer, window span
     items_ref,  # [4, num_items]
     tables_ref,  # [max_seqs, pages_padded]
     q_ref,  # [Hkv, (T + block_q) * group_p, D]
@@ -92,6 +101,7 @@ def _ragged_kernel(
     block_q: int,
     chunk_tokens: int,
     scale: float,
+    softcap: float | None,
 ):
     del out_in_ref
     head, item = pl.program_id(0), pl.program_id(1)
@@ -104,8 +114,12 @@ def _ragged_kernel(
     n_rows = items_ref[2, item]
     pos0 = items_ref[3, item]
     kv_end = jnp.where(n_rows > 0, pos0 + n_rows, 0)
-    num_chunks = (kv_end + chunk_tokens - 1) // chunk_tokens
-    base_page = (layer_ref[0] * num_kv_heads + head) * num_blocks
+    span = scalars_ref[1]
+    # The item's first query sees back to position pos0 - span + 1; earlier chunks are skipped.
+    lo = jnp.maximum(pos0 - span + 1, 0)
+    first_chunk = lax.div(lo, jnp.int32(chunk_tokens))
+    num_chunks = jnp.maximum((kv_end + chunk_tokens - 1) // chunk_tokens - first_chunk, 0)
+    base_page = (scalars_ref[0] * num_kv_heads + head) * num_blocks
 
     row_slice = pl.ds(q_start * group_p, rows)
     q = q_ref[head, row_slice, :]
@@ -115,10 +129,13 @@ def _ragged_kernel(
 
     def body(c, carry):
         acc, m_prev, l_prev = carry
-        k, v, kv_pos = load_kv_chunk(k_ref, v_ref, tables_ref, seq, c, kv_end, base_page,
-                                     block_size=block_size, chunk_tokens=chunk_tokens)
-        visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_end)[None, :]
-        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale
+        k, v, kv_pos = load_kv_chunk(k_ref, v_ref, tables_ref, seq, first_chunk + c, kv_end,
+                                     base_page, block_size=block_size,
+                                     chunk_tokens=chunk_tokens, first_token=lo)
+        visible = ((kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_end)[None, :]
+                   & (kv_pos[None, :] > q_pos[:, None] - span))
+        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
+                               softcap)
         logits = jnp.where(visible, logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
@@ -151,7 +168,7 @@ def ragged_block_q(block_q: int | None, group: int, q_rows: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "block_q", "chunk_tokens", "num_warps", "num_stages", "interpret"
+        "scale", "softcap", "block_q", "chunk_tokens", "num_warps", "num_stages", "interpret"
     ),
 )
 def _ragged_pallas(
@@ -163,8 +180,10 @@ def _ragged_pallas(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     layer: jax.Array,
+    window: jax.Array,
     *,
     scale: float,
+    softcap: float | None,
     block_q: int,
     chunk_tokens: int,
     num_warps: int,
@@ -198,6 +217,7 @@ def _ragged_pallas(
         block_q=block_q,
         chunk_tokens=chunk_tokens,
         scale=float(scale),
+        softcap=softcap,
     )
     whole = pl.no_block_spec
     out = pl.pallas_call(
@@ -211,13 +231,13 @@ def _ragged_pallas(
         compiler_params=triton_params(num_warps, num_stages),
         name=f"ragged_paged_attention_q{block_q}_g{group_p}_d{head_dim}_c{chunk_tokens}"
              f"_bs{block_size}",
-    )(layer.reshape(1), items, tables, qg, k5.reshape(flat_shape), v5.reshape(flat_shape),
-      out_init)
+    )(jnp.stack([layer.reshape(()), window_span(window)]), items, tables, qg,
+      k5.reshape(flat_shape), v5.reshape(flat_shape), out_init)
     out = out.reshape(num_kv_heads, padded_tokens, group_p, head_dim).transpose(1, 0, 2, 3)
     return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_q"))
 def ragged_paged_attention_ref(
     q: jax.Array,
     k_cache: jax.Array,
@@ -227,8 +247,10 @@ def ragged_paged_attention_ref(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     layer: jax.Array,
+    window: jax.Array | int = 0,
     *,
     scale: float,
+    softcap: float | None = None,
     block_q: int = _XLA_BLOCK_Q,
 ) -> jax.Array:
     """Pure-jnp reference: per work item, gather dense K/V, causal masked fp32 softmax.
@@ -257,13 +279,16 @@ def ragged_paged_attention_ref(
     v = vl[:, tables].reshape(num_kv_heads, num_items, -1, head_dim).transpose(1, 0, 2, 3)
     kv_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
     kv_end = jnp.where(n_rows > 0, pos0 + n_rows, 0)
-    in_range = kv_pos[None, :] < kv_end[:, None]  # [I, T]
+    span = window_span(window)
+    in_range = (kv_pos[None, :] < kv_end[:, None]) & (kv_pos[None, :] > pos0[:, None] - span)
     k = jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0)
     v = jnp.where(in_range[:, None, :, None], v.astype(jnp.float32), 0.0)
     q_pos = pos0[:, None] + tok[None, :]  # [I, bq]
-    visible = (kv_pos[None, None, :] <= q_pos[:, :, None]) & in_range[:, None, :]
+    visible = ((kv_pos[None, None, :] <= q_pos[:, :, None]) & in_range[:, None, :]
+               & (kv_pos[None, None, :] > q_pos[:, :, None] - span))
 
     logits = jnp.einsum("iqhgd,ihtd->ihgqt", qi, k, precision=lax.Precision.HIGHEST) * scale
+    logits = apply_softcap(logits, softcap)
     logits = jnp.where(visible[:, None, None], logits, MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("ihgqt,ihtd->iqhgd", probs, v, precision=lax.Precision.HIGHEST)
@@ -291,8 +316,10 @@ def ragged_paged_attention_per_token(
     cu_q_lens: jax.Array,
     num_seqs: jax.Array,
     layer: jax.Array,
+    window: jax.Array | int = 0,
     *,
     scale: float,
+    softcap: float | None = None,
 ) -> jax.Array:
     """Ragged attention as one decode query per token: token t of sequence s attends to the
     first `position(t) + 1` cache slots of s's table (causal by length). Rows past
@@ -306,7 +333,7 @@ def ragged_paged_attention_per_token(
     pos = kv_lens[seq] - q_lens[seq] + (t - cu[seq])
     ctx = jnp.where(t < total, pos + 1, 0).astype(jnp.int32)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables[seq], ctx, layer,
-                                      scale=scale)
+                                      window, scale=scale, softcap=softcap)
 
 
 def ragged_paged_attention(
@@ -320,6 +347,8 @@ def ragged_paged_attention(
     *,
     scale: float,
     layer: int | jax.Array | None = None,
+    window: int | jax.Array | None = None,
+    softcap: float | None = None,
     backend: str | None = None,
     block_q: int | None = None,
     chunk_tokens: int | None = None,
@@ -338,12 +367,17 @@ def ragged_paged_attention(
       block_tables: ``[max_seqs, max_blocks_per_seq]`` int32.
       cu_q_lens: ``[max_seqs + 1]`` int32 cumulative query lengths.
       num_seqs: int32 scalar array, number of live sequences.
+      window: sliding window (each query sees its last ``window`` positions, itself
+        included); 0 or None: causal over the whole context.
+      softcap: attention logit soft-capping ``c * tanh(logits / c)``; None: off.
       block_q, chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters;
         None takes them from :mod:`pallas_kernels.tuning` for the target GPU.
     Returns:
       ``[num_tokens, num_q_heads, head_dim]``; rows past ``cu_q_lens[num_seqs]`` are zero.
     """
     lay = layer_arg(k_cache, layer)
+    win = window_arg(window)
+    cap = None if softcap is None else float(softcap)
     if q.shape[1] % k_cache.shape[-4]:
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
@@ -351,23 +385,23 @@ def ragged_paged_attention(
     if chosen == "cpu" and cpu_native.supports(q, as_5d(k_cache)):
         return cpu_native.ragged_paged_attention_cpu(
             q, as_5d(k_cache), as_5d(v_cache), kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-            scale=float(scale))
+            win, scale=float(scale), softcap=cap)
     if chosen != "pallas":
         slots = q.shape[0] * block_tables.shape[1] * k_cache.shape[-2]
         if slots <= _XLA_PER_TOKEN_MAX_SLOTS and block_q is None:
             return ragged_paged_attention_per_token(
-                q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-                scale=float(scale))
+                q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
+                scale=float(scale), softcap=cap)
         return ragged_paged_attention_ref(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-            scale=float(scale),
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
+            scale=float(scale), softcap=cap,
         )
     tuned = tuning.lookup("ragged", k_cache.dtype, q.shape[-1])
     group = q.shape[1] // k_cache.shape[-4]
     impl = {"triton": _ragged_pallas}[pallas_lowering()]
     return impl(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-        scale=float(scale), block_q=ragged_block_q(block_q, group, tuned.q_rows),
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
+        scale=float(scale), softcap=cap, block_q=ragged_block_q(block_q, group, tuned.q_rows),
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
                                           tuned.chunk_tokens),
         num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages,

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 
 WEIGHT_STD = 0.02
 _UNIFORM_HALF_WIDTH = WEIGHT_STD * 3**0.5  # uniform(-a, a) has std a / sqrt(3)
@@ -34,7 +34,7 @@ _UNIFORM_HALF_WIDTH = WEIGHT_STD * 3**0.5  # uniform(-a, a) has std a / sqrt(3)
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str
-    config: LlamaConfig
+    config: ModelConfig
     seed: int
     about: str
 
@@ -44,8 +44,8 @@ def _llama3_rope() -> tuple[tuple[str, Any], ...]:
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.items()))
 
 
-def _llama3_8b(layers: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+def _llama3_8b(layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                        num_layers=layers, num_heads=32, num_kv_heads=8, head_dim=128,
                        rms_norm_eps=1e-5, rope_theta=500000.0, rope_scaling=_llama3_rope(),
                        max_position_embeddings=8192)
@@ -53,12 +53,12 @@ def _llama3_8b(layers: int) -> LlamaConfig:
 
 SPECS: dict[str, ModelSpec] = {
     # --dry-run model: every code path of the suite in seconds on a CPU.
-    "tiny": ModelSpec("tiny", LlamaConfig(
+    "tiny": ModelSpec("tiny", ModelConfig(
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, max_position_embeddings=1024), 11,
         "dry-run toy: 2 layers, hidden 64, GQA 4/2, head_dim 16"),
     # SmolLM2-135M's shapes (the demo model): tied embeddings, GQA 9/3, head_dim 64.
-    "demo": ModelSpec("demo", LlamaConfig(
+    "demo": ModelSpec("demo", ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
         max_position_embeddings=8192, tie_word_embeddings=True), 135,
@@ -69,14 +69,14 @@ SPECS: dict[str, ModelSpec] = {
                               "128256, rope 500000 + llama3 scaling), 2 layers"),
     # Timing only (device-drawn weights, no goldens).
     "llama3_8b": ModelSpec("llama3_8b", _llama3_8b(32), 80, "Llama-3-8B shapes, 32 layers"),
-    "llama_13b": ModelSpec("llama_13b", LlamaConfig(
+    "llama_13b": ModelSpec("llama_13b", ModelConfig(
         vocab_size=32000, hidden_size=5120, intermediate_size=13824, num_layers=40, num_heads=40,
         num_kv_heads=40, head_dim=128, max_position_embeddings=4096), 13,
         "13B-like (Llama-2-13B shapes, MHA 40 heads; the paper's OPT-13B stand-in)"),
 }
 
 
-def tensor_shapes(c: LlamaConfig) -> list[tuple[str, tuple[int, ...]]]:
+def tensor_shapes(c: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     """(dotted param path, shape) in a fixed order: the order defines each tensor's stream."""
     L, h, q, kv, i = (c.num_layers, c.hidden_size, c.num_heads * c.head_dim,
                       c.num_kv_heads * c.head_dim, c.intermediate_size)
@@ -106,7 +106,7 @@ def _nest(flat: dict[str, Any]) -> dict:
     return tree
 
 
-def seeded_numpy(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
+def seeded_numpy(config: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Flat {path: float32 array}, generated on the host from ``seed``."""
     out = {}
     for index, (path, shape) in enumerate(tensor_shapes(config)):
@@ -121,7 +121,7 @@ def seeded_numpy(config: LlamaConfig, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
-def seeded_params(config: LlamaConfig, seed: int, dtype: Any = None) -> dict:
+def seeded_params(config: ModelConfig, seed: int, dtype: Any = None) -> dict:
     """The engine's params pytree from :func:`seeded_numpy`, on the default device.
 
     ``dtype`` (e.g. ``jnp.bfloat16``) casts on the device, so a bf16 run holds bf16 weights.
@@ -136,12 +136,12 @@ def seeded_params(config: LlamaConfig, seed: int, dtype: Any = None) -> dict:
     return _nest(arrays)
 
 
-def spec_params(name: str, dtype: Any = None) -> tuple[LlamaConfig, dict]:
+def spec_params(name: str, dtype: Any = None) -> tuple[ModelConfig, dict]:
     spec = SPECS[name]
     return spec.config, seeded_params(spec.config, spec.seed, dtype)
 
 
-def device_random_params(config: LlamaConfig, seed: int, dtype: Any) -> dict:
+def device_random_params(config: ModelConfig, seed: int, dtype: Any) -> dict:
     """Same distribution as :func:`seeded_params`, drawn on the device (timing-only models)."""
     import jax
     import jax.numpy as jnp
@@ -157,7 +157,7 @@ def device_random_params(config: LlamaConfig, seed: int, dtype: Any) -> dict:
     return _nest(arrays)
 
 
-def fingerprint(config: LlamaConfig, seed: int) -> str:
+def fingerprint(config: ModelConfig, seed: int) -> str:
     """sha256 over the first 4096 values of every tensor's stream (cheap: no full draw)."""
     h = hashlib.sha256()
     for index, (path, shape) in enumerate(tensor_shapes(config)):
@@ -168,7 +168,7 @@ def fingerprint(config: LlamaConfig, seed: int) -> str:
     return h.hexdigest()[:16]
 
 
-def param_bytes(config: LlamaConfig, itemsize: int) -> int:
+def param_bytes(config: ModelConfig, itemsize: int) -> int:
     return sum(int(np.prod(s)) for _, s in tensor_shapes(config)) * itemsize
 
 

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from pagedjax.aot.resources import compile_with_resources
 from pagedjax.aot.target import compile_only_devices
 from pagedjax.config import EngineConfig
@@ -32,12 +32,12 @@ from pagedjax.worker.step_inputs import build_step_inputs
 
 MODELS = {
     # SmolLM2-135M-Instruct, the demo model.
-    "smollm2-135m": LlamaConfig(
+    "smollm2-135m": ModelConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
         num_kv_heads=3, head_dim=64, rope_theta=100000.0, max_position_embeddings=8192,
         tie_word_embeddings=True),
     # Meta-Llama-3-8B: 32 layers, 32 query / 8 KV heads of 128, llama3 rope scaling.
-    "llama3-8b": LlamaConfig(
+    "llama3-8b": ModelConfig(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
         num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),

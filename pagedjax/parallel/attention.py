@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -30,19 +31,22 @@ class ShardedPagedAttention:
     mesh: Mesh
     backend: str | None = None
 
-    def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta):
+    def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta, *, scale: float | None = None,
+                 window=0, softcap: float | None = None):
         inner = PagedAttention(self.backend)
 
-        def local(q, k, v, k_cache, v_cache, layer, meta):
-            out, (k_cache, v_cache) = inner(q, k, v, (k_cache, v_cache), layer, meta)
+        def local(q, k, v, k_cache, v_cache, layer, window, meta):
+            out, (k_cache, v_cache) = inner(q, k, v, (k_cache, v_cache), layer, meta,
+                                            scale=scale, window=window, softcap=softcap)
             return out, k_cache, v_cache
 
         meta_spec = jax.tree.map(lambda _: P(), meta)
         fn = jax.shard_map(
             local, mesh=self.mesh,
-            in_specs=(HEADS, HEADS, HEADS, CACHE_SPEC, CACHE_SPEC, P(), meta_spec),
+            in_specs=(HEADS, HEADS, HEADS, CACHE_SPEC, CACHE_SPEC, P(), P(), meta_spec),
             out_specs=(HEADS, CACHE_SPEC, CACHE_SPEC), check_vma=False)
-        out, k_cache, v_cache = fn(q, k, v, kv_cache[0], kv_cache[1], layer, meta)
+        out, k_cache, v_cache = fn(q, k, v, kv_cache[0], kv_cache[1], layer,
+                                   jnp.asarray(window, jnp.int32), meta)
         return out, (k_cache, v_cache)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 
 AXIS = "tp"
 
@@ -45,7 +45,7 @@ class TensorParallelError(ValueError):
     """The tensor-parallel size does not fit the model or the available devices."""
 
 
-def validate_tp(config: LlamaConfig, n: int, num_devices: int | None = None) -> None:
+def validate_tp(config: ModelConfig, n: int, num_devices: int | None = None) -> None:
     """Raise `TensorParallelError` naming the offending quantity; cheap, call before loading."""
     if not isinstance(n, int) or n < 1:
         raise TensorParallelError(f"tensor_parallel_size must be a positive integer; got {n!r}")
@@ -65,17 +65,22 @@ def validate_tp(config: LlamaConfig, n: int, num_devices: int | None = None) -> 
         raise TensorParallelError(
             f"tensor_parallel_size={n} must divide the number of KV heads ({kv}) or be a "
             f"multiple of it (KV heads are then replicated)")
-    if config.intermediate_size % n:
-        raise TensorParallelError(
-            f"tensor_parallel_size={n} must divide intermediate_size ({config.intermediate_size})")
+    widths = {"moe_intermediate_size": config.moe_intermediate_size,
+              "shared_expert_intermediate_size": config.shared_expert_intermediate_size}
+    if not config.num_experts:
+        widths = {"intermediate_size": config.intermediate_size}
+    for name, width in widths.items():
+        if width % n:
+            raise TensorParallelError(
+                f"tensor_parallel_size={n} must divide {name} ({width})")
 
 
-def kv_replication(config: LlamaConfig, n: int) -> int:
+def kv_replication(config: ModelConfig, n: int) -> int:
     """How many copies of each KV head the sharded model holds (1 unless N > num_kv_heads)."""
     return n // config.num_kv_heads if n > config.num_kv_heads else 1
 
 
-def sharded_config(config: LlamaConfig, n: int) -> LlamaConfig:
+def sharded_config(config: ModelConfig, n: int) -> ModelConfig:
     """The config the sharded model runs with: KV heads counted after replication."""
     r = kv_replication(config, n)
     return config if r == 1 else dataclasses.replace(config, num_kv_heads=config.num_kv_heads * r)
@@ -89,32 +94,47 @@ def make_mesh(n: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
     return Mesh(np.asarray(devs), (AXIS,))
 
 
-def vocab_sharded(config: LlamaConfig, n: int, shard_vocab: bool = True) -> bool:
+def vocab_sharded(config: ModelConfig, n: int, shard_vocab: bool = True) -> bool:
     return shard_vocab and n > 1 and config.vocab_size % n == 0
 
 
-def param_specs(config: LlamaConfig, n: int, shard_vocab: bool = True) -> dict:
-    """PartitionSpecs matching the params pytree of `models.llama.LlamaForCausalLM`."""
-    col = P(None, None, AXIS)  # [L, in, out/N]: column-parallel
-    row = P(None, AXIS, None)  # [L, in/N, out]: row-parallel
+# Layer params by how tensor parallelism splits them (Megatron-style: column-parallel into
+# the heads / MLP width, row-parallel back out, one all-reduce each for attention and MLP).
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "shared_gate_proj",
+           "shared_up_proj")
+_ROW = ("o_proj", "down_proj", "shared_down_proj")
+
+
+def _layer_spec(key: str, leaf: str) -> P:
+    """Spec of one stacked layer param ``[L, ...]``. Experts are split along their width
+    (every device holds a slice of every expert), so routing needs no communication; norms,
+    the router and the row-parallel biases (added after the all-reduce) are replicated."""
+    if key in _COLUMN:
+        return P(None, None, AXIS) if leaf == "kernel" else P(None, AXIS)
+    if key in _ROW:
+        return P(None, AXIS, None) if leaf == "kernel" else P()
+    if key in ("expert_gate", "expert_up"):  # [L, E, H, I]
+        return P(None, None, None, AXIS)
+    if key == "expert_down":  # [L, E, I, H]
+        return P(None, None, AXIS, None)
+    return P()
+
+
+def param_specs(config: ModelConfig, n: int, shard_vocab: bool = True) -> dict:
+    """PartitionSpecs matching the params pytree of `models.decoder.DecoderLM`."""
+    from models.weights import abstract_params
+
     vocab = vocab_sharded(config, n, shard_vocab)
-    specs = {
-        "embed": P(AXIS, None) if vocab else P(),
-        "layers": {
-            "attn_norm": P(), "mlp_norm": P(),
-            "q_proj": {"kernel": col}, "k_proj": {"kernel": col}, "v_proj": {"kernel": col},
-            "o_proj": {"kernel": row},
-            "gate_proj": {"kernel": col}, "up_proj": {"kernel": col},
-            "down_proj": {"kernel": row},
-        },
-        "final_norm": P(),
-    }
+    layers = {key: ({leaf: _layer_spec(key, leaf) for leaf in sub} if isinstance(sub, dict)
+                    else _layer_spec(key, ""))
+              for key, sub in abstract_params(config)["layers"].items()}
+    specs = {"embed": P(AXIS, None) if vocab else P(), "layers": layers, "final_norm": P()}
     if not config.tie_word_embeddings:
         specs["lm_head"] = P(None, AXIS) if vocab else P()
     return specs
 
 
-def param_shardings(mesh: Mesh, config: LlamaConfig, shard_vocab: bool = True) -> dict:
+def param_shardings(mesh: Mesh, config: ModelConfig, shard_vocab: bool = True) -> dict:
     n = mesh.shape[AXIS]
     return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, n, shard_vocab),
                         is_leaf=lambda x: isinstance(x, P))
@@ -144,7 +164,7 @@ def replicate_kv_columns(kernel: np.ndarray | jax.Array, head_dim: int, r: int):
     return k.reshape(*lead, heads * r * head_dim)
 
 
-def shard_params(params: dict, config: LlamaConfig, mesh: Mesh, shard_vocab: bool = True) -> dict:
+def shard_params(params: dict, config: ModelConfig, mesh: Mesh, shard_vocab: bool = True) -> dict:
     """Place a params pytree on the mesh (replicating KV columns when N > num_kv_heads).
 
     Arrays that already carry the target sharding (e.g. from the sharded safetensors loader)
@@ -156,22 +176,22 @@ def shard_params(params: dict, config: LlamaConfig, mesh: Mesh, shard_vocab: boo
     layers = dict(params["layers"])
     want_cols = config.num_kv_heads * r * config.head_dim
     for key in ("k_proj", "v_proj"):
-        kernel = layers[key]["kernel"]
-        if kernel.shape[-1] != want_cols:
-            layers[key] = {"kernel": replicate_kv_columns(kernel, config.head_dim, r)}
+        if layers[key]["kernel"].shape[-1] != want_cols:
+            layers[key] = {leaf: replicate_kv_columns(a, config.head_dim, r)
+                           for leaf, a in layers[key].items()}
     params = {**params, "layers": layers}
     shardings = param_shardings(mesh, config, shard_vocab)
     return jax.tree.map(_place, params, shardings)
 
 
-def abstract_sharded_params(params: dict, config: LlamaConfig, mesh: Mesh,
+def abstract_sharded_params(params: dict, config: ModelConfig, mesh: Mesh,
                             shard_vocab: bool = True) -> dict:
     """`shard_params` on a ShapeDtypeStruct tree: KV columns replicated, shardings attached."""
     r = kv_replication(config, mesh.shape[AXIS])
     layers = dict(params["layers"])
     for key in ("k_proj", "v_proj"):
-        k = layers[key]["kernel"]
-        layers[key] = {"kernel": jax.ShapeDtypeStruct((*k.shape[:-1], k.shape[-1] * r), k.dtype)}
+        layers[key] = {leaf: jax.ShapeDtypeStruct((*a.shape[:-1], a.shape[-1] * r), a.dtype)
+                       for leaf, a in layers[key].items()}
     params = {**params, "layers": layers}
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                         params, param_shardings(mesh, config, shard_vocab))

@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM, unstack_layers
+from models.config import ModelConfig
+from models.decoder import DecoderLM, unstack_layers
 from pagedjax.config import EngineConfig
 from pagedjax.parallel import multihost
 from pagedjax.parallel.attention import ShardedPagedAttention, sharded_copy_blocks
@@ -77,13 +77,13 @@ def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool
     return bool(choice)
 
 
-def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype) -> int:
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
         dtype).itemsize
 
 
 class ModelRunner:
-    def __init__(self, config: LlamaConfig, params: dict, engine_config: EngineConfig, dtype,
+    def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, dtype,
                  max_model_len: int, shard_vocab: bool = True):
         self._setup(config, engine_config, dtype, max_model_len, shard_vocab)
         if jax.local_devices()[0].platform == "cpu":  # device buffers are heap memory
@@ -105,7 +105,7 @@ class ModelRunner:
         self._host_v: np.ndarray | None = None
         self.compiled_shapes: set[tuple] = set()
 
-    def _setup(self, config: LlamaConfig, engine_config: EngineConfig, dtype, max_model_len: int,
+    def _setup(self, config: ModelConfig, engine_config: EngineConfig, dtype, max_model_len: int,
                shard_vocab: bool, devices=None) -> None:
         """Model, mesh and sizes: everything but device state (params and caches)."""
         # Tensor parallelism (docs/tensor-parallel.md): params and KV heads split over a
@@ -139,10 +139,10 @@ class ModelRunner:
         # ids of pending tokens from the previous step's sampler output on the device.
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
                                                     devices)
-        self.model = LlamaForCausalLM(config, attn, dtype, scan_layers=self.scan_layers)
+        self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers)
 
     @classmethod
-    def compile_only(cls, config: LlamaConfig, engine_config: EngineConfig, dtype,
+    def compile_only(cls, config: ModelConfig, engine_config: EngineConfig, dtype,
                      max_model_len: int, devices, shard_vocab: bool = True) -> ModelRunner:
         """A runner that holds no device state, over compile-only ``devices``: its `_step`
         can be lowered with `abstract_state` for deviceless AOT compilation

@@ -44,16 +44,18 @@ jax.tree_util.register_dataclass(
 class PagedAttention:
     backend: str | None = None
 
-    def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta):
+    def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta, *, scale: float | None = None,
+                 window=0, softcap: float | None = None):
         k_cache, v_cache = kv_cache
         k_cache, v_cache = write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer=layer,
                                     backend=self.backend)
-        scale = q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         if meta.decode_only:
             out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.kv_lens,
-                                         scale=scale, layer=layer, backend=self.backend)
+                                         scale=scale, layer=layer, window=window,
+                                         softcap=softcap, backend=self.backend)
         else:
             out = ragged_paged_attention(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
                                          meta.cu_q_lens, meta.num_seqs, scale=scale, layer=layer,
-                                         backend=self.backend)
+                                         window=window, softcap=softcap, backend=self.backend)
         return out, (k_cache, v_cache)

@@ -10,9 +10,11 @@
 // Semantics are those of `ragged_paged_attention_ref` (pallas_kernels/ragged_paged_attention.py):
 // sequence s owns query rows cu_q_lens[s]:cu_q_lens[s+1]; query i of a sequence with q_len new
 // tokens and kv_len total tokens sits at position kv_len - q_len + i and sees positions <= its
-// own. Rows past cu_q_lens[num_seqs], and sequences with kv_len 0, get zeros. Only blocks the
-// table names for positions < kv_len are read (ids are clamped into the pool, so a bad table
-// cannot read out of bounds). A decode step is the case q_len = 1.
+// own, and only its last `window` positions when window > 0 (a sliding window). Logits may be
+// soft-capped (softcap > 0: c * tanh(logit / c)). Rows past cu_q_lens[num_seqs], and sequences
+// with kv_len 0, get zeros. Only blocks the table names for positions inside [first visible,
+// kv_len) are read (ids are clamped into the pool, so a bad table cannot read out of bounds):
+// blocks wholly before a window may already be freed. A decode step is the case q_len = 1.
 //
 // Work is split into items (sequence, kv head, tile of up to kTileQ query tokens); the items
 // are shared out over XLA's intra-op thread pool, the calling thread included. Each item keeps
@@ -59,7 +61,9 @@ struct Item {
 struct Problem {
   int64_t num_tokens, num_q_heads, head_dim, num_kv_heads, num_blocks, block_size, width;
   int64_t layer;
+  int64_t span;  // positions a query sees, itself included (the window, or all)
   float scale;
+  float softcap;  // 0: off
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu;
@@ -89,12 +93,13 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
       for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * p.scale;
     }
   std::fill(m, m + rows, kMask);
-  const int64_t last = pos0 + it.nq - 1;  // the tile sees keys [0, last]
+  const int64_t last = pos0 + it.nq - 1;  // the tile sees keys [first, last]
+  const int64_t first = std::max<int64_t>(pos0 - p.span + 1, 0);
   const int64_t nblocks = last < 0 ? 0 : std::min<int64_t>(last / bs + 1, p.width);
   const int32_t* table = p.tables + int64_t(it.seq) * p.width;
   const int64_t head_base = (p.layer * p.num_kv_heads + it.head) * p.num_blocks;
   const int64_t block_bytes = bs * D * int64_t(sizeof(T));
-  for (int64_t j = 0; j < nblocks; ++j) {
+  for (int64_t j = first / bs; j < nblocks; ++j) {
     const int64_t bid = std::clamp<int64_t>(table[j], 0, p.num_blocks - 1);
     const T* kt = k_cache + (head_base + bid) * bs * D;
     const T* vt = v_cache + (head_base + bid) * bs * D;
@@ -114,22 +119,25 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
       vp = vt;
     } else {
       const int64_t keys = std::min<int64_t>(bs, last + 1 - j * bs);
-      for (int64_t x = 0; x < keys * D; ++x) kb[x] = to_float(kt[x]);
-      for (int64_t x = 0; x < keys * D; ++x) vb[x] = to_float(vt[x]);
+      const int64_t from = std::max<int64_t>(first - j * bs, 0) * D;
+      for (int64_t x = from; x < keys * D; ++x) kb[x] = to_float(kt[x]);
+      for (int64_t x = from; x < keys * D; ++x) vb[x] = to_float(vt[x]);
       kp = kb;
       vp = vb;
     }
     for (int64_t i = 0; i < it.nq; ++i) {
       const int64_t keys = std::min<int64_t>(bs, pos0 + i + 1 - j * bs);  // causal, by length
-      if (keys <= 0) continue;
+      const int64_t t0 = std::max<int64_t>(pos0 + i - p.span + 1 - j * bs, 0);  // window
+      if (keys <= t0) continue;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
         const float* qr = qf + r * D;
         float mx = m[r];
-        for (int64_t t = 0; t < keys; ++t) {
+        for (int64_t t = t0; t < keys; ++t) {
           const float* kr = kp + t * D;
           float dot = 0.f;
           for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+          if (p.softcap > 0.f) dot = p.softcap * std::tanh(dot / p.softcap);
           s[t] = dot;
           mx = std::max(mx, dot);
         }
@@ -137,7 +145,7 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
         float* ar = acc + r * D;
         float sum = l[r] * alpha;
         for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-        for (int64_t t = 0; t < keys; ++t) {
+        for (int64_t t = t0; t < keys; ++t) {
           const float w = std::exp(s[t] - mx);
           sum += w;
           const float* vr = vp + t * D;
@@ -179,7 +187,8 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
                   ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                   ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                   ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
-                  ffi::Result<ffi::AnyBuffer> out, float scale) {
+                  ffi::Buffer<ffi::S32> window_buf, ffi::Result<ffi::AnyBuffer> out, float scale,
+                  float softcap) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   Problem p;
   p.num_tokens = qd[0];
@@ -191,7 +200,10 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
   p.width = td[1];
   const int64_t num_layers = kd[0];
   p.layer = std::clamp<int64_t>(layer_buf.typed_data()[0], 0, num_layers - 1);
+  const int64_t window = window_buf.typed_data()[0];
+  p.span = window > 0 ? window : (int64_t(1) << 40);
   p.scale = scale;
+  p.softcap = softcap > 0.f ? softcap : 0.f;
   p.kv_lens = kv_lens.typed_data();
   p.tables = block_tables.typed_data();
   p.cu = cu_q_lens.typed_data();
@@ -243,7 +255,8 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cac
                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
-                    ffi::Result<ffi::AnyBuffer> out, float scale) {
+                    ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out, float scale,
+                    float softcap) {
   const auto dt = q.element_type();
   if (k_cache.element_type() != dt || v_cache.element_type() != dt || out->element_type() != dt)
     return ffi::Error::InvalidArgument("q, k_cache, v_cache and out must share a dtype");
@@ -254,10 +267,10 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cac
     return ffi::Error::InvalidArgument("num_q_heads must be a multiple of num_kv_heads");
   if (dt == ffi::DataType::F32)
     return attend<float>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                         layer, out, scale);
+                         layer, window, out, scale, softcap);
   if (dt == ffi::DataType::BF16)
     return attend<uint16_t>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-                            num_seqs, layer, out, scale);
+                            num_seqs, layer, window, out, scale, softcap);
   return ffi::Error::InvalidArgument("dtype must be float32 or bfloat16");
 }
 
@@ -274,5 +287,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionCpu, Dispatch,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // cu_q_lens [S + 1]
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // window [] (0: none)
                                   .Ret<ffi::AnyBuffer>()          // out [T, Hq, D]
-                                  .Attr<float>("scale"));
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));       // 0: none

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
@@ -17,7 +17,7 @@ BLOCKS, BS, MAX_LEN = 32, 8, 128
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
     return config, assemble_params(config, random_hf_tensors(config, seed=11).get)
 
 

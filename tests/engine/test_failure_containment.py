@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.reference import ReferenceGenerator
@@ -15,7 +15,7 @@ from tests.parallel.tp_script import NoTokenizer
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
     return config, assemble_params(config, random_hf_tensors(config, seed=5).get)
 
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig
-from models.llama import FUSED_PROJECTIONS, unstack_layers
+from models.config import ModelConfig
+from models.decoder import FUSED_PROJECTIONS, unstack_layers
 from models.weights import abstract_params, assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.config import EngineConfig
@@ -25,7 +25,7 @@ from tests.parallel.tp_script import NoTokenizer
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
     return config, assemble_params(config, random_hf_tensors(config, seed=5).get)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.reference import ReferenceGenerator
@@ -19,7 +19,7 @@ from tests.parallel.tp_script import NoTokenizer
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = LlamaConfig.from_hf({**TINY_HF_CONFIG, "max_position_embeddings": 128})
+    config = ModelConfig.from_hf({**TINY_HF_CONFIG, "max_position_embeddings": 128})
     return config, assemble_params(config, random_hf_tensors(config, seed=7).get)
 
 

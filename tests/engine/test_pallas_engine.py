@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.reference import ReferenceGenerator
@@ -19,7 +19,7 @@ class _NoTokenizer:
 
 
 def test_pallas_backend_engine_matches_reference():
-    cfg = LlamaConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 6, "num_key_value_heads": 2})
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 6, "num_key_value_heads": 2})
     params = assemble_params(cfg, random_hf_tensors(cfg, seed=4).get)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (5, 17, 33, 9)]

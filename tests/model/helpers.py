@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 from safetensors.numpy import save_file
 
-from models.config import LlamaConfig  # noqa: I001
+from models.config import ModelConfig  # noqa: I001
 
 TINY_HF_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96,
@@ -20,7 +20,7 @@ TINY_HF_CONFIG = {
 }
 
 
-def random_hf_tensors(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
+def random_hf_tensors(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     from models.weights import expected_shapes
 
     rng = np.random.default_rng(seed)
@@ -65,7 +65,7 @@ HF_TO_GGUF = {
 }
 
 
-def write_gguf(path: Path, config: LlamaConfig, tensors: dict[str, np.ndarray],
+def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray],
                quant: str = "F32", arch: str = "llama", skip: str | None = None) -> Path:
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(config.num_layers)

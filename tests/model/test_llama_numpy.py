@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax.reference import ReferenceGenerator
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 
 
-def numpy_llama_logits(cfg: LlamaConfig, t: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+def numpy_llama_logits(cfg: ModelConfig, t: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
     x = t["model.embed_tokens.weight"][ids].astype(np.float64)
     n = len(ids)
     inv = cfg.rope_inv_freq().astype(np.float64)
@@ -57,7 +57,7 @@ def test_flax_llama_matches_numpy(variant):
         hf.update(tie_word_embeddings=True, rope_scaling={
             "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
-    cfg = LlamaConfig.from_hf(hf)
+    cfg = ModelConfig.from_hf(hf)
     tensors = random_hf_tensors(cfg, seed=7)
     ids = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 23))
     want = numpy_llama_logits(cfg, tensors, ids)
@@ -72,7 +72,7 @@ def test_flax_llama_matches_numpy(variant):
 
 def test_decode_steps_match_full_prefill():
     """Greedy tokens from the cached decode loop equal recomputing everything each step."""
-    cfg = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    cfg = ModelConfig.from_hf(TINY_HF_CONFIG)
     tensors = random_hf_tensors(cfg, seed=11)
     gen = ReferenceGenerator(cfg, assemble_params(cfg, tensors.get))
     prompt = [5, 17, 3, 44, 9]

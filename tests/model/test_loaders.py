@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from models.checkpoint import load_checkpoint, save_checkpoint
-from models.config import LlamaConfig, ModelConfigError
+from models.config import ModelConfig, ModelConfigError
 from models.demo import DemoModelError, ensure_demo_model
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_dir
@@ -20,7 +20,7 @@ from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors, write_gguf, w
 
 @pytest.fixture(scope="module")
 def tiny():
-    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
     return config, random_hf_tensors(config, seed=1)
 
 
@@ -150,10 +150,10 @@ def test_gguf_metadata_read(demo_gguf):
 
 
 def test_hf_config_llama3_rope(tmp_path):
-    cfg = LlamaConfig.from_hf({**TINY_HF_CONFIG, "rope_scaling": {
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIG, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}})
-    base = LlamaConfig.from_hf(TINY_HF_CONFIG).rope_inv_freq()
+    base = ModelConfig.from_hf(TINY_HF_CONFIG).rope_inv_freq()
     scaled = cfg.rope_inv_freq()
     assert scaled[0] == pytest.approx(base[0])          # high frequencies untouched
     assert scaled[-1] == pytest.approx(base[-1] / 8.0)  # low frequencies divided by factor

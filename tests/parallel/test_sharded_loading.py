@@ -15,13 +15,13 @@ SCRIPT = r"""
 import json, sys
 from pathlib import Path
 import jax, numpy as np
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.hf_loader import load_hf_dir, load_sharded
 from pagedjax.parallel.mesh import make_mesh, shard_params
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors, write_hf_dir
 
 hf = {**TINY_HF_CONFIG, "num_attention_heads": 4, "num_key_value_heads": 2}
-cfg = LlamaConfig.from_hf(hf)
+cfg = ModelConfig.from_hf(hf)
 tensors = random_hf_tensors(cfg, seed=1)
 path = write_hf_dir(Path(sys.argv[1]), hf, tensors, shards=2)
 out = {}

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from pagedjax.parallel import TensorParallelError, validate_tp
 from tests.model.helpers import TINY_HF_CONFIG
 
@@ -132,7 +132,7 @@ def test_two_processes_two_devices_each(tmp_path):
 
 # ---- configuration errors (no devices needed: validated from the config alone) ------------
 
-DEMO_LIKE = LlamaConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 9,
+DEMO_LIKE = ModelConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 9,
                                  "num_key_value_heads": 3, "intermediate_size": 144})
 
 
@@ -147,7 +147,7 @@ def test_bad_tp_size_is_rejected(n, match):
 
 
 def test_kv_heads_neither_dividing_nor_multiple():
-    cfg = LlamaConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 12,
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 12,
                                "num_key_value_heads": 4, "intermediate_size": 96})
     with pytest.raises(TensorParallelError, match="KV heads"):
         validate_tp(cfg, 6, num_devices=8)

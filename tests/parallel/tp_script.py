@@ -13,7 +13,7 @@ import sys
 import jax
 import numpy as np
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.core.scheduler import ScheduledSeq
@@ -30,8 +30,8 @@ class NoTokenizer:
         return " ".join(map(str, ids))
 
 
-def tiny_model(heads: int = 8, kv_heads: int = 2) -> tuple[LlamaConfig, dict]:
-    cfg = LlamaConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": heads,
+def tiny_model(heads: int = 8, kv_heads: int = 2) -> tuple[ModelConfig, dict]:
+    cfg = ModelConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": heads,
                                "num_key_value_heads": kv_heads, "head_dim": 8})
     return cfg, assemble_params(cfg, random_hf_tensors(cfg, seed=3).get)
 
@@ -63,7 +63,7 @@ def decode_collectives(llm: LLM) -> dict:
     return count_collectives(hlo)
 
 
-def run(cfg: LlamaConfig, params: dict, tp: int, prompts, max_tokens: int, **kw) -> dict:
+def run(cfg: ModelConfig, params: dict, tp: int, prompts, max_tokens: int, **kw) -> dict:
     llm = LLM.from_params(cfg, params, NoTokenizer(), tensor_parallel_size=tp, block_size=8,
                           max_num_seqs=4, max_num_batched_tokens=64, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

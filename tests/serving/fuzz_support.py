@@ -72,12 +72,12 @@ class FuzzFakeEngine(FakeEngine):
 
 def tiny_engine(**kwargs):
     """A real `LLMEngine` (tiny random Llama, CPU-sized pool) with a text tokenizer."""
-    from models.config import LlamaConfig
+    from models.config import ModelConfig
     from models.weights import assemble_params
     from pagedjax import LLM
     from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 
-    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
     params = assemble_params(config, random_hf_tensors(config, seed=5).get)
     opts = dict(num_gpu_blocks=32, block_size=8, max_num_seqs=4, max_model_len=64, layer_loop="scan")
     llm = LLM.from_params(config, params, ToyTokenizer(config.vocab_size), model_name="tiny",

@@ -21,7 +21,7 @@ import grpc
 import httpx
 import pytest
 
-from models.config import LlamaConfig
+from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM
 from pagedjax.reference import ReferenceGenerator
@@ -46,7 +46,7 @@ def _rss_mb() -> float:
 
 @pytest.fixture(scope="module")
 def soak_setup(tmp_path_factory):
-    config = LlamaConfig.from_hf(TINY_HF_CONFIG)
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
     params = assemble_params(config, random_hf_tensors(config, seed=21).get)
     tok = ToyTokenizer(config.vocab_size)
     llm = LLM.from_params(config, params, tok, model_name="tiny", num_gpu_blocks=48,

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import init_contiguous_cache
+from models.decoder import init_contiguous_cache
 from pagedjax import LLM, SamplingParams
 from pagedjax.baselines.buddy_allocator import next_pow2
 from pagedjax.reference import ReferenceGenerator

@@ -1,4 +1,9 @@
-"""Functional Flax (Linen) Llama.
+"""Functional Flax (Linen) decoder: one core for every supported family.
+
+Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3 and the MoE families differ in a few switches of
+`ModelConfig` (biases, q/k norms, sandwich norms, GELU, soft-capping, sliding windows, a local
+rotary base, routed experts), not in code paths of their own: a family is a config reader and a
+weight-name map (`models.weights`), not a model file.
 
 The decoder layers run either as one `nn.scan` over stacked parameters (`scan_layers=True`: the
 compiled graph holds one layer body whatever the depth, so compiles are fast) or as a Python loop
@@ -9,7 +14,8 @@ on this project's 2-core machine). The loop's layout also fuses each layer's q/k
 into one `qkv_proj` matmul and gate/up into one `gate_up_proj`: fewer, wider dots, 22 % less
 projection time at one row, 4 % at 64 and none at 256 on that machine
 (`bench/fused_projections.py`). Checkpoints and loaders keep the stacked, unfused layout;
-`unstack_layers` converts once at load.
+`unstack_layers` converts once at load. In the loop each layer's window and rotary base are
+Python constants; under the scan they are looked up by the traced layer index.
 
 Attention goes through a narrow, swappable `AttentionFn`: the model computes q/k/v and rotary
 embeddings, and hands them with the KV-cache state and per-step metadata to that function,
@@ -31,7 +37,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import LlamaConfig
+from models import rope as rope_lib
+from models.config import ModelConfig
+from models.moe import moe_mlp
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -40,84 +48,167 @@ class AttentionFn(Protocol):
     """Attention over a KV cache for one layer.
 
     q: [..., num_heads, head_dim]; k, v: [..., num_kv_heads, head_dim] (rotary already applied).
+    scale: softmax scale; window: sliding window in tokens (0: full attention; a Python int or
+    a traced int32 scalar); softcap: attention logit soft-capping (None: off).
     Returns the attention output shaped like q, and the cache with this step's k/v written.
     """
 
     def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: KVCache,
-                 layer: jax.Array, meta: Any) -> tuple[jax.Array, KVCache]: ...
+                 layer: jax.Array, meta: Any, *, scale: float, window: int | jax.Array = 0,
+                 softcap: float | None = None) -> tuple[jax.Array, KVCache]: ...
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm in fp32. Gemma's ``(1 + w)`` weights are stored with the 1 already added
+    (`models.weights`), so one norm serves every family."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [..., head_dim/2] for the given integer positions (fp32)."""
+    """cos/sin tables [..., rotary_dim/2] for the given integer positions (fp32)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def model_rotary_tables(config: ModelConfig, positions: jax.Array):
+    """(global, local) cos/sin tables; local is None unless windowed layers have their own
+    rotary base (Gemma 3)."""
+    c = config
+    glob = rope_lib.tables(positions, c.rotary_dim, c.rope_theta, c.rope_scaling,
+                           c.max_position_embeddings)
+    local = None
+    if c.rope_local_theta is not None:
+        local = rope_lib.tables(positions, c.rotary_dim, c.rope_local_theta, None,
+                                c.max_position_embeddings)
+    return glob, local
+
+
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF's rotate-half convention: the head is split into two halves, not interleaved pairs."""
-    half = x.shape[-1] // 2
+    """HF's rotate-half convention over the first ``2 * cos.shape[-1]`` features of each head
+    (all of them unless the family rotates part of the head); the rest pass through."""
+    half = cos.shape[-1]
     x1 = x[..., :half].astype(jnp.float32)
-    x2 = x[..., half:].astype(jnp.float32)
+    x2 = x[..., half : 2 * half].astype(jnp.float32)
     cos = cos[..., None, :]
     sin = sin[..., None, :]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    parts = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if 2 * half < x.shape[-1]:
+        parts.append(x[..., 2 * half :].astype(jnp.float32))
+    return jnp.concatenate(parts, axis=-1).astype(x.dtype)
 
 
-class LlamaLayer(nn.Module):
-    """One decoder layer; scanned over the layer axis by `LlamaForCausalLM`."""
+def activation(name: str, x: jax.Array) -> jax.Array:
+    return nn.gelu(x, approximate=True) if name == "gelu_tanh" else nn.silu(x)
 
-    config: LlamaConfig
+
+def softcap(x: jax.Array, cap: float | None) -> jax.Array:
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+class DecoderLayer(nn.Module):
+    """One decoder layer; scanned over the layer axis by `DecoderLM` (or unrolled)."""
+
+    config: ModelConfig
     attn_fn: Callable[..., tuple[jax.Array, KVCache]]
     dtype: Any = jnp.float32
     fused: bool = False  # params from `unstack_layers`: qkv_proj and gate_up_proj
+    static_layer: int | None = None  # the unrolled loop's layer index (window, rope known)
 
     @nn.compact
     def __call__(self, carry, layer, rope, meta):
         x, kv_cache = carry
         c = self.config
-        dense = lambda feats, name: nn.Dense(feats, use_bias=False, dtype=self.dtype,
-                                             param_dtype=self.dtype, name=name)
-        norm = lambda name: self.param(name, nn.initializers.ones, (c.hidden_size,), self.dtype)
+        dense = lambda feats, name, bias=False: nn.Dense(  # noqa: E731
+            feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        norm = lambda name, n=c.hidden_size: self.param(  # noqa: E731
+            name, nn.initializers.ones, (n,), self.dtype)
         lead = x.shape[:-1]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
         h = rms_norm(x, norm("attn_norm"), c.rms_norm_eps)
         if self.fused:
-            qkv = dense(nq + 2 * nkv, "qkv_proj")(h)
+            qkv = dense(nq + 2 * nkv, "qkv_proj", c.qkv_bias)(h)
             q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
         else:
-            q, k, v = dense(nq, "q_proj")(h), dense(nkv, "k_proj")(h), dense(nkv, "v_proj")(h)
+            q = dense(nq, "q_proj", c.qkv_bias)(h)
+            k = dense(nkv, "k_proj", c.qkv_bias)(h)
+            v = dense(nkv, "v_proj", c.qkv_bias)(h)
         q = q.reshape(*lead, c.num_heads, c.head_dim)
         k = k.reshape(*lead, c.num_kv_heads, c.head_dim)
         v = v.reshape(*lead, c.num_kv_heads, c.head_dim)
-        cos, sin = rope
+        if c.qk_norm:
+            q = rms_norm(q, norm("q_norm", c.head_dim), c.rms_norm_eps)
+            k = rms_norm(k, norm("k_norm", c.head_dim), c.rms_norm_eps)
+        window, (cos, sin) = self._window_and_rope(layer, rope)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        attn, kv_cache = self.attn_fn(q, k, v, kv_cache, layer, meta)
-        x = x + dense(c.hidden_size, "o_proj")(attn.reshape(*lead, c.num_heads * c.head_dim))
+        attn, kv_cache = self.attn_fn(q, k, v, kv_cache, layer, meta, scale=c.softmax_scale,
+                                      window=window, softcap=c.attn_softcap)
+        attn = dense(c.hidden_size, "o_proj", c.o_bias)(attn.reshape(*lead, nq))
+        if c.sandwich_norm:
+            attn = rms_norm(attn, norm("post_attn_norm"), c.rms_norm_eps)
+        x = x + attn
 
         h = rms_norm(x, norm("mlp_norm"), c.rms_norm_eps)
-        if self.fused:
-            gate_up = dense(2 * c.intermediate_size, "gate_up_proj")(h)
-            gate, up = gate_up[..., : c.intermediate_size], gate_up[..., c.intermediate_size :]
+        if c.num_experts:
+            out = self._moe(h)
         else:
-            gate = dense(c.intermediate_size, "gate_proj")(h)
-            up = dense(c.intermediate_size, "up_proj")(h)
-        x = x + dense(c.hidden_size, "down_proj")(nn.silu(gate) * up)
-        return (x, kv_cache), None
+            if self.fused:
+                gate_up = dense(2 * c.intermediate_size, "gate_up_proj")(h)
+                gate, up = gate_up[..., : c.intermediate_size], gate_up[..., c.intermediate_size :]
+            else:
+                gate = dense(c.intermediate_size, "gate_proj")(h)
+                up = dense(c.intermediate_size, "up_proj")(h)
+            out = dense(c.hidden_size, "down_proj")(activation(c.hidden_act, gate) * up)
+        if c.sandwich_norm:
+            out = rms_norm(out, norm("post_mlp_norm"), c.rms_norm_eps)
+        return (x + out, kv_cache), None
+
+    def _window_and_rope(self, layer, rope):
+        """This layer's sliding window and cos/sin tables: constants when unrolled, looked up
+        by the traced layer index under the scan."""
+        c = self.config
+        glob, local = rope
+        if not c.layer_windows:
+            return 0, glob
+        if self.static_layer is not None:
+            w = c.windows[self.static_layer]
+            return w, (local if (w and local is not None) else glob)
+        w = jnp.asarray(c.windows, jnp.int32)[layer]
+        if local is None:
+            return w, glob
+        return w, tuple(jnp.where(w > 0, lt, gt) for lt, gt in zip(local, glob, strict=True))
+
+    def _moe(self, h):
+        c = self.config
+        hidden, inter, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
+        init = nn.initializers.normal(0.02)
+        router = self.param("router", init, (hidden, e), self.dtype)
+        w_gate = self.param("expert_gate", init, (e, hidden, inter), self.dtype)
+        w_up = self.param("expert_up", init, (e, hidden, inter), self.dtype)
+        w_down = self.param("expert_down", init, (e, inter, hidden), self.dtype)
+        flat = h.reshape(-1, hidden)
+        out = moe_mlp(flat, router, w_gate, w_up, w_down, top_k=c.num_experts_per_tok,
+                      renormalize=c.norm_topk_prob,
+                      act=lambda x: activation(c.hidden_act, x))
+        if c.shared_expert_intermediate_size:
+            si = c.shared_expert_intermediate_size
+            dense = lambda feats, name: nn.Dense(feats, use_bias=False, dtype=self.dtype,  # noqa: E731
+                                                 param_dtype=self.dtype, name=name)
+            shared = dense(hidden, "shared_down_proj")(
+                activation(c.hidden_act, dense(si, "shared_gate_proj")(flat))
+                * dense(si, "shared_up_proj")(flat))
+            gate = jax.nn.sigmoid(dense(1, "shared_expert_gate")(flat).astype(jnp.float32))
+            out = out + (gate * shared.astype(jnp.float32)).astype(out.dtype)
+        return out.reshape(h.shape)
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama decoder with LM head. Call with `apply({"params": params}, ...)`."""
+class DecoderLM(nn.Module):
+    """Decoder with LM head. Call with `apply({"params": params}, ...)`."""
 
-    config: LlamaConfig
+    config: ModelConfig
     attn_fn: Callable[..., tuple[jax.Array, KVCache]]
     dtype: Any = jnp.float32
     scan_layers: bool = True  # False: params from `unstack_layers`, one graph node per layer
@@ -134,12 +225,13 @@ class LlamaForCausalLM(nn.Module):
         embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
                            self.dtype)
         x = embed[input_ids].astype(self.dtype)
-        inv_freq = jnp.asarray(c.rope_inv_freq())
-        rope = rotary_tables(positions, inv_freq)
+        if c.embed_scale:  # Gemma; HF rounds the factor to the activation dtype first
+            x = x * jnp.asarray(c.hidden_size ** 0.5, self.dtype)
+        rope = model_rotary_tables(c, positions)
 
         if self.scan_layers:
             layers = nn.scan(
-                LlamaLayer,
+                DecoderLayer,
                 variable_axes={"params": 0},
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast),
@@ -150,8 +242,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             carry = (x, kv_cache)
             for i in range(c.num_layers):
-                layer = LlamaLayer(c, self.attn_fn, self.dtype, fused=True,
-                                   name=f"{UNSTACKED_PREFIX}{i}")
+                layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True, static_layer=i,
+                                     name=f"{UNSTACKED_PREFIX}{i}")
                 carry, _ = layer(carry, jnp.int32(i), rope, meta)
             x, kv_cache = carry
 
@@ -165,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
             head = self.param("lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
                               self.dtype)
             logits = jnp.einsum("...h,hv->...v", x, head, preferred_element_type=jnp.float32)
-        return logits.astype(jnp.float32), kv_cache
+        return softcap(logits.astype(jnp.float32), c.final_softcap), kv_cache
 
 
 UNSTACKED_PREFIX = "layer_"
@@ -178,9 +270,9 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
 
 def unstack_layers(params: dict) -> dict:
     """Stacked checkpoint params (``params["layers"]`` with a leading layer axis) to the
-    per-layer layout of ``LlamaForCausalLM(scan_layers=False)``: ``layer_0 .. layer_{L-1}``,
-    with each layer's projections fused (`FUSED_PROJECTIONS`: kernels concatenated along the
-    output axis).
+    per-layer layout of ``DecoderLM(scan_layers=False)``: ``layer_0 .. layer_{L-1}``,
+    with each layer's projections fused (`FUSED_PROJECTIONS`: kernels, and biases where the
+    family has them, concatenated along the output axis; MoE layers have no dense gate/up).
 
     Works on arrays (each layer becomes its own buffer, so the stacked original can be freed)
     and on ShapeDtypeStructs (for compile-only lowering)."""
@@ -203,7 +295,10 @@ def unstack_layers(params: dict) -> dict:
     for i in range(num_layers):
         layer = {k: jax.tree.map(lambda a, i=i: take(a, i), v) for k, v in stacked.items()}
         for fused, names in FUSED_PROJECTIONS.items():
-            layer[fused] = {"kernel": concat([layer.pop(n)["kernel"] for n in names])}
+            if names[0] not in layer:
+                continue
+            parts = [layer.pop(n) for n in names]
+            layer[fused] = {key: concat([p[key] for p in parts]) for key in parts[0]}
         out[f"{UNSTACKED_PREFIX}{i}"] = layer
     return out
 
@@ -222,7 +317,7 @@ class ContiguousMeta:
 jax.tree_util.register_dataclass(ContiguousMeta, data_fields=["positions"], meta_fields=[])
 
 
-def init_contiguous_cache(config: LlamaConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
+def init_contiguous_cache(config: ModelConfig, batch: int, max_len: int, dtype: Any) -> KVCache:
     shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
@@ -232,10 +327,12 @@ class ContiguousAttention:
     """Attention over a contiguous cache `[layers, batch, max_len, kv_heads, head_dim]`.
 
     Each token writes its k/v at its own position; a query at position p attends to cache
-    slots 0..p of its row. Padding tokens (position -1) write nothing.
+    slots 0..p of its row (the last `window` of them when windowed). Padding tokens
+    (position -1) write nothing.
     """
 
-    def __call__(self, q, k, v, kv_cache: KVCache, layer, meta: ContiguousMeta):
+    def __call__(self, q, k, v, kv_cache: KVCache, layer, meta: ContiguousMeta, *,
+                 scale: float, window=0, softcap: float | None = None):
         k_cache, v_cache = kv_cache
         b, s = meta.positions.shape
         max_len = k_cache.shape[2]
@@ -249,8 +346,13 @@ class ContiguousAttention:
         hkv, d = keys.shape[2], keys.shape[3]
         g = q.shape[-2] // hkv
         qf = q.astype(jnp.float32).reshape(b, s, hkv, g, d)
-        scores = jnp.einsum("bskgd,btkd->bkgst", qf, keys) / jnp.sqrt(jnp.float32(d))
-        mask = jnp.arange(max_len)[None, None, :] <= pos[:, :, None]  # [b, s, t]
+        scores = jnp.einsum("bskgd,btkd->bkgst", qf, keys) * scale
+        if softcap is not None:
+            scores = softcap * jnp.tanh(scores / softcap)
+        kv_pos = jnp.arange(max_len)[None, None, :]
+        mask = kv_pos <= pos[:, :, None]  # [b, s, t]
+        win = jnp.asarray(window, jnp.int32)
+        mask &= (win <= 0) | (kv_pos > pos[:, :, None] - win)
         scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
         probs = jax.nn.softmax(scores, axis=-1)
         probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows with no keys (padding) -> 0

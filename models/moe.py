@@ -1,0 +1,48 @@
+"""Routed mixture-of-experts MLP without a Python loop over experts.
+
+Every token picks its top-k experts from a softmax router (Mixtral, Qwen2-MoE and Qwen3-MoE
+all route this way: softmax over all experts in fp32, top-k, optionally renormalised to sum
+to one). The (token, expert) assignments are sorted by expert so each expert's rows are one
+contiguous segment, and the three expert projections run as grouped matmuls over those
+segments (`jax.lax.ragged_dot`): the compute follows the k assignments per token, not the
+number of experts, and the graph is the same for any routing. The weighted expert outputs are
+scattered back onto their tokens with a segment sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool
+          ) -> tuple[jax.Array, jax.Array]:
+    """(weights [N, k] fp32, expert ids [N, k] int32) of each token's top-k experts."""
+    logits = jnp.einsum("nh,he->ne", x, router, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+            w_down: jax.Array, *, top_k: int, renormalize: bool,
+            act: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """x [N, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H] -> [N, H]."""
+    n, hidden = x.shape
+    num_experts = router.shape[-1]
+    weights, ids = route(x, router, top_k, renormalize)
+    flat_ids = ids.reshape(-1)
+    order = jnp.argsort(flat_ids, stable=True)  # assignments grouped by expert
+    tokens = order // top_k
+    sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+    rows = x[tokens]
+    gate = jax.lax.ragged_dot(rows, w_gate, sizes, preferred_element_type=jnp.float32)
+    up = jax.lax.ragged_dot(rows, w_up, sizes, preferred_element_type=jnp.float32)
+    h = (act(gate) * up).astype(x.dtype)
+    out = jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=jnp.float32)
+    out = out * weights.reshape(-1)[order][:, None]
+    return jax.ops.segment_sum(out, tokens, num_segments=n).astype(x.dtype)
