@@ -314,7 +314,9 @@ def _read_moe(family: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any
         experts, inter = hf.get("num_local_experts"), hf.get("intermediate_size")
         norm = True
     else:
-        experts, inter = hf.get("num_experts"), hf.get("moe_intermediate_size")
+        # transformers v5 writes num_local_experts for the Qwen MoE families too
+        experts = hf.get("num_experts") or hf.get("num_local_experts")
+        inter = hf.get("moe_intermediate_size")
         norm = bool(hf.get("norm_topk_prob", False))
         if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
             raise ModelConfigError("mlp_only_layers / decoder_sparse_step != 1 (dense layers "
