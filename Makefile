@@ -42,6 +42,7 @@ demo: venv
 
 test: venv aot-venv
 	$(VENV)/bin/pagedjax fetch-demo
+	$(VENV)/bin/pagedjax fetch-model gemma3-270m
 	$(VENV)/bin/ruff check pagedjax pallas_kernels models tests bench tools
 	$(VENV)/bin/python -m pytest -n 2 --timeout 1200 --ignore=tests/aot $(PYTEST_ARGS)
 	$(AOT_ENV) $(AOT_VENV)/bin/python -m pytest -n 2 --timeout 1800 tests/aot

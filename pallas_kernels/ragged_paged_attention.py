@@ -132,8 +132,10 @@ def _ragged_kernel(
         k, v, kv_pos = load_kv_chunk(k_ref, v_ref, tables_ref, seq, first_chunk + c, kv_end,
                                      base_page, block_size=block_size,
                                      chunk_tokens=chunk_tokens, first_token=lo)
-        visible = ((kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_end)[None, :]
-                   & (kv_pos[None, :] > q_pos[:, None] - span))
+        # Causal and inside the window. Valid rows sit below kv_end, so kv_pos < kv_end
+        # follows; invalid rows are never stored and their slots past kv_end load as zeros.
+        back = q_pos[:, None] - kv_pos[None, :]
+        visible = (back >= 0) & (back < span)
         logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
                                softcap)
         logits = jnp.where(visible, logits, MASK_VALUE)

@@ -47,6 +47,7 @@ class KernelCase:
     group: int = 1
     # Launch parameters; None: what pallas_kernels.tuning answers (what the engine gets).
     launch: tuning.KernelTuning | None = None
+    softcap: float | None = None  # a static kernel variant (Gemma 2's attention soft-cap)
 
     def tuned(self, arch: str) -> tuning.KernelTuning:
         return self.launch or tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
@@ -67,8 +68,9 @@ class KernelCase:
             group_p, block_q = max(16, next_pow2(self.group)), 1
         else:
             group_p, block_q = next_pow2(self.group), ragged_block_q(None, self.group, t.q_rows)
-        return (self.kernel, self.dtype, self.head_dim, self.block_size, group_p, block_q,
-                self.chunk_tokens(arch), t.num_warps, t.num_stages)
+        key = (self.kernel, self.dtype, self.head_dim, self.block_size, group_p, block_q,
+               self.chunk_tokens(arch), t.num_warps, t.num_stages)
+        return key if self.softcap is None else (*key, "softcap")
 
 
 def engine_cases() -> list[KernelCase]:
@@ -76,6 +78,10 @@ def engine_cases() -> list[KernelCase]:
         ("decode", "ragged"), DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
     cases += [KernelCase(k, dt, d, bs) for k, dt, d, bs in itertools.product(
         ("write_kv", "copy_blocks"), DTYPES, HEAD_DIMS, BLOCK_SIZES)]
+    # Soft-capped attention (a tanh on every logit tile) at the head dims and groups of the
+    # families that use it (Gemma 2: 256 and 2; smaller variants for the sweep's sake).
+    cases += [KernelCase(k, dt, d, bs, g, softcap=50.0) for k, dt, d, bs, g in itertools.product(
+        ("decode", "ragged"), DTYPES, (128, 256), (16, 32), (1, 2))]
     return cases
 
 
@@ -94,12 +100,14 @@ def _lower(case: KernelCase, device, table_pages: int, arch: str):
             launch["block_q"] = ragged_block_q(None, case.group, t.q_rows)
     if case.kernel == "decode":
         fn = lambda q, k, v, bt, lens, layer: paged_decode_attention(
-            q, k, v, bt, lens, scale=0.1, layer=layer, backend="pallas", **launch)
+            q, k, v, bt, lens, scale=0.1, layer=layer, backend="pallas", softcap=case.softcap,
+            **launch)
         args = (S((4, hq, case.head_dim), dt), cache, cache, S((4, table_pages), i32),
                 S((4,), i32), S((), i32))
     elif case.kernel == "ragged":
         fn = lambda q, k, v, kl, bt, cu, n, layer: ragged_paged_attention(
-            q, k, v, kl, bt, cu, n, scale=0.1, layer=layer, backend="pallas", **launch)
+            q, k, v, kl, bt, cu, n, scale=0.1, layer=layer, backend="pallas",
+            softcap=case.softcap, **launch)
         args = (S((64, hq, case.head_dim), dt), cache, cache, S((8,), i32), S((8, 16), i32),
                 S((9,), i32), S((), i32), S((), i32))
     elif case.kernel == "write_kv":
@@ -188,5 +196,6 @@ def sweep(target: str, cases: list[KernelCase] | None = None, log=print) -> dict
                 f"bs={case.block_size:3d} g={case.group} regs<={worst} "
                 f"{'ERROR' if bad else 'ok'}")
         configs.append(dict(kernel=case.kernel, dtype=case.dtype, head_dim=case.head_dim,
-                            block_size=case.block_size, group=case.group, compiled=index[key]))
+                            block_size=case.block_size, group=case.group, compiled=index[key],
+                            **({"softcap": case.softcap} if case.softcap else {})))
     return dict(arch=arch, configs=configs, compiled=compiled)

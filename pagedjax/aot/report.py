@@ -18,7 +18,7 @@ REPORT_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
 # Step compiles per target: (model, tensor-parallel degrees). TP > 1 runs on an abstract
 # one-host N-GPU topology; A100 and B200 get the single-GPU steps only.
 STEP_PLAN = {
-    "h100": (("smollm2-135m", (1,)), ("llama3-8b", (1, 2, 4, 8))),
+    "h100": (("smollm2-135m", (1,)), ("llama3-8b", (1, 2, 4, 8)), ("gemma2-9b", (1,))),
     "a100": (("smollm2-135m", (1,)), ("llama3-8b", (1,))),
     "b200": (("llama3-8b", (1,)),),
 }

@@ -43,6 +43,15 @@ MODELS = {
         rope_scaling=(("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                       ("original_max_position_embeddings", 8192), ("rope_type", "llama3")),
         max_position_embeddings=8192),
+    # Gemma-2-9B: 42 layers alternating 4096-token windows and full attention, 16 query /
+    # 8 KV heads of 256, logit soft-capping in attention (50) and at the head (30).
+    "gemma2-9b": ModelConfig(
+        vocab_size=256000, hidden_size=3584, intermediate_size=14336, num_layers=42,
+        num_heads=16, num_kv_heads=8, head_dim=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, architecture="gemma2",
+        attn_scale=256 ** -0.5, attn_softcap=50.0, final_softcap=30.0,
+        layer_windows=tuple(4096 if i % 2 == 0 else 0 for i in range(42)),
+        hidden_act="gelu_tanh", sandwich_norm=True, embed_scale=True),
 }
 
 

@@ -158,7 +158,7 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
             except Exception as exc:
                 msg = f"messages: cannot apply the chat template: {exc}"
                 raise InvalidRequestError(msg, "messages") from None
-            return text, tok(text).input_ids
+            return text, tok(text, add_special_tokens=False).input_ids  # BOS is in the template
 
         text, ids = await asyncio.to_thread(template)
         params = body.sampling_params()

@@ -62,12 +62,27 @@ HF_TO_GGUF = {
     "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+}
+# Gemma's sandwich norms, as llama.cpp names them.
+HF_TO_GGUF_GEMMA = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
 
 
 def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray],
-               quant: str = "F32", arch: str = "llama", skip: str | None = None) -> Path:
+               quant: str = "F32", arch: str = "llama", skip: str | None = None,
+               extra_kv: dict | None = None) -> Path:
+    """As llama.cpp's converter writes it: Llama's Q/K rows permuted, Gemma's norms + 1."""
     w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (extra_kv or {}).items():
+        w.add_key_value(key, value[0], value[1])
+    names = {**HF_TO_GGUF, **HF_TO_GGUF_GEMMA} if arch.startswith("gemma") else HF_TO_GGUF
+    w.add_key_length(config.head_dim)
     w.add_block_count(config.num_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -88,15 +103,21 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray],
             name = "output.weight"
         else:
             _, _, layer, rest = hf_name.split(".", 3)
-            name = f"blk.{layer}.{HF_TO_GGUF[rest]}"
-            if rest == "self_attn.q_proj.weight":
+            name = f"blk.{layer}.{names[rest]}"
+            if rest == "self_attn.q_proj.weight" and arch == "llama":
                 arr = _permute_rotary(arr, config.num_heads)
-            elif rest == "self_attn.k_proj.weight":
+            elif rest == "self_attn.k_proj.weight" and arch == "llama":
                 arr = _permute_rotary(arr, config.num_kv_heads)
+        if arch.startswith("gemma") and "norm" in hf_name:
+            arr = arr + np.float32(1.0)
         if name == skip:
             continue
         if arr.ndim == 2 and quant != "F32":
-            data = gguf.quants.quantize(arr, qtype)
+            try:
+                data = gguf.quants.quantize(arr, qtype)
+            except NotImplementedError:  # a type gguf cannot write: right-sized zero blocks
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                data = np.zeros((arr.shape[0], arr.shape[1] // block * size), np.uint8)
             w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
         else:
             w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))

@@ -54,7 +54,8 @@ def test_hf_dir_bf16_weights(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("quant,tol", [("F32", 0.0), ("F16", 2e-4), ("BF16", 4e-3), ("Q8_0", 4e-3),
-                                       ("Q4_0", 6e-2), ("Q4_1", 4e-2)])
+                                       ("Q4_0", 6e-2), ("Q4_1", 4e-2), ("Q5_0", 3e-2),
+                                       ("Q5_1", 2e-2)])
 def test_gguf_matches_hf(tmp_path, tiny, quant, tol):
     config, tensors = tiny
     _, hf_params = load_hf_dir(write_hf_dir(tmp_path / "hf", TINY_HF_CONFIG, tensors))
@@ -118,8 +119,8 @@ def test_missing_config_field_named(tmp_path, tiny):
 
 def test_unsupported_quant_type_named(tmp_path, tiny):
     config, tensors = tiny
-    path = write_gguf(tmp_path / "q5.gguf", config, tensors, "Q5_0")
-    with pytest.raises(WeightError, match="Q5_0"):
+    path = write_gguf(tmp_path / "iq4.gguf", config, tensors, "IQ4_NL")
+    with pytest.raises(WeightError, match="IQ4_NL"):
         load_gguf(path)
 
 
@@ -158,3 +159,37 @@ def test_hf_config_llama3_rope(tmp_path):
     assert scaled[0] == pytest.approx(base[0])          # high frequencies untouched
     assert scaled[-1] == pytest.approx(base[-1] / 8.0)  # low frequencies divided by factor
     assert json.loads(json.dumps(cfg.to_dict()))["rope_scaling"]["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("family,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"),
+                                         ("gemma2", "gemma2"), ("gemma3", "gemma3")])
+def test_gguf_families_match_hf_dir(tmp_path, family, arch):
+    """GGUF files of other architectures (biases, q/k norms, Gemma's sandwich norms stored as
+    1 + w, no Q/K permutation) load to the same params and config as the HF folder."""
+    import gguf
+
+    from models.config import ModelConfig
+    from models.weights import params_to_hf
+    from tests.model.test_families import write_family
+
+    write_family(family, tmp_path)
+    hf_cfg, hf_params = load_hf_dir(tmp_path)
+    tensors = params_to_hf(hf_cfg, hf_params)
+    T = gguf.GGUFValueType
+    kv = {}
+    if arch.startswith("gemma"):
+        window = max(hf_cfg.windows)
+        kv[f"{arch}.attention.sliding_window"] = (window, T.UINT32)
+        if hf_cfg.attn_softcap:
+            kv[f"{arch}.attn_logit_softcapping"] = (hf_cfg.attn_softcap, T.FLOAT32)
+            kv[f"{arch}.final_logit_softcapping"] = (hf_cfg.final_softcap, T.FLOAT32)
+    g_cfg, g_params = load_gguf(write_gguf(tmp_path / "m.gguf", hf_cfg, tensors, arch=arch,
+                                           extra_kv=kv))
+    assert jax.tree.structure(g_params) == jax.tree.structure(hf_params)
+    assert _max_diff(g_params, hf_params) <= 1e-6
+    for field in ("architecture", "qkv_bias", "qk_norm", "sandwich_norm", "embed_scale",
+                  "attn_softcap", "final_softcap", "hidden_act", "tie_word_embeddings"):
+        assert getattr(g_cfg, field) == getattr(hf_cfg, field), field
+    if arch == "gemma2":
+        assert g_cfg.windows == hf_cfg.windows
+    assert isinstance(g_cfg, ModelConfig)
