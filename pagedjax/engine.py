@@ -134,7 +134,8 @@ class LLMEngine:
         # baselines of its evaluation (same engine, same kernels, different memory manager).
         self.block_manager = make_kv_manager(
             ec.kv_policy, self.runner.num_gpu_blocks, self.runner.num_cpu_blocks, ec.block_size,
-            enable_prefix_caching=ec.enable_prefix_caching, max_model_len=self.max_model_len)
+            enable_prefix_caching=ec.enable_prefix_caching, max_model_len=self.max_model_len,
+            sliding_window=config.max_window)
         self.scheduler = make_scheduler(ec.kv_policy, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
             max_num_batched_tokens=ec.max_num_batched_tokens,

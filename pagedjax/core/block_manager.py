@@ -9,6 +9,15 @@ Prefix caching: a full block is published under a chained key (parent entry,
 its tokens, extra keys) only by :meth:`BlockManager.mark_blocks_computed`,
 i.e. after the step that wrote its KV has finished, so no request can ever
 hit a block whose KV is still being computed.
+
+Sliding windows: when every layer of the model attends to at most the last
+``sliding_window`` tokens, a block whose positions all lie before the window of
+the next token to compute is never read again. :meth:`BlockManager.append_slots`
+drops the sequence's reference to it and leaves :data:`NULL_BLOCK` in its table
+slot (the kernels never read table entries before the window, so the stale id the
+runner's persistent copy still holds is harmless). A freed block that was
+published stays in the prefix cache until evicted: its KV is still right for any
+request with that prefix. Where a global layer remains, nothing is freed.
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ class PrefixHandle:
         return self.valid and len(self.blocks) == self.num_full_blocks
 
 
+# Table slot of a block released because it fell out of every layer's sliding window.
+NULL_BLOCK = -1
+
 # Table versions are unique across all block managers of the process (an engine may replace
 # its KV manager), so equal versions always mean the same table.
 _TABLE_VERSIONS = itertools.count()
@@ -55,7 +67,7 @@ _TABLE_VERSIONS = itertools.count()
 class _SeqBlocks:
     """Block-manager side state of one sequence."""
 
-    __slots__ = ("table", "on_cpu", "chain", "extra", "publish", "version")
+    __slots__ = ("table", "on_cpu", "chain", "extra", "publish", "version", "released")
 
     def __init__(self, table: list[int], chain: list[CacheEntry], extra: tuple,
                  version: int) -> None:
@@ -68,6 +80,10 @@ class _SeqBlocks:
         self.chain = chain  # cache entries of the leading full blocks already published/found
         self.extra = extra
         self.publish = True  # False once the prefix cache was reset under this sequence
+        self.released = 0  # leading table slots already released (sliding window)
+
+    def held(self) -> list[int]:
+        return [b for b in self.table if b != NULL_BLOCK]
 
 
 class BlockManager:
@@ -80,6 +96,7 @@ class BlockManager:
         block_size: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        sliding_window: int = 0,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -87,7 +104,11 @@ class BlockManager:
             raise ValueError("need at least one GPU block")
         if not 0.0 <= watermark < 1.0:
             raise ValueError("watermark must be in [0, 1)")
+        if sliding_window < 0:
+            raise ValueError("sliding_window must be >= 0 (0: no window)")
         self.block_size = block_size
+        # Widest window when every layer is windowed (0: some layer sees everything).
+        self.sliding_window = sliding_window
         self.num_gpu_blocks = num_gpu_blocks
         self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -152,6 +173,11 @@ class BlockManager:
         version (see `_SeqBlocks.version`): the scheduler's per-step view, with no copy."""
         st = self._state(seq)
         return st.table, st.version
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks the sequence references (its table less slots released by the window)."""
+        st = self._state(seq)
+        return len(st.table) - sum(1 for b in st.table[: st.released] if b == NULL_BLOCK)
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu.get_num_free()
@@ -272,6 +298,8 @@ class BlockManager:
         table = st.table
         gpu = self.gpu
         start = seq.num_computed_tokens
+        if self.sliding_window:
+            self._release_before_window(st, start)
         if num_new_tokens == 1:  # decode fast path: no CoW, room in the last block
             idx = start // self.block_size
             if idx < len(table) and gpu._ref[table[idx]] == 1:
@@ -291,6 +319,17 @@ class BlockManager:
             table.append(gpu.allocate())
         return copies
 
+    def _release_before_window(self, st: _SeqBlocks, start: int) -> None:
+        """Release the blocks no query from position ``start`` on can see: the first of
+        them sees back to ``start - sliding_window + 1``."""
+        dead = min(max(0, start - self.sliding_window + 1) // self.block_size, len(st.table))
+        table = st.table
+        for i in range(st.released, dead):
+            if table[i] != NULL_BLOCK:
+                self.gpu.decref(table[i])
+                table[i] = NULL_BLOCK
+        st.released = max(st.released, dead)
+
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """Child shares every block of the parent (paper §4.4 parallel sampling / beams)."""
         st = self._state(parent_seq)
@@ -298,10 +337,11 @@ class BlockManager:
             raise ValueError("cannot fork a swapped-out sequence")
         if child_seq.seq_id in self._seqs:
             raise ValueError(f"sequence {child_seq.seq_id} already has blocks")
-        for b in st.table:
+        for b in st.held():
             self.gpu.incref(b)
         child = _SeqBlocks(list(st.table), list(st.chain), st.extra, next(self._versions))
         child.publish = st.publish
+        child.released = st.released
         self._seqs[child_seq.seq_id] = child
 
     def free(self, seq: Sequence) -> None:
@@ -310,7 +350,7 @@ class BlockManager:
         if st is None:
             return
         pool = self.cpu if st.on_cpu else self.gpu
-        for b in reversed(st.table):
+        for b in reversed(st.held()):
             pool.decref(b)
 
     # -- swapping -------------------------------------------------------------
@@ -324,7 +364,7 @@ class BlockManager:
 
     @staticmethod
     def _distinct_blocks(states: list[_SeqBlocks]) -> int:
-        return len({b for st in states for b in st.table})
+        return len({b for st in states for b in st.held()})
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         """CPU room, and swapped blocks stay within the GPU pool size (paper §4.5 bound)."""
@@ -340,13 +380,16 @@ class BlockManager:
         for st in states:
             new_table = []
             for b in st.table:
+                if b == NULL_BLOCK:
+                    new_table.append(b)
+                    continue
                 c = mapping.get(b)
                 if c is None:
                     c = mapping[b] = self.cpu.allocate()
                 else:
                     self.cpu.incref(c)
                 new_table.append(c)
-            for b in reversed(st.table):
+            for b in reversed(st.held()):
                 self.gpu.decref(b)
             st.table = new_table
             st.version = next(self._versions)
@@ -376,13 +419,16 @@ class BlockManager:
         for st in states:
             new_table = []
             for c in st.table:
+                if c == NULL_BLOCK:
+                    new_table.append(c)
+                    continue
                 g = mapping.get(c)
                 if g is None:
                     g = mapping[c] = self.gpu.allocate()
                 else:
                     self.gpu.incref(g)
                 new_table.append(g)
-            for c in reversed(st.table):
+            for c in reversed(st.held()):
                 self.cpu.decref(c)
             st.table = new_table
             st.version = next(self._versions)
@@ -409,6 +455,8 @@ class BlockManager:
         for i in range(len(chain), n_full):
             if parent is not None and not parent.alive:
                 break  # children of an evicted entry would be unreachable
+            if st.table[i] == NULL_BLOCK:
+                break  # released by the window before it was published
             key = self._key(parent, seq.get_token_slice(i * bs, (i + 1) * bs), st.extra)
             entry = self.gpu.register(st.table[i], key)
             if entry is None:
@@ -494,8 +542,11 @@ class BlockManager:
         gpu_refs: Counter[int] = Counter()
         cpu_refs: Counter[int] = Counter()
         for sid, st in self._seqs.items():
-            assert len(set(st.table)) == len(st.table), f"seq {sid}: block listed twice"
-            (cpu_refs if st.on_cpu else gpu_refs).update(st.table)
+            held = st.held()
+            assert len(set(held)) == len(held), f"seq {sid}: block listed twice"
+            assert all(b == NULL_BLOCK for b in st.table[: st.released]), f"seq {sid}: window"
+            assert NULL_BLOCK not in st.table[st.released :], f"seq {sid}: hole in table"
+            (cpu_refs if st.on_cpu else gpu_refs).update(held)
         for h in self._handles.values():
             gpu_refs.update(h.blocks)
         assert sum(self._pinned.values()) == sum(len(h.blocks) for h in self._handles.values())

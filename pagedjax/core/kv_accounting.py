@@ -42,8 +42,7 @@ def snapshot(bm: BlockManager | ContiguousKVManager, groups: Iterable[SequenceGr
                 requested = r.requested_tokens
                 out["external"] += slots - requested
             else:
-                # Read-only peek at the paged table (no public per-sequence block count).
-                slots = requested = len(bm.get_block_table(seq)) * bs
+                slots = requested = bm.num_held_blocks(seq) * bs
             allocated += slots
             out["token_states"] += tokens
             out["reserved"] += max(0, min(requested, final) - tokens)

@@ -19,11 +19,15 @@ KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"
 
 def make_kv_manager(policy: str, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, *,
                     enable_prefix_caching: bool = False, max_model_len: int,
-                    watermark: float = 0.01) -> BlockManager | ContiguousKVManager:
-    """The block manager for ``policy`` (one of :data:`KV_POLICIES`)."""
+                    watermark: float = 0.01, sliding_window: int = 0
+                    ) -> BlockManager | ContiguousKVManager:
+    """The block manager for ``policy`` (one of :data:`KV_POLICIES`). ``sliding_window``:
+    the model's widest window when every layer is windowed (blocks behind it are released);
+    the contiguous baselines keep whole regions and ignore it."""
     if policy == "paged":
         return BlockManager(num_gpu_blocks, num_cpu_blocks, block_size, watermark=watermark,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching,
+                            sliding_window=sliding_window)
     if policy not in KV_POLICIES:
         raise ValueError(f"unknown kv policy {policy!r}; expected one of {KV_POLICIES}")
     if enable_prefix_caching:
