@@ -119,3 +119,36 @@ def test_rope_variants_match_hf(case):
         angles = np.asarray(row["inv_freq"]) * (row["seq_len"] - 1)
         np.testing.assert_allclose(cos, attn * np.cos(angles), atol=2e-3, err_msg=case)
         np.testing.assert_allclose(sin, attn * np.sin(angles), atol=2e-3, err_msg=case)
+
+
+def test_orbax_checkpoint_round_trip(family, tmp_path):
+    """`pagedjax convert` output for every family: same config, bit-identical params."""
+    import jax
+
+    from models.checkpoint import load_checkpoint, save_checkpoint
+
+    name, config, params = family
+    path = save_checkpoint(tmp_path / name, config, params)
+    config2, params2 = load_checkpoint(path)
+    assert config2 == config
+    assert jax.tree.structure(params2) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_generation_config_eos_ids_are_honoured(tmp_path):
+    """Chat models stop on several ids (generation_config.json), as HF's generate does."""
+    write_family("qwen2", tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 11]}))
+    config, params, _ = load_model(tmp_path, dtype="float32")
+    assert set(config.eos_token_ids) == {2, 7, 11}
+    ids = GOLDENS["families"]["qwen2"]["cases"][2]
+    stop_at = ids["greedy"][5]  # make the sixth greedy token a stop id
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop_at]}))
+    config, params, _ = load_model(tmp_path, dtype="float32")
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=32, block_size=8,
+                          max_model_len=64)
+    out = llm.generate([{"prompt_token_ids": ids["input_ids"]}],
+                       SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    first = ids["greedy"].index(stop_at)
+    assert out.token_ids == ids["greedy"][: first + 1] and out.finish_reason == "stop"

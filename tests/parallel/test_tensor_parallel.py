@@ -60,6 +60,22 @@ def test_tiny_model_matches_tp1(tiny, tp):
     assert tiny[f"tp{tp}"]["free_blocks_ok"]
 
 
+@pytest.fixture(scope="module")
+def families(tmp_path_factory) -> dict:
+    return _scenario(tmp_path_factory, "families")
+
+
+@pytest.mark.parametrize("name,tp", [("qwen2_moe", 2), ("qwen2_moe", 4), ("qwen3_moe", 2),
+                                     ("gemma2", 2)])
+def test_families_match_tp1(families, name, tp):
+    """MoE experts split by width (routing replicated, no extra collectives), KV-replicated
+    biases, soft-capped windowed attention: TP=N equals TP=1."""
+    _assert_matches(families[f"{name}-tp1"], families[f"{name}-tp{tp}"], atol=1e-4)
+    assert families[f"{name}-tp{tp}"]["free_blocks_ok"]
+    total, per_device = families[f"{name}-tp{tp}"]["param_bytes"]
+    assert per_device < total  # the weights really are split
+
+
 def test_preemption_and_prefix_caching_were_exercised(tiny):
     for tp in (1, 2, 4):
         assert tiny[f"tp{tp}"]["preemptions"] > 0, tp  # TP=2 swapped, TP=1/4 recomputed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -112,6 +113,22 @@ def main(mode: str, out_path: str) -> None:
         prompts = prompts_for(cfg.vocab_size, 3)
         for tp in (1, 3):
             results[f"tp{tp}"] = run(cfg, params, tp, prompts, 12, num_gpu_blocks=8, **common)
+    elif mode == "families":
+        import tempfile
+
+        from models.loader import load_model
+        from tests.model.test_families import write_family
+
+        # Routed and shared experts split by width, q/k norms, QKV biases (replicated with
+        # their KV heads at TP=4 > 2 KV heads), Gemma 2's soft-caps, windows, sandwich norms.
+        for name, sizes in (("qwen2_moe", (1, 2, 4)), ("qwen3_moe", (1, 2)), ("gemma2", (1, 2))):
+            with tempfile.TemporaryDirectory() as tmp:
+                write_family(name, Path(tmp))
+                cfg, params, _ = load_model(tmp, dtype="float32")
+            prompts = prompts_for(cfg.vocab_size, 3)
+            for tp in sizes:
+                results[f"{name}-tp{tp}"] = run(cfg, params, tp, prompts, 12, num_gpu_blocks=12,
+                                                **common)
     else:
         raise SystemExit(f"unknown mode {mode}")
     with open(out_path, "w") as f:
