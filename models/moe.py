@@ -7,6 +7,14 @@ contiguous segment, and the three expert projections run as grouped matmuls over
 segments (`jax.lax.ragged_dot`): the compute follows the k assignments per token, not the
 number of experts, and the graph is the same for any routing. The weighted expert outputs are
 scattered back onto their tokens with a segment sum.
+
+On CPU, XLA lowers `ragged_dot` densely (every row against every expert, masked), which costs
+``num_experts`` times the matmul work. When the step has fewer (token, expert) assignments
+than experts, which is every small-batch decode of a model with many experts, the CPU path
+instead gathers each assignment's expert weights and runs one matvec per assignment: it
+reads only the chosen experts' weights, which is what bounds a decode step. The choice is
+static per compiled shape (``num_tokens * top_k`` against ``num_experts``); GPUs always take
+`ragged_dot` (a grouped matmul there).
 """
 
 from __future__ import annotations
@@ -28,13 +36,24 @@ def route(x: jax.Array, router: jax.Array, top_k: int, renormalize: bool
     return weights, ids.astype(jnp.int32)
 
 
+def use_gather(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether the per-assignment gather formulation serves this shape (see module doc)."""
+    from pallas_kernels.backend import target_platform
+
+    return target_platform() == "cpu" and num_tokens * top_k < num_experts
+
+
 def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
             w_down: jax.Array, *, top_k: int, renormalize: bool,
-            act: Callable[[jax.Array], jax.Array]) -> jax.Array:
-    """x [N, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H] -> [N, H]."""
+            act: Callable[[jax.Array], jax.Array], gather: bool | None = None) -> jax.Array:
+    """x [N, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H] -> [N, H].
+
+    ``gather``: force the formulation (None: `use_gather`)."""
     n, hidden = x.shape
     num_experts = router.shape[-1]
     weights, ids = route(x, router, top_k, renormalize)
+    if gather if gather is not None else use_gather(n, top_k, num_experts):
+        return _gathered(x, weights, ids, w_gate, w_up, w_down, act)
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)  # assignments grouped by expert
     tokens = order // top_k
@@ -46,3 +65,16 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     out = jax.lax.ragged_dot(h, w_down, sizes, preferred_element_type=jnp.float32)
     out = out * weights.reshape(-1)[order][:, None]
     return jax.ops.segment_sum(out, tokens, num_segments=n).astype(x.dtype)
+
+
+def _gathered(x, weights, ids, w_gate, w_up, w_down, act) -> jax.Array:
+    """One matvec per (token, expert) assignment against that expert's gathered weights."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)
+    rows = jnp.repeat(x, k, axis=0)  # [N*k, H], assignment a = token a // k
+    gate = jnp.einsum("ah,ahi->ai", rows, w_gate[flat], preferred_element_type=jnp.float32)
+    up = jnp.einsum("ah,ahi->ai", rows, w_up[flat], preferred_element_type=jnp.float32)
+    h = (act(gate) * up).astype(x.dtype)
+    out = jnp.einsum("ai,aih->ah", h, w_down[flat], preferred_element_type=jnp.float32)
+    out = (out * weights.reshape(-1, 1)).reshape(n, k, -1).sum(axis=1)
+    return out.astype(x.dtype)
