@@ -66,3 +66,10 @@ def window_span(window: jax.Array | int) -> jax.Array:
 def apply_softcap(logits: jax.Array, softcap: float | None) -> jax.Array:
     """Attention logit soft-capping ``c * tanh(logits / c)`` (Gemma 2); None: unchanged."""
     return logits if softcap is None else softcap * jnp.tanh(logits / softcap)
+
+
+def has_window(window) -> bool:
+    """False when ``window`` is statically absent (None or the Python int 0): the kernels then
+    compile without the window's bounds. A traced window (the layer scan) or a positive int
+    gets the windowed variant, which also serves full-attention layers (window 0 at run time)."""
+    return not (window is None or (isinstance(window, int | np.integer) and int(window) == 0))

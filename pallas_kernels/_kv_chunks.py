@@ -31,28 +31,37 @@ def chunk_layout(block_size: int, chunk_tokens: int) -> tuple[int, int]:
 
 
 def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, *,
-                  block_size: int, chunk_tokens: int, first_token=0):
+                  block_size: int, chunk_tokens: int, first_token=None):
     """Masked loads of one KV chunk ``[chunk_tokens, D]`` through the block table.
 
     Token slots outside ``[first_token, used_tokens)`` are not read (masked loads,
     zero-filled), so the kernel never depends on cache contents the table does not name for
     this context (a sliding window's ``first_token`` may sit in a block already freed), and
-    Triton can software-pipeline the loads. Table entries outside the used pages are replaced
-    by page 0 of the same layer/head, so no address comes from junk entries.
+    Triton can software-pipeline the loads. ``first_token=None`` (no window) leaves the lower
+    bound out of the masks altogether: the extra compares cost registers the largest tiles
+    do not have (sm_90a, bf16, head_dim 128, 64-token pages). Table entries outside the used
+    pages are replaced by page 0 of the same layer/head, so no address comes from junk
+    entries.
     """
     head_dim = k_ref.shape[-1]
     pages_per_chunk, chunks_per_page = chunk_layout(block_size, chunk_tokens)
     used_pages = (used_tokens + block_size - 1) // block_size
-    first_page = lax.div(first_token, jnp.int32(block_size))
+    windowed = first_token is not None
+    first_page = lax.div(first_token, jnp.int32(block_size)) if windowed else 0
     if chunks_per_page == 1:
         page0 = chunk * pages_per_chunk
         page_pos = page0 + jnp.arange(pages_per_chunk, dtype=jnp.int32)
         ids = tables_ref[seq, pl.ds(page0, pages_per_chunk)]
-        ids = jnp.where((page_pos < used_pages) & (page_pos >= first_page), ids, 0) + base_page
+        live = page_pos < used_pages
+        if windowed:
+            live &= page_pos >= first_page
+        ids = jnp.where(live, ids, 0) + base_page
         tok = page0 * block_size + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        mask = jnp.broadcast_to(
-            ((tok < used_tokens) & (tok >= first_token)).reshape(pages_per_chunk, block_size, 1),
-            (pages_per_chunk, block_size, head_dim))
+        tok_live = tok < used_tokens
+        if windowed:
+            tok_live &= tok >= first_token
+        mask = jnp.broadcast_to(tok_live.reshape(pages_per_chunk, block_size, 1),
+                                (pages_per_chunk, block_size, head_dim))
         # Index every axis with a (broadcast) array: the same pointer arithmetic as slices
         # for Triton, and a form the CPU interpreter can run as a masked gather.
         idx = (ids[:, None, None], jnp.arange(block_size, dtype=jnp.int32)[None, :, None],
@@ -63,11 +72,15 @@ def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, 
         # Plain multiply/subtract: jnp's floor `//` and `%` lower to selects Triton rejects.
         page = lax.div(chunk, jnp.int32(chunks_per_page))
         offset = (chunk - page * chunks_per_page) * chunk_tokens
-        live = (page < used_pages) & (page >= first_page)
+        live = page < used_pages
+        if windowed:
+            live &= page >= first_page
         block = jnp.where(live, tables_ref[seq, page], 0) + base_page
         tok = chunk * chunk_tokens + jnp.arange(chunk_tokens, dtype=jnp.int32)
-        mask = jnp.broadcast_to(((tok < used_tokens) & (tok >= first_token))[:, None],
-                                (chunk_tokens, head_dim))
+        tok_live = tok < used_tokens
+        if windowed:
+            tok_live &= tok >= first_token
+        mask = jnp.broadcast_to(tok_live[:, None], (chunk_tokens, head_dim))
         rows = pl.ds(offset, chunk_tokens)
         k = plgpu.load(k_ref.at[block, rows, :], mask=mask, other=0)
         v = plgpu.load(v_ref.at[block, rows, :], mask=mask, other=0)

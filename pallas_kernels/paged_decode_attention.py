@@ -38,6 +38,7 @@ from pallas_kernels._common import (
     apply_softcap,
     as_5d,
     cdiv,
+    has_window,
     layer_arg,
     next_pow2,
     window_arg,
@@ -73,6 +74,7 @@ def _decode_kernel(
     chunks_per_split: int,
     scale: float,
     softcap: float | None,
+    windowed: bool,
 ):
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, block_size, head_dim = k_ref.shape
@@ -82,9 +84,11 @@ def _decode_kernel(
     ctx_len = lens_ref[seq]
     base_page = (scalars_ref[0] * num_kv_heads + head) * num_blocks
     # The query (position ctx_len - 1) sees [lo, ctx_len); chunks before lo's are skipped.
-    lo = jnp.maximum(ctx_len - scalars_ref[1], 0)
+    lo = jnp.maximum(ctx_len - scalars_ref[1], 0) if windowed else None
     used_chunks = (ctx_len + chunk_tokens - 1) // chunk_tokens
-    first = jnp.maximum(split * chunks_per_split, lax.div(lo, jnp.int32(chunk_tokens)))
+    first = split * chunks_per_split
+    if windowed:
+        first = jnp.maximum(first, lax.div(lo, jnp.int32(chunk_tokens)))
     num_chunks = jnp.maximum(
         jnp.minimum((split + 1) * chunks_per_split, used_chunks) - first, 0)
 
@@ -97,7 +101,10 @@ def _decode_kernel(
                                   first_token=lo)
         logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
                                softcap)
-        logits = jnp.where(((tok < ctx_len) & (tok >= lo))[None, :], logits, MASK_VALUE)
+        seen = tok < ctx_len
+        if windowed:
+            seen &= tok >= lo
+        logits = jnp.where(seen[None, :], logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         p = jnp.exp(logits - m_next[:, None])
@@ -137,7 +144,8 @@ def decode_plan(num_seqs: int, num_kv_heads: int, max_pages: int, block_size: in
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "softcap", "num_splits", "chunk_tokens", "num_warps", "num_stages", "interpret"
+        "scale", "softcap", "windowed", "num_splits", "chunk_tokens", "num_warps", "num_stages",
+        "interpret"
     ),
 )
 def _decode_pallas(
@@ -151,6 +159,7 @@ def _decode_pallas(
     *,
     scale: float,
     softcap: float | None,
+    windowed: bool,
     num_splits: int | None,
     chunk_tokens: int,
     num_warps: int,
@@ -179,6 +188,7 @@ def _decode_pallas(
         chunks_per_split=chunks_per_split,
         scale=float(scale),
         softcap=softcap,
+        windowed=windowed,
     )
     whole = pl.no_block_spec
     acc, m, denom = pl.pallas_call(
@@ -204,7 +214,8 @@ def _decode_pallas(
         ],
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"paged_decode_g{group_p}_d{head_dim}_c{chunk_tokens}_bs{block_size}",
+        name=f"paged_decode_g{group_p}_d{head_dim}_c{chunk_tokens}_bs{block_size}"
+             f"{'_w' if windowed else ''}{'_cap' if softcap else ''}",
     )(
         jnp.stack([layer.reshape(()), window_span(window)]),
         context_lens.astype(jnp.int32),
@@ -328,7 +339,7 @@ def paged_decode_attention(
     impl = {"triton": _decode_pallas}[pallas_lowering()]
     return impl(
         q, k_cache, v_cache, block_tables, context_lens, lay, win,
-        scale=float(scale), softcap=cap, num_splits=num_splits,
+        scale=float(scale), softcap=cap, windowed=has_window(window), num_splits=num_splits,
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
                                           tuned.chunk_tokens),
         num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages,

@@ -32,6 +32,7 @@ from pallas_kernels._common import (
     apply_softcap,
     as_5d,
     cdiv,
+    has_window,
     layer_arg,
     next_pow2,
     window_arg,
@@ -102,6 +103,7 @@ def _ragged_kernel(
     chunk_tokens: int,
     scale: float,
     softcap: float | None,
+    windowed: bool,
 ):
     del out_in_ref
     head, item = pl.program_id(0), pl.program_id(1)
@@ -116,8 +118,8 @@ def _ragged_kernel(
     kv_end = jnp.where(n_rows > 0, pos0 + n_rows, 0)
     span = scalars_ref[1]
     # The item's first query sees back to position pos0 - span + 1; earlier chunks are skipped.
-    lo = jnp.maximum(pos0 - span + 1, 0)
-    first_chunk = lax.div(lo, jnp.int32(chunk_tokens))
+    lo = jnp.maximum(pos0 - span + 1, 0) if windowed else None
+    first_chunk = lax.div(lo, jnp.int32(chunk_tokens)) if windowed else 0
     num_chunks = jnp.maximum((kv_end + chunk_tokens - 1) // chunk_tokens - first_chunk, 0)
     base_page = (scalars_ref[0] * num_kv_heads + head) * num_blocks
 
@@ -135,7 +137,9 @@ def _ragged_kernel(
         # Causal and inside the window. Valid rows sit below kv_end, so kv_pos < kv_end
         # follows; invalid rows are never stored and their slots past kv_end load as zeros.
         back = q_pos[:, None] - kv_pos[None, :]
-        visible = (back >= 0) & (back < span)
+        visible = back >= 0
+        if windowed:
+            visible &= back < span
         logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
                                softcap)
         logits = jnp.where(visible, logits, MASK_VALUE)
@@ -157,6 +161,13 @@ def _ragged_kernel(
     plgpu.store(out_ref.at[head, row_slice, :], out, mask=row_valid[:, None])
 
 
+def ragged_stages(tuned_stages: int, windowed: bool) -> int:
+    """Pipeline stages of a launch: the tuned count, one fewer for the windowed variant when
+    that is 3 or more (its lower-bound masks spilled registers at 3 stages on sm_90a: bf16,
+    head_dim 128, 64-token pages; `make aot-report`)."""
+    return tuned_stages - 1 if windowed and tuned_stages > 2 else tuned_stages
+
+
 def ragged_block_q(block_q: int | None, group: int, q_rows: int) -> int:
     """Query tokens per program: the tuned row count divided by the padded GQA group."""
     group_p = next_pow2(group)
@@ -170,7 +181,8 @@ def ragged_block_q(block_q: int | None, group: int, q_rows: int) -> int:
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "softcap", "block_q", "chunk_tokens", "num_warps", "num_stages", "interpret"
+        "scale", "softcap", "windowed", "block_q", "chunk_tokens", "num_warps", "num_stages",
+        "interpret"
     ),
 )
 def _ragged_pallas(
@@ -186,6 +198,7 @@ def _ragged_pallas(
     *,
     scale: float,
     softcap: float | None,
+    windowed: bool,
     block_q: int,
     chunk_tokens: int,
     num_warps: int,
@@ -220,6 +233,7 @@ def _ragged_pallas(
         chunk_tokens=chunk_tokens,
         scale=float(scale),
         softcap=softcap,
+        windowed=windowed,
     )
     whole = pl.no_block_spec
     out = pl.pallas_call(
@@ -232,7 +246,7 @@ def _ragged_pallas(
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"ragged_paged_attention_q{block_q}_g{group_p}_d{head_dim}_c{chunk_tokens}"
-             f"_bs{block_size}",
+             f"_bs{block_size}{'_w' if windowed else ''}{'_cap' if softcap else ''}",
     )(jnp.stack([layer.reshape(()), window_span(window)]), items, tables, qg,
       k5.reshape(flat_shape), v5.reshape(flat_shape), out_init)
     out = out.reshape(num_kv_heads, padded_tokens, group_p, head_dim).transpose(1, 0, 2, 3)
@@ -403,9 +417,11 @@ def ragged_paged_attention(
     impl = {"triton": _ragged_pallas}[pallas_lowering()]
     return impl(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
-        scale=float(scale), softcap=cap, block_q=ragged_block_q(block_q, group, tuned.q_rows),
+        scale=float(scale), softcap=cap, windowed=has_window(window),
+        block_q=ragged_block_q(block_q, group, tuned.q_rows),
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
                                           tuned.chunk_tokens),
-        num_warps=num_warps or tuned.num_warps, num_stages=num_stages or tuned.num_stages,
+        num_warps=num_warps or tuned.num_warps,
+        num_stages=num_stages or ragged_stages(tuned.num_stages, has_window(window)),
         interpret=interpret_mode(),
     )

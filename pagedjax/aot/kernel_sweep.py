@@ -25,7 +25,7 @@ from pallas_kernels import copy_blocks, paged_decode_attention, ragged_paged_att
 from pallas_kernels._common import next_pow2
 from pallas_kernels._kv_chunks import chunk_layout, resolve_chunk_tokens
 from pallas_kernels.paged_decode_attention import decode_plan
-from pallas_kernels.ragged_paged_attention import ragged_block_q
+from pallas_kernels.ragged_paged_attention import ragged_block_q, ragged_stages
 
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 HEAD_DIMS = (64, 128, 256)
@@ -48,9 +48,16 @@ class KernelCase:
     # Launch parameters; None: what pallas_kernels.tuning answers (what the engine gets).
     launch: tuning.KernelTuning | None = None
     softcap: float | None = None  # a static kernel variant (Gemma 2's attention soft-cap)
+    windowed: bool = False  # the sliding-window variant (window passed as data)
 
     def tuned(self, arch: str) -> tuning.KernelTuning:
-        return self.launch or tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
+        """The launch the engine gets (the windowed ragged variant may drop a stage)."""
+        if self.launch is not None:
+            return self.launch
+        t = tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
+        if self.kernel == "ragged":
+            t = dataclasses.replace(t, num_stages=ragged_stages(t.num_stages, self.windowed))
+        return t
 
     def chunk_tokens(self, arch: str) -> int:
         """The chunk size the kernel runs with (the tuned one is capped for small pages)."""
@@ -70,6 +77,8 @@ class KernelCase:
             group_p, block_q = next_pow2(self.group), ragged_block_q(None, self.group, t.q_rows)
         key = (self.kernel, self.dtype, self.head_dim, self.block_size, group_p, block_q,
                self.chunk_tokens(arch), t.num_warps, t.num_stages)
+        if self.windowed:
+            key = (*key, "window")
         return key if self.softcap is None else (*key, "softcap")
 
 
@@ -78,10 +87,14 @@ def engine_cases() -> list[KernelCase]:
         ("decode", "ragged"), DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
     cases += [KernelCase(k, dt, d, bs) for k, dt, d, bs in itertools.product(
         ("write_kv", "copy_blocks"), DTYPES, HEAD_DIMS, BLOCK_SIZES)]
-    # Soft-capped attention (a tanh on every logit tile) at the head dims and groups of the
-    # families that use it (Gemma 2: 256 and 2; smaller variants for the sweep's sake).
-    cases += [KernelCase(k, dt, d, bs, g, softcap=50.0) for k, dt, d, bs, g in itertools.product(
-        ("decode", "ragged"), DTYPES, (128, 256), (16, 32), (1, 2))]
+    # Sliding-window variants (Mistral, Phi-3, Qwen2, Gemma 2/3: windowed layers) over every
+    # shape of the engine sweep, and soft-capped windowed ones (Gemma 2: a tanh on every logit
+    # tile) at the head dims and groups of the families that use them.
+    cases += [KernelCase(k, dt, d, bs, g, windowed=True) for k, dt, d, bs, g in itertools.product(
+        ("decode", "ragged"), DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
+    cases += [KernelCase(k, dt, d, bs, g, softcap=50.0, windowed=True)
+              for k, dt, d, bs, g in itertools.product(
+                  ("decode", "ragged"), DTYPES, (128, 256), (16, 32), (1, 2))]
     return cases
 
 
@@ -99,17 +112,17 @@ def _lower(case: KernelCase, device, table_pages: int, arch: str):
         if case.kernel == "ragged":
             launch["block_q"] = ragged_block_q(None, case.group, t.q_rows)
     if case.kernel == "decode":
-        fn = lambda q, k, v, bt, lens, layer: paged_decode_attention(
+        fn = lambda q, k, v, bt, lens, layer, w: paged_decode_attention(
             q, k, v, bt, lens, scale=0.1, layer=layer, backend="pallas", softcap=case.softcap,
-            **launch)
+            window=w if case.windowed else None, **launch)
         args = (S((4, hq, case.head_dim), dt), cache, cache, S((4, table_pages), i32),
-                S((4,), i32), S((), i32))
+                S((4,), i32), S((), i32), S((), i32))
     elif case.kernel == "ragged":
-        fn = lambda q, k, v, kl, bt, cu, n, layer: ragged_paged_attention(
+        fn = lambda q, k, v, kl, bt, cu, n, layer, w: ragged_paged_attention(
             q, k, v, kl, bt, cu, n, scale=0.1, layer=layer, backend="pallas",
-            softcap=case.softcap, **launch)
+            softcap=case.softcap, window=w if case.windowed else None, **launch)
         args = (S((64, hq, case.head_dim), dt), cache, cache, S((8,), i32), S((8, 16), i32),
-                S((9,), i32), S((), i32), S((), i32))
+                S((9,), i32), S((), i32), S((), i32), S((), i32))
     elif case.kernel == "write_kv":
         tok = S((32, NUM_KV_HEADS, case.head_dim), dt)
         fn = lambda k, v, kc, vc, slots, layer: write_kv(k, v, kc, vc, slots, layer=layer,
@@ -197,5 +210,6 @@ def sweep(target: str, cases: list[KernelCase] | None = None, log=print) -> dict
                 f"{'ERROR' if bad else 'ok'}")
         configs.append(dict(kernel=case.kernel, dtype=case.dtype, head_dim=case.head_dim,
                             block_size=case.block_size, group=case.group, compiled=index[key],
-                            **({"softcap": case.softcap} if case.softcap else {})))
+                            **({"softcap": case.softcap} if case.softcap else {}),
+                            **({"windowed": True} if case.windowed else {})))
     return dict(arch=arch, configs=configs, compiled=compiled)

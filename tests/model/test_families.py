@@ -152,3 +152,18 @@ def test_generation_config_eos_ids_are_honoured(tmp_path):
                        SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     first = ids["greedy"].index(stop_at)
     assert out.token_ids == ids["greedy"][: first + 1] and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_pallas_kernels_in_the_engine_match_hf(tmp_path, name):
+    """The Pallas kernels (interpreted on CPU) inside the engine: traced per-layer windows under
+    the layer scan, soft-capping, released blocks (Mistral) — HF's greedy tokens."""
+    write_family(name, tmp_path)
+    config, params, _ = load_model(tmp_path, dtype="float32")
+    case = GOLDENS["families"][name]["cases"][2]
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=16, block_size=8,
+                          max_model_len=64, attention_backend="pallas", layer_loop="scan")
+    out = llm.generate([{"prompt_token_ids": case["input_ids"]}],
+                       SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == case["greedy"][:12]
+    assert_pool_whole(llm)
