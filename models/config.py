@@ -275,7 +275,7 @@ def _read_hf(family: str, hf: dict[str, Any]) -> dict[str, Any]:
         if hf.get("use_bidirectional_attention"):
             raise ModelConfigError("use_bidirectional_attention=true is not supported")
     if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        out.update(_read_moe(family, hf, num_layers))
+        out.update(_read_moe(family, hf))
     return out
 
 
@@ -309,7 +309,7 @@ def _layer_windows(family: str, hf: dict[str, Any], num_layers: int) -> tuple[in
     return windows if any(windows) else ()
 
 
-def _read_moe(family: str, hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
+def _read_moe(family: str, hf: dict[str, Any]) -> dict[str, Any]:
     if family == "mixtral":
         experts, inter = hf.get("num_local_experts"), hf.get("intermediate_size")
         norm = True

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from pagedjax.parallel.mesh import AXIS, CACHE_SPEC
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pallas_kernels import copy_blocks
+from pallas_kernels._common import has_window
 
 HEADS = P(None, AXIS, None)  # [T, heads, D]
 
@@ -34,10 +35,12 @@ class ShardedPagedAttention:
     def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta, *, scale: float | None = None,
                  window=0, softcap: float | None = None):
         inner = PagedAttention(self.backend)
+        windowed = has_window(window)  # else the kernels keep their window-free variant
 
-        def local(q, k, v, k_cache, v_cache, layer, window, meta):
+        def local(q, k, v, k_cache, v_cache, layer, w, meta):
             out, (k_cache, v_cache) = inner(q, k, v, (k_cache, v_cache), layer, meta,
-                                            scale=scale, window=window, softcap=softcap)
+                                            scale=scale, window=w if windowed else 0,
+                                            softcap=softcap)
             return out, k_cache, v_cache
 
         meta_spec = jax.tree.map(lambda _: P(), meta)
@@ -46,7 +49,7 @@ class ShardedPagedAttention:
             in_specs=(HEADS, HEADS, HEADS, CACHE_SPEC, CACHE_SPEC, P(), P(), meta_spec),
             out_specs=(HEADS, CACHE_SPEC, CACHE_SPEC), check_vma=False)
         out, k_cache, v_cache = fn(q, k, v, kv_cache[0], kv_cache[1], layer,
-                                   jnp.asarray(window, jnp.int32), meta)
+                                   jnp.asarray(window if windowed else 0, jnp.int32), meta)
         return out, (k_cache, v_cache)
 
 
