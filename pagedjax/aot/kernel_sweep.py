@@ -25,7 +25,7 @@ from pallas_kernels import copy_blocks, paged_decode_attention, ragged_paged_att
 from pallas_kernels._common import next_pow2
 from pallas_kernels._kv_chunks import chunk_layout, resolve_chunk_tokens
 from pallas_kernels.paged_decode_attention import decode_plan
-from pallas_kernels.ragged_paged_attention import ragged_block_q, ragged_stages
+from pallas_kernels.ragged_paged_attention import ragged_block_q, windowed_launch
 
 BLOCK_SIZES = (8, 16, 32, 64, 128, 256)
 HEAD_DIMS = (64, 128, 256)
@@ -51,13 +51,11 @@ class KernelCase:
     windowed: bool = False  # the sliding-window variant (window passed as data)
 
     def tuned(self, arch: str) -> tuning.KernelTuning:
-        """The launch the engine gets (the windowed ragged variant may drop a stage)."""
+        """The launch the engine gets (the windowed ragged variant has its own)."""
         if self.launch is not None:
             return self.launch
         t = tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
-        if self.kernel == "ragged":
-            t = dataclasses.replace(t, num_stages=ragged_stages(t.num_stages, self.windowed))
-        return t
+        return windowed_launch(t, self.windowed) if self.kernel == "ragged" else t
 
     def chunk_tokens(self, arch: str) -> int:
         """The chunk size the kernel runs with (the tuned one is capped for small pages)."""
