@@ -4,17 +4,18 @@ Every token picks its top-k experts from a softmax router (Mixtral, Qwen2-MoE an
 all route this way: softmax over all experts in fp32, top-k, optionally renormalised to sum
 to one). The (token, expert) assignments are sorted by expert so each expert's rows are one
 contiguous segment, and the three expert projections run as grouped matmuls over those
-segments (`jax.lax.ragged_dot`): the compute follows the k assignments per token, not the
-number of experts, and the graph is the same for any routing. The weighted expert outputs are
-scattered back onto their tokens with a segment sum.
+segments (`jax.lax.ragged_dot`); the weighted expert outputs are scattered back onto their
+tokens with a segment sum. The graph is the same for any routing.
 
-On CPU, XLA lowers `ragged_dot` densely (every row against every expert, masked), which costs
-``num_experts`` times the matmul work. When the step has fewer (token, expert) assignments
-than experts, which is every small-batch decode of a model with many experts, the CPU path
-instead gathers each assignment's expert weights and runs one matvec per assignment: it
-reads only the chosen experts' weights, which is what bounds a decode step. The choice is
-static per compiled shape (``num_tokens * top_k`` against ``num_experts``); GPUs always take
-`ragged_dot` (a grouped matmul there).
+What `ragged_dot` costs depends on XLA's lowering, and in jax 0.12 both XLA:CPU and XLA:GPU
+(checked on a deviceless H100 compile) lower it densely: every sorted row against every
+expert, masked, i.e. ``num_experts`` times the matmul work of the assignments
+(`bench/families.py`: the MoE families decode at 0.15-0.19x the dense ones of the same width
+on CPU). A grouped-GEMM kernel (Pallas, megablox-style) is what removes that. Until then,
+when a step has fewer (token, expert) assignments than experts, which is every small-batch
+decode of a model with many experts, the CPU path gathers each assignment's expert weights
+and runs one matvec per assignment instead: it reads only the chosen experts' weights, which
+is what bounds a decode step. The choice is static per compiled shape.
 """
 
 from __future__ import annotations
