@@ -263,10 +263,23 @@ class BlockManager:
 
     # -- growth -------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
-        """Free blocks ``append_slots(seq, num_new_tokens)`` would consume (new + CoW)."""
+        """Free blocks ``append_slots(seq, num_new_tokens)`` would consume (new + CoW), net
+        of the blocks it releases first behind the window."""
         st = self._state(seq)
-        table = st.table
         start = seq.num_computed_tokens
+        if self.sliding_window:
+            return max(0, self._gross_need(st, start, num_new_tokens)
+                       - self._releasable(st, start))
+        return self._gross_need(st, start, num_new_tokens)
+
+    def _releasable(self, st: _SeqBlocks, start: int) -> int:
+        """Blocks `_release_before_window` would return to the free list (sole references)."""
+        dead = min(max(0, start - self.sliding_window + 1) // self.block_size, len(st.table))
+        ref = self.gpu.ref_count
+        return sum(1 for b in st.table[st.released:dead] if b != NULL_BLOCK and ref(b) == 1)
+
+    def _gross_need(self, st: _SeqBlocks, start: int, num_new_tokens: int) -> int:
+        table = st.table
         if num_new_tokens == 1:  # decode fast path
             idx = start // self.block_size
             if idx >= len(table):

@@ -28,7 +28,7 @@ class CharTokenizer:
 
     eos_token_id = 95
 
-    def __call__(self, text):
+    def __call__(self, text, add_special_tokens: bool = True):
         enc = lambda t: [ord(c) - 32 for c in t]
         return types.SimpleNamespace(input_ids=[enc(t) for t in text] if isinstance(text, list)
                                      else enc(text))

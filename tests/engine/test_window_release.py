@@ -72,6 +72,30 @@ def test_released_blocks_are_reused_without_wrong_reads(windowed, mode):
     assert_pool_whole(llm)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_windowed_preemption_recompute_and_swap(windowed, mode):
+    """A window wider than the pool can hold for every sequence (32 tokens = 4-5 blocks each,
+    6 sequences, 16 blocks): sequences are preempted mid-window, swapped out and back with
+    released slots in their tables, or recomputed, and still equal the reference."""
+    import dataclasses
+
+    config, params = windowed
+    config = dataclasses.replace(config, layer_windows=(32,) * config.num_layers)
+    rng = np.random.default_rng(8)
+    prompts = [[int(t) for t in rng.integers(3, 128, int(k))] for k in rng.integers(5, 30, 6)]
+    max_tokens = [int(m) for m in rng.integers(30, 60, len(prompts))]
+    want = ReferenceGenerator(config, params).generate(prompts, max_tokens, eos_token_ids=())
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=16, block_size=8,
+                          max_num_seqs=6, max_model_len=128, preemption_mode=mode)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                         for m in max_tokens])
+    for out, w in zip(outs, want, strict=True):
+        assert out.outputs[0].token_ids == w
+    assert llm.engine.get_stats().num_preemptions_total > 0
+    assert_pool_whole(llm)
+
+
 def test_parallel_samples_share_and_release(windowed):
     """n > 1 forks share the prompt's blocks; each child releases its own references."""
     config, params = windowed

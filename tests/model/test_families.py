@@ -96,7 +96,8 @@ def test_engine_greedy_matches_hf_under_preemption_and_prefix_cache(family, loop
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     for out, case in zip(outs, cases * 2, strict=True):
         assert out.outputs[0].token_ids == case["greedy"], (name, loop)
-    assert llm.engine.get_stats().num_preemptions_total > 0
+    if not config.max_window:  # all-windowed models release blocks instead of preempting
+        assert llm.engine.get_stats().num_preemptions_total > 0
     assert_pool_whole(llm)
 
 

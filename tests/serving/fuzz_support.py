@@ -49,7 +49,7 @@ class ToyTokenizer:
     def __init__(self, vocab: int = 96):
         self.vocab = vocab
 
-    def __call__(self, text: str | list[str]):
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True):
         enc = lambda t: [3 + b % (self.vocab - 3) for b in t.encode()]
         ids = [enc(t) for t in text] if isinstance(text, list) else enc(text)  # a batch, or one
         return types.SimpleNamespace(input_ids=ids)
