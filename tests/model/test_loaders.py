@@ -193,3 +193,50 @@ def test_gguf_families_match_hf_dir(tmp_path, family, arch):
     if arch == "gemma2":
         assert g_cfg.windows == hf_cfg.windows
     assert isinstance(g_cfg, ModelConfig)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_per_expert_checkpoint_layout_matches_fused(tmp_path, family):
+    """Hub checkpoints store one tensor per expert (Mixtral: block_sparse_moe.experts.E.w1/w3/w2
+    and block_sparse_moe.gate; Qwen-MoE: mlp.experts.E.gate/up/down_proj); transformers v5
+    writes them fused. Both load to the same params."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from tests.model.test_families import write_family
+
+    fused_dir, split_dir = tmp_path / "fused", tmp_path / "split"
+    fused_dir.mkdir()
+    split_dir.mkdir()
+    write_family(family, fused_dir)
+    cfg, fused_params = load_hf_dir(fused_dir)
+    tensors = load_file(str(fused_dir / "model.safetensors"))
+    split = {}
+    for name, arr in tensors.items():
+        prefix, _, rest = name.partition(".mlp.")
+        if rest == "experts.gate_up_proj":
+            inter = arr.shape[1] // 2
+            for e in range(arr.shape[0]):
+                gate, up = arr[e, :inter], arr[e, inter:]
+                if family == "mixtral":
+                    split[f"{prefix}.block_sparse_moe.experts.{e}.w1.weight"] = gate
+                    split[f"{prefix}.block_sparse_moe.experts.{e}.w3.weight"] = up
+                else:
+                    split[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = gate
+                    split[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = up
+        elif rest == "experts.down_proj":
+            for e in range(arr.shape[0]):
+                key = (f"{prefix}.block_sparse_moe.experts.{e}.w2.weight" if family == "mixtral"
+                       else f"{prefix}.mlp.experts.{e}.down_proj.weight")
+                split[key] = arr[e]
+        elif rest == "gate.weight" and family == "mixtral":
+            split[f"{prefix}.block_sparse_moe.gate.weight"] = arr
+        else:
+            split[name] = arr
+    save_file({k: np.ascontiguousarray(v) for k, v in split.items()},
+              str(split_dir / "model.safetensors"))
+    (split_dir / "config.json").write_text((fused_dir / "config.json").read_text())
+    assert json.loads((split_dir / "config.json").read_text())["model_type"] == family
+    _, split_params = load_hf_dir(split_dir)
+    assert _max_diff(split_params, fused_params) == 0.0
