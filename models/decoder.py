@@ -66,12 +66,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (xf * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos/sin tables [..., rotary_dim/2] for the given integer positions (fp32)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
-
-
 def model_rotary_tables(config: ModelConfig, positions: jax.Array):
     """(global, local) cos/sin tables; local is None unless windowed layers have their own
     rotary base (Gemma 3)."""

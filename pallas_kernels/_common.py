@@ -53,8 +53,7 @@ NO_WINDOW = 1 << 30
 def window_arg(window: int | jax.Array | None) -> jax.Array:
     """Sliding window as an int32 scalar array (0 or None: full attention). Data, not a
     static argument, so windowed and full layers share one compilation."""
-    w = jnp.asarray(0 if window is None else window, jnp.int32).reshape(())
-    return w
+    return jnp.asarray(0 if window is None else window, jnp.int32).reshape(())
 
 
 def window_span(window: jax.Array | int) -> jax.Array:

@@ -30,8 +30,10 @@ PAD_TOKENS = 5
 PAD_SEQS = 2
 
 
-def np_ragged(q, k_cache, v_cache, layer, tables, seqs, cu, scale):
-    """Dense causal attention, one query token at a time, in float64."""
+def np_ragged(q, k_cache, v_cache, layer, tables, seqs, cu, scale, window=0, softcap=None):
+    """Dense causal attention, one query token at a time, in float64; a query at position p
+    sees ``(p - window, p]`` when ``window`` is positive, and logits are soft-capped when
+    ``softcap`` is given."""
     out = np.zeros(q.shape, np.float64)
     hq, hkv = q.shape[1], k_cache.shape[1]
     for s, (q_len, kv_len) in enumerate(seqs):
@@ -39,11 +41,14 @@ def np_ragged(q, k_cache, v_cache, layer, tables, seqs, cu, scale):
         v = dense_kv(v_cache, layer, tables[s], kv_len)
         for i in range(q_len):
             pos = kv_len - q_len + i
+            lo = max(0, pos - window + 1) if window else 0
             for h in range(hq):
                 kh = h // (hq // hkv)
-                logits = k[kh, : pos + 1] @ q[cu[s] + i, h].astype(np.float64) * scale
+                logits = k[kh, lo : pos + 1] @ q[cu[s] + i, h].astype(np.float64) * scale
+                if softcap:
+                    logits = softcap * np.tanh(logits / softcap)
                 p = np.exp(logits - logits.max())
-                out[cu[s] + i, h] = (p / p.sum()) @ v[kh, : pos + 1]
+                out[cu[s] + i, h] = (p / p.sum()) @ v[kh, lo : pos + 1]
     return out
 
 

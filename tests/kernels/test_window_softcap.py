@@ -16,7 +16,8 @@ import pytest
 
 from pallas_kernels import paged_decode_attention, ragged_paged_attention
 
-from ._paged import DTYPES, TOL, dense_kv, make_paged, np_dtype
+from ._paged import DTYPES, TOL, make_paged, np_dtype
+from .test_ragged import np_ragged
 
 # (sequences as (q_len, kv_len), group, head_dim, block_size, dtype, num_kv_heads, window,
 # softcap). kv_len includes the new tokens.
@@ -30,25 +31,6 @@ CASES = [
 ]
 PAD_TOKENS = 3
 PAD_SEQS = 1
-
-
-def np_windowed(q, k_cache, v_cache, layer, tables, seqs, cu, scale, window, softcap):
-    out = np.zeros(q.shape, np.float64)
-    hq, hkv = q.shape[1], k_cache.shape[1]
-    for s, (q_len, kv_len) in enumerate(seqs):
-        k = dense_kv(k_cache, layer, tables[s], kv_len)
-        v = dense_kv(v_cache, layer, tables[s], kv_len)
-        for i in range(q_len):
-            pos = kv_len - q_len + i
-            lo = max(0, pos - window + 1) if window else 0
-            for h in range(hq):
-                kh = h // (hq // hkv)
-                logits = k[kh, lo : pos + 1] @ q[cu[s] + i, h].astype(np.float64) * scale
-                if softcap:
-                    logits = softcap * np.tanh(logits / softcap)
-                p = np.exp(logits - logits.max())
-                out[cu[s] + i, h] = (p / p.sum()) @ v[kh, lo : pos + 1]
-    return out
 
 
 def build(idx):
@@ -90,7 +72,7 @@ def test_ragged_window_softcap(idx, backend):
     (seqs, head_dim, dtype, window, softcap, pc, q, cu, kv_lens, tables, freed, k_bad,
      v_bad) = build(idx)
     scale = head_dim ** -0.5
-    expect = np_windowed(q, pc.k_clean, pc.v_clean, 1, tables, seqs, cu, scale, window, softcap)
+    expect = np_ragged(q, pc.k_clean, pc.v_clean, 1, tables, seqs, cu, scale, window, softcap)
 
     def run(k, v, t):
         out = ragged_paged_attention(
@@ -117,7 +99,7 @@ def test_decode_window_softcap(idx, backend):
     rows = np.asarray([cu[s + 1] - 1 for s in range(n)])
     qd = q[rows]
     dec = [(1, kv) for _, kv in seqs]
-    expect = np_windowed(qd, pc.k_clean, pc.v_clean, 0, tables, dec, np.arange(n + 1), scale,
+    expect = np_ragged(qd, pc.k_clean, pc.v_clean, 0, tables, dec, np.arange(n + 1), scale,
                          window, softcap)
     # A query at the end of its context sees less than the first query of a chunk did, so the
     # ragged case's freed blocks are also out of this query's window.
