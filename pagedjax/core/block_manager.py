@@ -17,7 +17,14 @@ drops the sequence's reference to it and leaves :data:`NULL_BLOCK` in its table
 slot (the kernels never read table entries before the window, so the stale id the
 runner's persistent copy still holds is harmless). A freed block that was
 published stays in the prefix cache until evicted: its KV is still right for any
-request with that prefix. Where a global layer remains, nothing is freed.
+request with that prefix. A windowed manager also allocates lazily: admission takes
+only the cached blocks inside the window and the first chunk's blocks, later chunks grow the
+table step by step, so a long prompt never holds more than about window + chunk tokens.
+
+Hybrid models (global and windowed layers, Gemma 2/3) get one manager per KV-cache group
+(:mod:`pagedjax.core.hybrid_kv_manager`), all sharing one :class:`BlockPool`: the functions
+at the end of this module (`admission_status`, `allocate_group`, ...) take the list of
+managers so that one code path admits, allocates and checks one group or several.
 """
 
 from __future__ import annotations
@@ -97,7 +104,16 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
         sliding_window: int = 0,
+        max_chunk_tokens: int | None = None,
+        *,
+        gpu_pool: BlockPool | None = None,
+        cpu_pool: BlockPool | None = None,
+        cache_tag: int | None = None,
     ) -> None:
+        """``max_chunk_tokens``: most tokens one step computes for a sequence (the scheduler's
+        token budget); bounds what a windowed sequence ever holds (None: a whole prompt).
+        ``gpu_pool``/``cpu_pool``/``cache_tag``: a KV-cache group of a hybrid model shares the
+        pools with the other groups and tags its prefix-cache keys with its group index."""
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if num_gpu_blocks < 1:
@@ -114,8 +130,12 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         # Headroom kept free at admission so running decodes rarely preempt.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.gpu = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
-        self.cpu = BlockPool(num_cpu_blocks, enable_caching=False)
+        if max_chunk_tokens is not None and max_chunk_tokens < 1:
+            raise ValueError("max_chunk_tokens must be >= 1")
+        self.max_chunk_tokens = max_chunk_tokens
+        self.gpu = gpu_pool or BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu = cpu_pool or BlockPool(num_cpu_blocks, enable_caching=False)
+        self._tag: tuple = () if cache_tag is None else (("kv_group", cache_tag),)
         self._seqs: dict[int, _SeqBlocks] = {}
         self._handles: dict[int, PrefixHandle] = {}
         self._pending_handles: set[int] = set()
@@ -128,6 +148,8 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def _key(self, parent: CacheEntry | None, tokens: Iterable[int], extra: tuple) -> BlockKey:
+        if self._tag:  # a hybrid model's groups hold different layers' KV for equal tokens
+            extra = extra + self._tag
         if parent is None:
             return BlockKey(ROOT_SERIAL, None, tuple(tokens), extra)
         return BlockKey(parent.serial, parent.hash_value, tuple(tokens), extra)
@@ -191,35 +213,37 @@ class BlockManager:
 
     def get_num_cached_tokens(self, seq: Sequence, extra: tuple = (None, None)) -> int:
         """Tokens of ``seq`` an allocation now would skip thanks to the prefix cache."""
-        hits = self._lookup_prefix(seq, extra)
-        return self._cached_len(seq, len(hits)) if hits else 0
+        return cached_tokens([self], seq, extra)
 
     # -- admission ----------------------------------------------------------
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
-        seqs = group.get_unfinished_seqs()
-        extra = group.extra_hash_keys
-        need = 0  # free-list blocks consumed (new blocks + revived cached blocks)
-        need_never = 0  # blocks needed ignoring transient sharing
-        for seq in seqs:
-            nblocks = self._num_blocks(seq.num_total_tokens)
-            hits = self._lookup_prefix(seq, extra)
-            revived = sum(1 for e in hits if self.gpu.ref_count(e.block_id) == 0)
-            pinned_hits = sum(1 for e in hits if self._pinned[e.block_id])
-            need += nblocks - len(hits) + revived
-            need_never += nblocks - pinned_hits
-            if hits and self._first_write_shared(seq, hits):
-                need += 1  # copy-on-write of the block the recomputed last token lands in
-                need_never += 1
-        if len(seqs) == 1 and len(group.seqs) == 1 and group.n > 1:
-            # Children forked from this prompt each copy-on-write the last block.
-            need += group.n - 1
-            need_never += group.n - 1
-        capacity = self.num_gpu_blocks - self.watermark_blocks - len(self._pinned)
-        if need_never > capacity:
-            return AllocStatus.NEVER
-        if self.gpu.get_num_free() - need >= self.watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        return admission_status([self], group)
+
+    def _seq_need(self, seq: Sequence, hits: list[CacheEntry], cached: int) -> tuple[int, int]:
+        """(free-list blocks an allocation consumes now: new blocks + revived cached blocks,
+        blocks needed ignoring transient sharing) for one sequence given its prefix hits."""
+        kept = hits
+        if self.sliding_window:  # lazy: hits inside the window and the first chunk only
+            dead = self._dead_blocks(cached)
+            kept = hits[dead:]
+            rest = seq.num_total_tokens - cached
+            if self.max_chunk_tokens is not None:
+                rest = min(rest, self.max_chunk_tokens)
+            new = max(0, self._num_blocks(cached + rest) - len(hits))
+        else:
+            dead = 0
+            new = self._num_blocks(seq.num_total_tokens) - len(hits)
+        revived = sum(1 for e in kept if self.gpu.ref_count(e.block_id) == 0)
+        pinned = sum(1 for e in kept if self._pinned[e.block_id])
+        need, need_never = new + revived, new + len(kept) - pinned
+        if hits and self._first_write_shared(cached, hits):
+            need += 1  # copy-on-write of the block the recomputed last token lands in
+            need_never += 1
+        return need, need_never
+
+    def _dead_blocks(self, start: int) -> int:
+        """Leading blocks no query from position ``start`` on can see (windowed only)."""
+        return max(0, start - self.sliding_window + 1) // self.block_size
 
     @property
     def growth_capacity(self) -> int:
@@ -233,33 +257,52 @@ class BlockManager:
         write may copy one cached block."""
         shared = prompt_len // self.block_size if num_seqs > 1 else 0
         own = self._num_blocks(final_len) - shared
-        return shared + num_seqs * own + (1 if self.enable_prefix_caching else 0)
+        worst = shared + num_seqs * own
+        if self.sliding_window:
+            # A windowed sequence holds at most the window behind one chunk plus the chunk:
+            # blocks from (s - W + 1) // B to (s + chunk - 1) // B of a step starting at s.
+            chunk = final_len if self.max_chunk_tokens is None else min(final_len,
+                                                                       self.max_chunk_tokens)
+            worst = min(worst, num_seqs * (self._num_blocks(self.sliding_window - 1 + chunk) + 1))
+        return worst + (1 if self.enable_prefix_caching else 0)
 
-    def _first_write_shared(self, seq: Sequence, hits: list) -> bool:
+    def _first_write_shared(self, cached: int, hits: list) -> bool:
         """Whether the first token left to compute lands in a cached block that someone
         already references (a fully cached prompt recomputes its last token there), so that
         writing it needs a copy-on-write block."""
-        idx = self._cached_len(seq, len(hits)) // self.block_size
+        idx = cached // self.block_size
         return idx < len(hits) and self.gpu.ref_count(hits[idx].block_id) > 0
 
     def allocate(self, group: SequenceGroup) -> None:
-        """Give every unfinished sequence blocks for all its tokens, reusing cached prefixes.
+        """Give every unfinished sequence blocks for its tokens (a windowed manager: for its
+        window and first chunk), reusing cached prefixes.
 
         Sets ``num_computed_tokens`` to the cached length (Table 4.1).
         """
-        extra = group.extra_hash_keys
-        for seq in group.get_unfinished_seqs():
-            if seq.seq_id in self._seqs:
-                raise ValueError(f"sequence {seq.seq_id} already has blocks")
-            hits = self._lookup_prefix(seq, extra)
-            table = []
-            for e in hits:  # take references first so allocation cannot evict a hit
-                self.gpu.incref(e.block_id)
-                table.append(e.block_id)
-            for _ in range(self._num_blocks(seq.num_total_tokens) - len(hits)):
-                table.append(self.gpu.allocate())
-            self._seqs[seq.seq_id] = _SeqBlocks(table, hits, extra, next(self._versions))
-            seq.num_computed_tokens = self._cached_len(seq, len(hits)) if hits else 0
+        allocate_group([self], group)
+
+    def _take_hits(self, seq: Sequence, hits: list[CacheEntry], cached: int, extra: tuple) -> None:
+        """Start the sequence's table with its prefix hits (references first, so that no
+        allocation, of this group or another sharing the pool, can evict a hit)."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} already has blocks")
+        dead = self._dead_blocks(cached) if self.sliding_window else 0
+        table = [NULL_BLOCK] * min(dead, len(hits))
+        for e in hits[len(table):]:
+            self.gpu.incref(e.block_id)
+            table.append(e.block_id)
+        st = _SeqBlocks(table, list(hits), extra, next(self._versions))
+        st.released = min(dead, len(hits))
+        self._seqs[seq.seq_id] = st
+
+    def _fill(self, seq: Sequence) -> None:
+        """Allocate the rest of a new table: every token (windowed: nothing, the first
+        `append_slots` takes the first chunk's blocks)."""
+        if self.sliding_window:
+            return
+        table = self._seqs[seq.seq_id].table
+        for _ in range(self._num_blocks(seq.num_total_tokens) - len(table)):
+            table.append(self.gpu.allocate())
 
     # -- growth -------------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -274,7 +317,7 @@ class BlockManager:
 
     def _releasable(self, st: _SeqBlocks, start: int) -> int:
         """Blocks `_release_before_window` would return to the free list (sole references)."""
-        dead = min(max(0, start - self.sliding_window + 1) // self.block_size, len(st.table))
+        dead = min(self._dead_blocks(start), len(st.table))
         ref = self.gpu.ref_count
         return sum(1 for b in st.table[st.released:dead] if b != NULL_BLOCK and ref(b) == 1)
 
@@ -335,7 +378,7 @@ class BlockManager:
     def _release_before_window(self, st: _SeqBlocks, start: int) -> None:
         """Release the blocks no query from position ``start`` on can see: the first of
         them sees back to ``start - sliding_window + 1``."""
-        dead = min(max(0, start - self.sliding_window + 1) // self.block_size, len(st.table))
+        dead = min(self._dead_blocks(start), len(st.table))
         table = st.table
         for i in range(st.released, dead):
             if table[i] != NULL_BLOCK:
@@ -381,13 +424,12 @@ class BlockManager:
 
     def can_swap_out(self, group: SequenceGroup) -> bool:
         """CPU room, and swapped blocks stay within the GPU pool size (paper §4.5 bound)."""
-        n = self._distinct_blocks(self._group_states(group, on_cpu=False))
-        return n <= self.cpu.get_num_free() and self.cpu.get_num_used() + n <= self.num_gpu_blocks
+        return swap_out_fits([self], group)
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's GPU blocks to CPU; a block shared inside the group is copied once."""
         states = self._group_states(group, on_cpu=False)
-        if not self.can_swap_out(group):
+        if not swap_out_fits([self], group):
             raise RuntimeError("not enough CPU blocks to swap out")
         mapping: dict[int, int] = {}
         for st in states:
@@ -415,14 +457,12 @@ class BlockManager:
 
     def swap_in_status(self, group: SequenceGroup) -> AllocStatus:
         """NEVER when the group has outgrown the whole cache and can never come back."""
+        return swap_in_status([self], group)
+
+    def _swap_in_need(self, group: SequenceGroup) -> int:
         states = self._group_states(group, on_cpu=True)
         # One spare block per sequence for the decode slot that follows.
-        need = self._distinct_blocks(states) + len(states)
-        if need > self.num_gpu_blocks - self.watermark_blocks - len(self._pinned):
-            return AllocStatus.NEVER
-        if self.gpu.get_num_free() - need >= self.watermark_blocks:
-            return AllocStatus.OK
-        return AllocStatus.LATER
+        return self._distinct_blocks(states) + len(states)
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         states = self._group_states(group, on_cpu=True)
@@ -552,8 +592,10 @@ class BlockManager:
     # -- checking -------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError if any accounting invariant is broken."""
-        gpu_refs: Counter[int] = Counter()
-        cpu_refs: Counter[int] = Counter()
+        check_managers([self])
+
+    def _refs(self, gpu_refs: Counter[int], cpu_refs: Counter[int]) -> None:
+        """Check this manager's tables and add its references (tables, pins) to the counts."""
         for sid, st in self._seqs.items():
             held = st.held()
             assert len(set(held)) == len(held), f"seq {sid}: block listed twice"
@@ -563,6 +605,96 @@ class BlockManager:
         for h in self._handles.values():
             gpu_refs.update(h.blocks)
         assert sum(self._pinned.values()) == sum(len(h.blocks) for h in self._handles.values())
-        self.gpu.check_invariants(gpu_refs)
-        self.cpu.check_invariants(cpu_refs)
-        assert self.cpu.get_num_used() <= self.num_gpu_blocks, "swapped blocks exceed GPU pool"
+
+
+# -- one code path for one KV-cache group or several sharing a pool ----------------------
+# A hybrid model's groups see the same tokens, so a request's prefix hit is the shortest hit
+# over the groups (each group's hits are a chain from block 0), admission sums the groups'
+# needs against the one free list, and invariants are checked over the union of references.
+
+def common_hits(managers: list[BlockManager], seq: Sequence,
+                extra: tuple) -> list[list[CacheEntry]]:
+    """Each group's prefix hits for ``seq``, cut to the length every group has."""
+    hits = [m._lookup_prefix(seq, extra) for m in managers]
+    n = min(len(h) for h in hits)
+    return [h[:n] for h in hits]
+
+
+def cached_tokens(managers: list[BlockManager], seq: Sequence, extra: tuple) -> int:
+    hits = common_hits(managers, seq, extra)
+    return managers[0]._cached_len(seq, len(hits[0])) if hits[0] else 0
+
+
+def _pinned_blocks(managers: list[BlockManager]) -> int:
+    return sum(len(m._pinned) for m in managers)
+
+
+def admission_status(managers: list[BlockManager], group: SequenceGroup) -> AllocStatus:
+    """Whether ``group`` fits now (OK), once memory frees up (LATER) or never (NEVER)."""
+    m0 = managers[0]
+    seqs = group.get_unfinished_seqs()
+    extra = group.extra_hash_keys
+    need = 0  # free-list blocks consumed (new blocks + revived cached blocks)
+    need_never = 0  # blocks needed ignoring transient sharing
+    for seq in seqs:
+        hits = common_hits(managers, seq, extra)
+        cached = m0._cached_len(seq, len(hits[0])) if hits[0] else 0
+        for m, h in zip(managers, hits, strict=True):
+            a, b = m._seq_need(seq, h, cached)
+            need += a
+            need_never += b
+    if len(seqs) == 1 and len(group.seqs) == 1 and group.n > 1:
+        # Children forked from this prompt each copy-on-write the last block of every group.
+        need += (group.n - 1) * len(managers)
+        need_never += (group.n - 1) * len(managers)
+    capacity = m0.num_gpu_blocks - m0.watermark_blocks - _pinned_blocks(managers)
+    if need_never > capacity:
+        return AllocStatus.NEVER
+    if m0.gpu.get_num_free() - need >= m0.watermark_blocks:
+        return AllocStatus.OK
+    return AllocStatus.LATER
+
+
+def allocate_group(managers: list[BlockManager], group: SequenceGroup) -> None:
+    """Blocks for every unfinished sequence of ``group`` in every KV-cache group; sets
+    ``num_computed_tokens`` to the prefix length cached in all groups."""
+    extra = group.extra_hash_keys
+    for seq in group.get_unfinished_seqs():
+        if any(seq.seq_id in m._seqs for m in managers):
+            raise ValueError(f"sequence {seq.seq_id} already has blocks")
+        hits = common_hits(managers, seq, extra)
+        cached = managers[0]._cached_len(seq, len(hits[0])) if hits[0] else 0
+        for m, h in zip(managers, hits, strict=True):
+            m._take_hits(seq, h, cached, extra)
+        for m in managers:
+            m._fill(seq)
+        seq.num_computed_tokens = cached
+
+
+def swap_out_fits(managers: list[BlockManager], group: SequenceGroup) -> bool:
+    m0 = managers[0]
+    n = sum(m._distinct_blocks(m._group_states(group, on_cpu=False)) for m in managers)
+    return n <= m0.cpu.get_num_free() and m0.cpu.get_num_used() + n <= m0.num_gpu_blocks
+
+
+def swap_in_status(managers: list[BlockManager], group: SequenceGroup) -> AllocStatus:
+    m0 = managers[0]
+    need = sum(m._swap_in_need(group) for m in managers)
+    if need > m0.num_gpu_blocks - m0.watermark_blocks - _pinned_blocks(managers):
+        return AllocStatus.NEVER
+    if m0.gpu.get_num_free() - need >= m0.watermark_blocks:
+        return AllocStatus.OK
+    return AllocStatus.LATER
+
+
+def check_managers(managers: list[BlockManager]) -> None:
+    """Every manager's tables are well formed and the shared pools' ref counts equal the
+    references all managers hold."""
+    gpu_refs: Counter[int] = Counter()
+    cpu_refs: Counter[int] = Counter()
+    for m in managers:
+        m._refs(gpu_refs, cpu_refs)
+    m0 = managers[0]
+    m0.gpu.check_invariants(gpu_refs)
+    m0.cpu.check_invariants(cpu_refs)
+    assert m0.cpu.get_num_used() <= m0.num_gpu_blocks, "swapped blocks exceed GPU pool"

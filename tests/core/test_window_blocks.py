@@ -43,8 +43,9 @@ def test_decode_holds_about_one_window():
     g = _group(1, list(range(30)))
     seq = g.seqs[0]
     bm.allocate(g)
-    assert bm.num_held_blocks(seq) == 8  # the prompt is allocated whole at admission
+    assert bm.num_held_blocks(seq) == 0  # lazy: the first chunk's append takes its blocks
     _advance(bm, seq, 30)
+    assert bm.num_held_blocks(seq) == 8
     for t in range(50):
         seq.append_token(t)
         _advance(bm, seq, 1)
@@ -87,7 +88,13 @@ def test_released_cached_block_still_serves_a_prefix_hit():
     b = _group(4, prompt)
     assert bm.get_num_cached_tokens(b.seqs[0]) == 16
     bm.allocate(b)
-    assert NULL_BLOCK not in bm.get_block_table(b.seqs[0])
+    # Position 16 sees back to 13: hits behind block 3 are not even referenced.
+    table_a, table_b = bm.get_block_table(a.seqs[0]), bm.get_block_table(b.seqs[0])
+    assert table_b == [NULL_BLOCK] * 3 + [table_a[3]]
+    assert b.seqs[0].num_computed_tokens == 16
+    bm.check_invariants()
+    _advance(bm, b.seqs[0], 1)
+    assert bm.get_block_table(b.seqs[0])[3] == table_a[3]  # block 4 is new, block 3 shared
     bm.check_invariants()
     for g in (a, b):
         bm.free(g.seqs[0])
@@ -157,6 +164,41 @@ def test_random_walk_keeps_window_and_pool_whole(seed, window, bs, caching):
         bm.free(seq)
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == 400 and bm.get_num_free_cpu_blocks() == 400
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 48])
+def test_chunked_prefill_holds_window_plus_chunk(chunk):
+    """A 400-token prompt computed in chunks never holds more than the blocks from the window
+    behind a chunk to the chunk's end, and admission asks only for the first chunk."""
+    bs, window = 4, 12
+    bm = BlockManager(200, 0, block_size=bs, sliding_window=window, max_chunk_tokens=chunk)
+    g = _group(7, list(range(400)))
+    seq = g.seqs[0]
+    free = bm.get_num_free_gpu_blocks()
+    bm.allocate(g)
+    bound = -(-(window - 1 + chunk) // bs) + 1
+    assert bm.worst_case_blocks(400, 410, 1) == bound
+    peak = 0
+    while seq.num_uncomputed_tokens:
+        n = min(chunk, seq.num_uncomputed_tokens)
+        assert bm.blocks_needed(seq, n) <= bound
+        _advance(bm, seq, n)
+        peak = max(peak, bm.num_held_blocks(seq))
+        _check_window(bm, seq, window)
+        bm.check_invariants()
+    assert peak <= bound
+    assert peak >= -(-chunk // bs)  # a whole chunk is written at once
+    bm.free(seq)
+    assert bm.get_num_free_gpu_blocks() == free
+    bm.check_invariants()
+
+
+def test_admission_asks_for_the_first_chunk_only():
+    bm = BlockManager(20, 0, block_size=4, sliding_window=8, max_chunk_tokens=16, watermark=0)
+    # 400 tokens would need 100 blocks eagerly; the first chunk needs 4 of the 20.
+    assert bm.can_allocate(_group(8, list(range(400)))) is AllocStatus.OK
+    eager = BlockManager(20, 0, block_size=4, watermark=0)
+    assert eager.can_allocate(_group(9, list(range(400)))) is AllocStatus.NEVER
 
 
 def test_negative_window_rejected():
