@@ -12,10 +12,16 @@ of the same shape; families run in order A..K then K..A per rep, and the median 
 runs is reported.
 
 Window memory: a Mistral-like model (every layer windowed, window 128) and a Gemma-3-like one
-(5 windowed : 1 global) serve 8 requests of 256 prompt tokens and 512 new tokens (block size
-16). Blocks held by running sequences are summed after every step, with release on (the
-engine's behaviour) and off (the block manager told the window is 0: a cache that keeps
-everything). Outputs must be identical either way. Writes JSON + PNG.
+(5 windowed : 1 global, 6 layers) serve 8 requests of 256 prompt tokens and 512 new tokens
+(block size 16). KV memory in use is recorded after every step in layer-blocks (block ids in
+use times the layers each id holds: 6 for one table, 1 per KV-cache group for the hybrid
+Gemma-like layout), with the engine's behaviour (release behind the window; hybrid groups) and
+with a cache that keeps everything (the block manager told the window is 0; for the
+Gemma-like model one table for all layers, `disable_hybrid_kv_cache_manager=True`, where the
+global layer keeps every block). Outputs must be identical either way. Writes JSON + PNG.
+
+`--sections window` re-measures only the window memory and keeps the file's other section
+(each section records the commit it was measured at).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -39,6 +46,7 @@ from models import synthetic  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from models.weights import assemble_params, expected_shapes  # noqa: E402
 from pagedjax import LLM, SamplingParams  # noqa: E402
+from pagedjax.core.kv_groups import plan_kv_groups  # noqa: E402
 from tests.parallel.tp_script import NoTokenizer  # noqa: E402
 
 GOLDENS = json.loads((ROOT / "tests/data/family_goldens.json").read_text())
@@ -128,11 +136,15 @@ def window_memory() -> dict:
         params = synthetic_params(config)
         series, tokens = {}, {}
         for release in (True, False):
+            # The same KV bytes either way: 600 blocks of all 6 layers.
+            slots = plan_kv_groups(config.windows, hybrid=release).num_slots
             llm = LLM.from_params(config, params, NoTokenizer(), max_num_seqs=8, block_size=16,
-                                  max_model_len=1024, num_gpu_blocks=600)
+                                  max_model_len=1024, num_gpu_blocks=600 * 6 // slots,
+                                  disable_hybrid_kv_cache_manager=not release)
             eng, bm = llm.engine, llm.engine.block_manager
             if not release:
                 bm.sliding_window = 0  # keep every block: the baseline cache
+            per_id = eng.runner.kv_layout.num_slots  # layers one block id holds
             for i, p in enumerate(prompts):
                 eng.add_request(f"r{i}", None, sp, prompt_token_ids=p)
             held, finals = [], {}
@@ -140,18 +152,20 @@ def window_memory() -> dict:
                 for o in eng.step():
                     if o.finished:
                         finals[o.request_id] = o.outputs[0].token_ids
-                held.append(sum(bm.num_held_blocks(s) for g in eng.scheduler.running
-                                for s in g.seqs if bm.has_blocks(s) and not bm.is_swapped(s)))
+                held.append((eng.runner.num_gpu_blocks - bm.get_num_free_gpu_blocks()) * per_id)
             series["release" if release else "keep_all"] = held
             tokens[release] = [finals[f"r{i}"] for i in range(len(prompts))]
+            if release:
+                groups = eng.runner.kv_layout.group_windows
         assert tokens[True] == tokens[False], "release changed outputs"
         out[label] = {
-            "max_window": config.max_window, "windows": list(config.windows),
-            "peak_blocks": {k: max(v) for k, v in series.items()},
-            "mean_blocks": {k: round(statistics.mean(v), 1) for k, v in series.items()},
+            "windows": list(config.windows), "kv_groups": list(groups),
+            "unit": "layer-blocks (block ids in use x layers per id; 16 tokens each)",
+            "peak_layer_blocks": {k: max(v) for k, v in series.items()},
+            "mean_layer_blocks": {k: round(statistics.mean(v), 1) for k, v in series.items()},
             "series": series,
         }
-        print(label, out[label]["peak_blocks"], out[label]["mean_blocks"], flush=True)
+        print(label, out[label]["peak_layer_blocks"], out[label]["mean_layer_blocks"], flush=True)
     return out
 
 
@@ -172,7 +186,7 @@ def plot(res: dict, path: Path) -> None:
         for k, style in (("release", "-"), ("keep_all", ":")):
             b.plot(r["series"][k], style, label=f"{label}: {k}")
     b.set_xlabel("engine step")
-    b.set_ylabel("KV blocks held (16 tokens each)")
+    b.set_ylabel("KV in use (layer-blocks of 16 tokens)")
     b.set_title("8 x (256 + 512) tokens, window 128")
     b.legend(fontsize=8)
     fig.tight_layout()
@@ -185,21 +199,32 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(sorted(GOLDENS["families"])))
     ap.add_argument("--max-load", type=float, default=0.5)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/families.json"))
+    ap.add_argument("--sections", default="throughput,window")
     args = ap.parse_args()
     load = os.getloadavg()[0]
     if load > args.max_load:
         raise SystemExit(f"1-minute load average {load:.2f} > {args.max_load}: a busy machine "
                          "gives no result (--max-load to override)")
     names = args.families.split(",")
-    res = {"what": "bench/families.py (see its docstring)",
-           "command": "python bench/families.py " + " ".join(sys.argv[1:]),
-           "machine": {"cpu": platform.processor() or platform.machine(),
-                       "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load},
-           "versions": {"jax": jax.__version__, "python": platform.python_version()},
-           "throughput": throughput(names, args.reps),
-           "window_memory": window_memory()}
-    res["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
+    sections = set(args.sections.split(","))
     out = Path(args.out)
+    res = json.loads(out.read_text()) if out.exists() and sections != {"throughput", "window"} \
+        else {}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()
+    res.update({"what": "bench/families.py (see its docstring)",
+                "command": "python bench/families.py " + " ".join(sys.argv[1:]),
+                "machine": {"cpu": platform.processor() or platform.machine(),
+                            "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load},
+                "versions": {"jax": jax.__version__, "python": platform.python_version()}})
+    res.setdefault("commits", {})
+    if "throughput" in sections:
+        res["throughput"] = throughput(names, args.reps)
+        res["commits"]["throughput"] = commit
+    if "window" in sections:
+        res["window_memory"] = window_memory()
+        res["commits"]["window_memory"] = commit
+    res["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)
     plot(res, out.with_suffix(".png"))

@@ -42,6 +42,10 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # CPU has no device-memory budget to measure; this caps the automatic sizing there.
     cpu_kv_cache_gb: float = 0.5
+    # Models mixing sliding-window and global layers (Gemma 2/3) get one block table per
+    # KV-cache group, so windowed layers free the blocks behind their window
+    # (`core.kv_groups`); True keeps one table for all layers (vLLM's flag of the same name).
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:

@@ -135,7 +135,7 @@ class LLMEngine:
         self.block_manager = make_kv_manager(
             ec.kv_policy, self.runner.num_gpu_blocks, self.runner.num_cpu_blocks, ec.block_size,
             enable_prefix_caching=ec.enable_prefix_caching, max_model_len=self.max_model_len,
-            sliding_window=config.max_window)
+            layout=self.runner.kv_layout, max_chunk_tokens=ec.max_num_batched_tokens)
         self.scheduler = make_scheduler(ec.kv_policy, SchedulerConfig(
             max_model_len=self.max_model_len, max_num_seqs=ec.max_num_seqs,
             max_num_batched_tokens=ec.max_num_batched_tokens,
@@ -154,7 +154,8 @@ class LLMEngine:
         # Persistent per-sequence step state (block tables by deltas); rows of sequences that
         # end are released after each step, and rows it never hears about are swept.
         self.input_batch = InputBatch(self.runner.max_blocks_per_seq,
-                                      max_rows=4 * ec.max_num_seqs)
+                                      max_rows=4 * ec.max_num_seqs,
+                                      num_groups=self.runner.num_kv_groups)
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
             self.warmup()
@@ -577,7 +578,8 @@ class LLMEngine:
         p_rows, p_plan = self._prompt_rows(sched)
         inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
                                    self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
-                                   plan=self.runner.shape_plan, batch=self.input_batch)
+                                   plan=self.runner.shape_plan, batch=self.input_batch,
+                                   num_groups=self.runner.num_kv_groups)
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
         logits = self.runner.execute(inputs)

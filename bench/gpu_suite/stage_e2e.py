@@ -190,7 +190,8 @@ def _decode_step_ms(runner, batch: int, ctx: int, iters: int) -> float:
     per = -(-ctx // bs)
     seqs = [ScheduledSeq(i, str(i), [7], ctx - 1, list(range(i * per, (i + 1) * per)), True)
             for i in range(batch)]
-    inputs = build_step_inputs(seqs, bs, runner.max_blocks_per_seq)
+    inputs = build_step_inputs(seqs, bs, runner.max_blocks_per_seq,
+                               num_groups=runner.num_kv_groups)
     return bench(lambda: runner.execute(inputs), iters, warmup=1)  # the warm-up compiles
 
 

@@ -81,7 +81,8 @@ def _inputs(shape: StepShape, runner: ModelRunner):
         table = list(range(nxt, nxt + pages))
         nxt += pages
         sched.append(ScheduledSeq(i, "aot", [0] * q, ctx - q, table, True))
-    return build_step_inputs(sched, bs, runner.max_blocks_per_seq, plan=runner.shape_plan), nxt
+    return build_step_inputs(sched, bs, runner.max_blocks_per_seq, plan=runner.shape_plan,
+                             num_groups=runner.num_kv_groups), nxt
 
 
 def _sampler(logit_rows: int, rows: int, vocab: int, max_model_len: int, device) -> dict:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from pagedjax.baselines.contiguous import ContiguousKVManager
 from pagedjax.baselines.static_batching import StaticBatchScheduler
 from pagedjax.core.block_manager import BlockManager
+from pagedjax.core.hybrid_kv_manager import HybridBlockManager
+from pagedjax.core.kv_groups import KVGroupLayout
 from pagedjax.core.scheduler import Scheduler, SchedulerConfig
 
 KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle", "static")
@@ -19,15 +21,25 @@ KV_POLICIES = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"
 
 def make_kv_manager(policy: str, num_gpu_blocks: int, num_cpu_blocks: int, block_size: int, *,
                     enable_prefix_caching: bool = False, max_model_len: int,
-                    watermark: float = 0.01, sliding_window: int = 0
-                    ) -> BlockManager | ContiguousKVManager:
-    """The block manager for ``policy`` (one of :data:`KV_POLICIES`). ``sliding_window``:
-    the model's widest window when every layer is windowed (blocks behind it are released);
-    the contiguous baselines keep whole regions and ignore it."""
+                    watermark: float = 0.01, sliding_window: int = 0,
+                    layout: KVGroupLayout | None = None, max_chunk_tokens: int | None = None
+                    ) -> BlockManager | HybridBlockManager | ContiguousKVManager:
+    """The block manager for ``policy`` (one of :data:`KV_POLICIES`). ``layout``: the model's
+    KV-cache groups (a hybrid layout gets a `HybridBlockManager`; one group released behind
+    its window when every layer is windowed); ``sliding_window`` instead of a layout: that
+    window for every layer. ``max_chunk_tokens``: the scheduler's token budget (bounds a
+    windowed sequence's blocks). The contiguous baselines keep whole regions and ignore both."""
     if policy == "paged":
+        if layout is not None and layout.hybrid:
+            return HybridBlockManager(layout.group_windows, num_gpu_blocks, num_cpu_blocks,
+                                      block_size, watermark=watermark,
+                                      enable_prefix_caching=enable_prefix_caching,
+                                      max_chunk_tokens=max_chunk_tokens)
+        if layout is not None:
+            sliding_window = layout.group_windows[0]
         return BlockManager(num_gpu_blocks, num_cpu_blocks, block_size, watermark=watermark,
                             enable_prefix_caching=enable_prefix_caching,
-                            sliding_window=sliding_window)
+                            sliding_window=sliding_window, max_chunk_tokens=max_chunk_tokens)
     if policy not in KV_POLICIES:
         raise ValueError(f"unknown kv policy {policy!r}; expected one of {KV_POLICIES}")
     if enable_prefix_caching:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from pagedjax.core.kv_groups import KVGroupLayout
 from pagedjax.parallel.mesh import AXIS, CACHE_SPEC
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pallas_kernels import copy_blocks
@@ -31,10 +32,11 @@ class ShardedPagedAttention:
 
     mesh: Mesh
     backend: str | None = None
+    layout: KVGroupLayout | None = None
 
     def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta, *, scale: float | None = None,
                  window=0, softcap: float | None = None):
-        inner = PagedAttention(self.backend)
+        inner = PagedAttention(self.backend, self.layout)
         windowed = has_window(window)  # else the kernels keep their window-free variant
 
         def local(q, k, v, k_cache, v_cache, layer, w, meta):

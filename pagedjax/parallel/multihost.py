@@ -93,7 +93,9 @@ def worker_loop(runner) -> int:
         if op != OP_STEP:
             raise RuntimeError(f"unknown operation {op} from the leader")
         t, s, m, r, decode_only = rest[:5]
-        shapes = [(t,), (t,), (t,), (s,), (s, m), (s + 1,), (1,), (r,)]
+        g = runner.num_kv_groups  # hybrid models: one table and slot mapping per group
+        lead = (g,) if g > 1 else ()
+        shapes = [(t,), (t,), lead + (t,), (s,), lead + (s, m), (s + 1,), (1,), (r,)]
         ids, pos, slots, kv_lens, tables, cu, num_seqs, logits_idx = _arrays(
             [np.zeros(sh, np.int32) for sh in shapes])
         meta = PagedMeta(slots, kv_lens, tables, cu, np.int32(num_seqs[0]), bool(decode_only))

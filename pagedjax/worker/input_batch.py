@@ -24,6 +24,9 @@ request's KV).
 Rows are released when their sequences end (`release`); if releases are missed, the batch
 forgets every row not in the current step once it holds `max_rows`.
 
+A hybrid model (several KV-cache groups, `core.kv_groups`) keeps one table per group in each
+row, `[rows, G, M]`, each mirrored by its own version; the step's array is then `[G, S, M]`.
+
 Host memory only: the gathered array still travels to the device with the step's other
 inputs (S x M x 4 bytes, 128 KiB at 256 sequences x 128 blocks).
 """
@@ -36,14 +39,17 @@ import numpy as np
 
 
 class InputBatch:
-    def __init__(self, max_blocks_per_seq: int, max_rows: int = 1024) -> None:
+    def __init__(self, max_blocks_per_seq: int, max_rows: int = 1024,
+                 num_groups: int = 1) -> None:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_rows = max_rows
+        self.num_groups = num_groups
         self._row: dict[int, int] = {}  # seq id -> row
         self._free: list[int] = []
-        self._tables = np.zeros((0, max_blocks_per_seq), np.int32)
-        self._version: list[int] = []  # per row: the table version it mirrors (-2: none)
-        self._written: list[int] = []  # per row: table entries written
+        self._tables = np.zeros((0, num_groups, max_blocks_per_seq), np.int32)
+        # Per row and group: the table version it mirrors (-2: none), table entries written.
+        self._version: list[list[int]] = []
+        self._written: list[list[int]] = []
         self.num_rewrites = 0  # full-row writes (tests and benchmarks read it)
         # seq id -> (prompt + outputs buffer, outputs written): penalised sequences only.
         self._hist: dict[int, tuple[np.ndarray, int]] = {}
@@ -54,11 +60,11 @@ class InputBatch:
     def _grow(self) -> None:
         old = len(self._version)
         new = max(16, 2 * old)
-        tables = np.zeros((new, self.max_blocks_per_seq), np.int32)
+        tables = np.zeros((new, self.num_groups, self.max_blocks_per_seq), np.int32)
         tables[:old] = self._tables
         self._tables = tables
-        self._version += [-2] * (new - old)
-        self._written += [0] * (new - old)
+        self._version += [[-2] * self.num_groups for _ in range(new - old)]
+        self._written += [[0] * self.num_groups for _ in range(new - old)]
         self._free.extend(range(new - 1, old - 1, -1))
 
     def _assign(self, seq_id: int) -> int:
@@ -66,7 +72,7 @@ class InputBatch:
             self._grow()
         r = self._free.pop()
         self._row[seq_id] = r
-        self._version[r] = -2
+        self._version[r] = [-2] * self.num_groups
         return r
 
     def release(self, seq_ids: Iterable[int]) -> None:
@@ -75,7 +81,7 @@ class InputBatch:
             self._hist.pop(sid, None)
             r = self._row.pop(sid, None)
             if r is not None:
-                self._version[r] = -2
+                self._version[r] = [-2] * self.num_groups
                 self._free.append(r)
 
     def rows(self, scheduled) -> list[int]:
@@ -84,40 +90,50 @@ class InputBatch:
             keep = {s.seq_id for s in scheduled}
             self.release([sid for sid in self._row if sid not in keep])
             self._hist = {k: v for k, v in self._hist.items() if k in keep}
-        row_of, version, written, tables = self._row, self._version, self._written, self._tables
+        row_of = self._row
+        groups = self.num_groups
         out = []
         for s in scheduled:
             r = row_of.get(s.seq_id)
             if r is None:
                 r = self._assign(s.seq_id)
-                version, written, tables = self._version, self._written, self._tables
-            table = s.block_table
-            n = len(table)
-            if n > self.max_blocks_per_seq:
-                raise ValueError(f"sequence {s.seq_id}: {n} blocks exceed max_blocks_per_seq="
-                                 f"{self.max_blocks_per_seq}")
-            v = s.table_version
-            if v < 0 or version[r] != v:  # new, CoW'd, swapped or unknown: the whole row
-                old = written[r]
-                tables[r, :n] = table
-                if old > n:
-                    tables[r, n:old] = 0
-                version[r] = v if v >= 0 else -2
-                written[r] = n
-                self.num_rewrites += 1
-            elif n > written[r]:  # appended blocks only
-                w = written[r]
-                tables[r, w:n] = table[w:]
-                written[r] = n
+            if groups == 1:
+                self._update(r, 0, s.block_table, s.table_version, s.seq_id)
+            else:
+                tables, versions = s.block_table, s.table_version
+                if not isinstance(tables, tuple):  # one table for every group
+                    tables, versions = (tables,) * groups, (-1,) * groups
+                for g in range(groups):
+                    self._update(r, g, tables[g], versions[g], s.seq_id)
             out.append(r)
         return out
 
+    def _update(self, r: int, g: int, table: list[int], v: int, seq_id: int) -> None:
+        n = len(table)
+        if n > self.max_blocks_per_seq:
+            raise ValueError(f"sequence {seq_id}: {n} blocks exceed max_blocks_per_seq="
+                             f"{self.max_blocks_per_seq}")
+        version, written, row = self._version[r], self._written[r], self._tables[r, g]
+        if v < 0 or version[g] != v:  # new, CoW'd, swapped or unknown: the whole row
+            old = written[g]
+            row[:n] = table
+            if old > n:
+                row[n:old] = 0
+            version[g] = v if v >= 0 else -2
+            written[g] = n
+            self.num_rewrites += 1
+        elif n > written[g]:  # appended blocks only
+            w = written[g]
+            row[w:n] = table[w:]
+            written[g] = n
+
     def block_tables(self, scheduled, s_pad: int, m_pad: int) -> np.ndarray:
-        """The step's `[s_pad, m_pad]` block tables (padding rows and columns 0)."""
+        """The step's `[s_pad, m_pad]` block tables (padding rows and columns 0); hybrid:
+        `[G, s_pad, m_pad]`."""
         rows = self.rows(scheduled)
-        out = np.zeros((s_pad, m_pad), np.int32)
-        out[: len(rows)] = self._tables[rows, :m_pad]
-        return out
+        out = np.zeros((self.num_groups, s_pad, m_pad), np.int32)
+        out[:, : len(rows)] = self._tables[rows, :, :m_pad].transpose(1, 0, 2)
+        return out[0] if self.num_groups == 1 else out
 
     def histories(self, seq) -> tuple[np.ndarray, np.ndarray]:
         """(prompt ids, output ids) of a sequence as int32 arrays (views of its buffer), with

@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from models.config import ModelConfig
 from models.decoder import DecoderLM, unstack_layers
 from pagedjax.config import EngineConfig
+from pagedjax.core.kv_groups import KVGroupLayout, plan_kv_groups
 from pagedjax.parallel import multihost
 from pagedjax.parallel.attention import ShardedPagedAttention, sharded_copy_blocks
 from pagedjax.parallel.mesh import (
@@ -77,8 +78,18 @@ def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool
     return bool(choice)
 
 
-def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
+def kv_layout(config: ModelConfig, engine_config: EngineConfig) -> KVGroupLayout:
+    """How layers share block tables and cache slots (`core.kv_groups`): one group per kind of
+    attention for hybrid models under the paged policy, else one table for all layers."""
+    hybrid = engine_config.kv_policy == "paged" and not engine_config.disable_hybrid_kv_cache_manager
+    return plan_kv_groups(config.windows, hybrid=hybrid)
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype,
+                       layout: KVGroupLayout | None = None) -> int:
+    """Bytes of one block id: every layer's K and V, or one group's layers (hybrid)."""
+    slots = config.num_layers if layout is None else layout.num_slots
+    return 2 * slots * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
         dtype).itemsize
 
 
@@ -97,7 +108,8 @@ class ModelRunner:
         self.params = unstack_layers(params) if not self.scan_layers else params
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
-                                  // kv_bytes_per_block(config, self.block_size, dtype))
+                                  // kv_bytes_per_block(config, self.block_size, dtype,
+                                                        self.kv_layout))
         self.num_cpu_blocks = min(self.num_cpu_blocks, self.num_gpu_blocks)
         self.k_cache = self._zeros_cache(self.num_gpu_blocks)
         self.v_cache = self._zeros_cache(self.num_gpu_blocks)
@@ -115,7 +127,9 @@ class ModelRunner:
         self.model_config = config
         self.mesh = None
         self.shard_vocab = shard_vocab  # embeddings/lm_head split on vocab (else replicated)
-        attn = PagedAttention(engine_config.attention_backend)
+        self.kv_layout = kv_layout(config, engine_config)
+        layout = self.kv_layout if self.kv_layout.hybrid else None
+        attn = PagedAttention(engine_config.attention_backend, layout)
         if self.tp > 1:
             validate_tp(config, self.tp, None if devices is None else len(devices))
             if multihost.is_multiprocess() and engine_config.preemption_mode == "swap":
@@ -123,7 +137,7 @@ class ModelRunner:
                                  "use 'recompute'")
             self.mesh = make_mesh(self.tp, devices)
             config = sharded_config(config, self.tp)
-            attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend)
+            attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend, layout)
         self.config = config
         self.engine_config = engine_config
         self.dtype = dtype
@@ -159,7 +173,8 @@ class ModelRunner:
 
         params = abstract_params(self.model_config, self.dtype)
         c = self.config
-        shape = (c.num_layers, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
+        shape = (self.kv_layout.num_slots, c.num_kv_heads, num_blocks, self.block_size,
+                 c.head_dim)
         if self.mesh is None:
             sh = jax.sharding.SingleDeviceSharding(self.devices[0])
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -176,10 +191,15 @@ class ModelRunner:
     def _zeros_cache(self, num_blocks: int) -> jax.Array:
         """A zero KV cache, split on the KV-head axis under tensor parallelism."""
         c = self.config
-        shape = (c.num_layers, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
+        shape = (self.kv_layout.num_slots, c.num_kv_heads, num_blocks, self.block_size,
+                 c.head_dim)
         if self.mesh is None:
             return jax.device_put(jnp.zeros(shape, self.dtype), jax.local_devices()[0])  # committed
         return jnp.zeros(shape, self.dtype, device=cache_sharding(self.mesh))
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.kv_layout.num_groups
 
     def cache_lost(self) -> bool:
         """True when a failed call took the donated KV cache with it (its buffers deleted):
@@ -205,7 +225,8 @@ class ModelRunner:
         """Blocks that fit in `gpu_memory_utilization` of device memory after weights and
         activations (measured with a max-size dummy step), like vLLM's profiling run."""
         # Per device: under TP each device holds 1/N of every block's heads.
-        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype) // self.tp
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype,
+                                       self.kv_layout) // self.tp
         dev = jax.local_devices()[0]
         stats = dev.memory_stats() if dev.platform != "cpu" else None
         if not stats or "bytes_limit" not in stats:
@@ -218,7 +239,8 @@ class ModelRunner:
         from pagedjax.worker.step_inputs import build_step_inputs
 
         fake = [ScheduledSeq(0, "profile", [0] * n, 0, [0] * math.ceil(n / self.block_size), True)]
-        inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq)
+        inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq,
+                                   num_groups=self.num_kv_groups)
         inputs.meta.slot_mapping[:] = -1  # write nothing
         jax.block_until_ready(self._execute_local(inputs))  # every process runs it
         stats = dev.memory_stats()
@@ -273,7 +295,7 @@ class ModelRunner:
                         for i, n in enumerate(sizes)]
                 extra = list(range(r - s)) or None
             inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq,
-                                       extra_rows=extra, plan=plan)
+                                       extra_rows=extra, plan=plan, num_groups=self.num_kv_groups)
             assert inputs.shape_key == (t, s, m, r, decode), (inputs.shape_key, (t, s, m, r))
             inputs.meta.slot_mapping[:] = -1
             inputs.meta.kv_lens[:] = 0
@@ -399,7 +421,7 @@ class ModelRunner:
 
     def _host_pool(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host_k is None:
-            shape = (self.config.num_layers, self.config.num_kv_heads, max(self.num_cpu_blocks, 1),
+            shape = (self.kv_layout.num_slots, self.config.num_kv_heads, max(self.num_cpu_blocks, 1),
                      self.block_size, self.config.head_dim)
             self._host_k = np.zeros(shape, self.k_cache.dtype)
             self._host_v = np.zeros(shape, self.v_cache.dtype)

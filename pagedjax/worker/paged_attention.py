@@ -2,6 +2,10 @@
 
 The cache is `[num_layers, num_kv_heads, num_blocks, block_size, head_dim]` (see
 `pallas_kernels`); the model scans over layers and passes the traced layer index through.
+A hybrid model's cache is `[group_size, ...]` instead (`pagedjax.core.kv_groups`): layer l
+reads and writes slot `slot_of_layer[l]` through block table `group_of_layer[l]` of the
+step's `[G, S, M]` tables (and slot mapping `[G, T]`); the kernels see one layer and one table
+as always.
 Pure-decode steps use `paged_decode_attention` (one query per sequence, split-K over the
 context); steps with any prefill chunk use `ragged_paged_attention`.
 """
@@ -11,7 +15,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
+from pagedjax.core.kv_groups import KVGroupLayout
 from pallas_kernels import paged_decode_attention, ragged_paged_attention, write_kv
 
 
@@ -19,9 +25,9 @@ from pallas_kernels import paged_decode_attention, ragged_paged_attention, write
 class PagedMeta:
     """Per-step metadata, built on the host by `StepInputs` (all int32).
 
-    slot_mapping [T]: cache slot of each query token (-1: padding, not written).
+    slot_mapping [T] ([G, T] hybrid): cache slot of each query token (-1: padding, not written).
     kv_lens [S]: context length of each sequence including this step's tokens (0: padding).
-    block_tables [S, M]: physical block ids per sequence.
+    block_tables [S, M] ([G, S, M] hybrid): physical block ids per sequence.
     cu_q_lens [S+1]: cumulative query lengths (ragged layout of the T tokens).
     num_seqs []: number of real sequences.
     decode_only: static; True when every sequence has exactly one query token (T == S).
@@ -43,19 +49,25 @@ jax.tree_util.register_dataclass(
 @dataclasses.dataclass(frozen=True)
 class PagedAttention:
     backend: str | None = None
+    layout: KVGroupLayout | None = None  # hybrid models only
 
     def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta, *, scale: float | None = None,
                  window=0, softcap: float | None = None):
         k_cache, v_cache = kv_cache
-        k_cache, v_cache = write_kv(k, v, k_cache, v_cache, meta.slot_mapping, layer=layer,
+        tables, slots = meta.block_tables, meta.slot_mapping
+        if self.layout is not None and self.layout.hybrid:
+            group = jnp.asarray(self.layout.group_of_layer, jnp.int32)[layer]
+            layer = jnp.asarray(self.layout.slot_of_layer, jnp.int32)[layer]
+            tables, slots = tables[group], slots[group]
+        k_cache, v_cache = write_kv(k, v, k_cache, v_cache, slots, layer=layer,
                                     backend=self.backend)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if meta.decode_only:
-            out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.kv_lens,
+            out = paged_decode_attention(q, k_cache, v_cache, tables, meta.kv_lens,
                                          scale=scale, layer=layer, window=window,
                                          softcap=softcap, backend=self.backend)
         else:
-            out = ragged_paged_attention(q, k_cache, v_cache, meta.kv_lens, meta.block_tables,
+            out = ragged_paged_attention(q, k_cache, v_cache, meta.kv_lens, tables,
                                          meta.cu_q_lens, meta.num_seqs, scale=scale, layer=layer,
                                          window=window, softcap=softcap, backend=self.backend)
         return out, (k_cache, v_cache)

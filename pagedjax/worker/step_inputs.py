@@ -43,7 +43,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
                       rows_per_seq: list[int] | None = None,
                       extra_rows: list[int] | None = None,
                       plan: ShapePlan | None = None,
-                      batch: InputBatch | None = None) -> StepInputs:
+                      batch: InputBatch | None = None,
+                      num_groups: int = 1) -> StepInputs:
     """Flatten scheduled sequences into a ragged token batch.
 
     `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
@@ -52,7 +53,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     follow the sampled rows in `logits_indices`. `plan` fixes the padded shapes (default: a
     plan sized for this batch, for tools that build one step by hand). `batch` (the engine's
     persistent `InputBatch`) supplies the block tables by deltas; without it each table is
-    copied whole.
+    copied whole. `num_groups` > 1 (a hybrid model's KV-cache groups, `core.kv_groups`):
+    block tables are `[G, S, M]` and slot mappings `[G, T]`, one per group; a sequence's
+    `block_table` is then one table per group (a plain list, as hand-built steps give, is
+    used for every group).
     Vectorised over tokens: the only per-sequence Python work is its block table row (host
     overhead is on the critical path of every step).
     """
@@ -61,7 +65,11 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     start_pos = np.fromiter((s.start_pos for s in scheduled), np.int32, num_seqs)
     total = int(q_lens.sum())
     decode_only = total == num_seqs
-    max_blocks = max(len(s.block_table) for s in scheduled)
+    if num_groups > 1:
+        max_blocks = max(max(len(t) for t in _group_tables(s.block_table, num_groups))
+                         for s in scheduled)
+    else:
+        max_blocks = max(len(s.block_table) for s in scheduled)
     if plan is None:
         plan = ShapePlan(max(num_seqs, 8), max(total, 16), max(max_blocks_per_seq, max_blocks),
                          fixed_width=False)
@@ -84,6 +92,11 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     np.cumsum(q_lens, out=cu_q_lens[1 : num_seqs + 1])
     if batch is not None:
         block_tables = batch.block_tables(scheduled, s_pad, m_pad)
+    elif num_groups > 1:
+        block_tables = np.zeros((num_groups, s_pad, m_pad), np.int32)
+        for i, s in enumerate(scheduled):
+            for g, t in enumerate(_group_tables(s.block_table, num_groups)):
+                block_tables[g, i, : len(t)] = t
     else:
         block_tables = np.zeros((s_pad, m_pad), np.int32)
         for i, s in enumerate(scheduled):
@@ -96,8 +109,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
                                     np.int32, total)
     positions = np.zeros(t_pad, np.int32)
     positions[:total] = pos
-    slot_mapping = np.full(t_pad, -1, np.int32)
-    slot_mapping[:total] = block_tables[seq_of_token, pos // block_size] * block_size + pos % block_size
+    slot_mapping = np.full(block_tables.shape[:-2] + (t_pad,), -1, np.int32)
+    slot_mapping[..., :total] = (block_tables[..., seq_of_token, pos // block_size] * block_size
+                                 + pos % block_size)
     kv_lens = np.zeros(s_pad, np.int32)
     kv_lens[:num_seqs] = start_pos + q_lens
 
@@ -111,3 +125,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     meta = PagedMeta(slot_mapping, kv_lens, block_tables, cu_q_lens, np.int32(num_seqs), decode_only)
     return StepInputs(input_ids, positions, meta, logits_indices, sample_seq_pos,
                       (t_pad, s_pad, m_pad, r_pad, decode_only))
+
+
+def _group_tables(table, num_groups: int):
+    """One table per KV-cache group: a tuple as the hybrid manager gives, or one list for all."""
+    return table if isinstance(table, tuple) else (table,) * num_groups

@@ -49,7 +49,8 @@ def one_step_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     runner = llm.engine.runner
     blocks = list(range(-(-len(prompt) // runner.block_size)))
     seq = ScheduledSeq(0, "logits", prompt, 0, blocks, True)
-    inputs = build_step_inputs([seq], runner.block_size, runner.max_blocks_per_seq)
+    inputs = build_step_inputs([seq], runner.block_size, runner.max_blocks_per_seq,
+                               num_groups=runner.num_kv_groups)
     return np.asarray(jax.device_get(runner.execute(inputs)))[0]
 
 
@@ -57,7 +58,8 @@ def decode_collectives(llm: LLM) -> dict:
     """Collectives in the compiled decode step, per layer and outside the layer scan."""
     runner = llm.engine.runner
     seq = ScheduledSeq(0, "hlo", [5], 3, [0], True)
-    inputs = build_step_inputs([seq], runner.block_size, runner.max_blocks_per_seq)
+    inputs = build_step_inputs([seq], runner.block_size, runner.max_blocks_per_seq,
+                               num_groups=runner.num_kv_groups)
     hlo = runner._step.lower(runner, runner.params, runner.k_cache, runner.v_cache,
                              inputs.input_ids, inputs.positions, inputs.meta,
                              inputs.logits_indices).compile().as_text()
