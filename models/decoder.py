@@ -109,6 +109,7 @@ class DecoderLayer(nn.Module):
     dtype: Any = jnp.float32
     fused: bool = False  # params from `unstack_layers`: qkv_proj and gate_up_proj
     static_layer: int | None = None  # the unrolled loop's layer index (window, rope known)
+    moe_fn: Callable[..., jax.Array] | None = None  # routed experts (None: `moe_mlp`)
 
     @nn.compact
     def __call__(self, carry, layer, rope, meta):
@@ -184,7 +185,7 @@ class DecoderLayer(nn.Module):
         w_up = self.param("expert_up", init, (e, hidden, inter), self.dtype)
         w_down = self.param("expert_down", init, (e, inter, hidden), self.dtype)
         flat = h.reshape(-1, hidden)
-        out = moe_mlp(flat, router, w_gate, w_up, w_down, top_k=c.num_experts_per_tok,
+        out = (self.moe_fn or moe_mlp)(flat, router, w_gate, w_up, w_down, top_k=c.num_experts_per_tok,
                       renormalize=c.norm_topk_prob,
                       act=lambda x: activation(c.hidden_act, x))
         if c.shared_expert_intermediate_size:
@@ -206,6 +207,7 @@ class DecoderLM(nn.Module):
     attn_fn: Callable[..., tuple[jax.Array, KVCache]]
     dtype: Any = jnp.float32
     scan_layers: bool = True  # False: params from `unstack_layers`, one graph node per layer
+    moe_fn: Callable[..., jax.Array] | None = None  # e.g. `parallel.experts.ExpertParallelMoE`
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: Any,
@@ -230,13 +232,14 @@ class DecoderLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
-            )(c, self.attn_fn, self.dtype, name="layers")
+            )(c, self.attn_fn, self.dtype, moe_fn=self.moe_fn, name="layers")
             (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32),
                                       rope, meta)
         else:
             carry = (x, kv_cache)
             for i in range(c.num_layers):
                 layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True, static_layer=i,
+                                     moe_fn=self.moe_fn,
                                      name=f"{UNSTACKED_PREFIX}{i}")
                 carry, _ = layer(carry, jnp.int32(i), rope, meta)
             x, kv_cache = carry

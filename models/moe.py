@@ -50,11 +50,25 @@ def moe_mlp(x: jax.Array, router: jax.Array, w_gate: jax.Array, w_up: jax.Array,
     """x [N, H]; router [H, E]; w_gate, w_up [E, H, I]; w_down [E, I, H] -> [N, H].
 
     ``gather``: force the formulation (None: `use_gather`)."""
-    n, hidden = x.shape
+    n = x.shape[0]
     num_experts = router.shape[-1]
     weights, ids = route(x, router, top_k, renormalize)
-    if gather if gather is not None else use_gather(n, top_k, num_experts):
-        return _gathered(x, weights, ids, w_gate, w_up, w_down, act)
+    if gather is None:
+        gather = use_gather(n, top_k, num_experts)
+    return expert_outputs(x, weights, ids, w_gate, w_up, w_down, act, gather)
+
+
+def expert_outputs(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
+                   w_up: jax.Array, w_down: jax.Array, act: Callable[[jax.Array], jax.Array],
+                   gather: bool) -> jax.Array:
+    """Sum over each token's assignments of weight x expert MLP. ``ids`` may name experts
+    past ``w_gate.shape[0]`` (another device's, under expert parallelism) when their weight
+    is 0: those assignments sort last, outside every group, and contribute nothing."""
+    n, top_k = ids.shape
+    num_experts = w_gate.shape[0]
+    if gather:
+        return _gathered(x, weights, jnp.minimum(ids, num_experts - 1), w_gate, w_up, w_down,
+                         act)
     flat_ids = ids.reshape(-1)
     order = jnp.argsort(flat_ids, stable=True)  # assignments grouped by expert
     tokens = order // top_k

@@ -46,6 +46,9 @@ class EngineConfig:
     # KV-cache group, so windowed layers free the blocks behind their window
     # (`core.kv_groups`); True keeps one table for all layers (vLLM's flag of the same name).
     disable_hybrid_kv_cache_manager: bool = False
+    # Mixture-of-experts under tensor parallelism: whole experts per device instead of a slice
+    # of every expert (`parallel.experts`; vLLM's flag). No effect at tensor_parallel_size 1.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:

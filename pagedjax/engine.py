@@ -204,7 +204,8 @@ class LLMEngine:
         if tp > 1:  # a bad split fails here, not after minutes of loading
             from pagedjax.parallel import validate_tp
 
-            validate_tp(read_config(model), tp)
+            validate_tp(read_config(model), tp,
+                        expert_parallel=engine_config.enable_expert_parallel)
         config, params, path = load_model(model, dtype, tensor_parallel_size=tp)
         return cls(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
 

@@ -121,7 +121,7 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
         t0 = time.perf_counter()
         row = dict(model=model, target=target, tp=tp, dtype=jnp.dtype(dtype).name,
                    block_size=block_size, shape=shape.name, tokens=int(inputs.input_ids.shape[0]),
-                   seqs=len(shape.seqs), table_width=int(inputs.meta.block_tables.shape[1]),
+                   seqs=len(shape.seqs), table_width=int(inputs.meta.block_tables.shape[-1]),
                    decode_only=bool(inputs.meta.decode_only))
         try:
             with jax.default_device(devices[0]), warnings.catch_warnings():

@@ -45,7 +45,8 @@ class TensorParallelError(ValueError):
     """The tensor-parallel size does not fit the model or the available devices."""
 
 
-def validate_tp(config: ModelConfig, n: int, num_devices: int | None = None) -> None:
+def validate_tp(config: ModelConfig, n: int, num_devices: int | None = None,
+                expert_parallel: bool = False) -> None:
     """Raise `TensorParallelError` naming the offending quantity; cheap, call before loading."""
     if not isinstance(n, int) or n < 1:
         raise TensorParallelError(f"tensor_parallel_size must be a positive integer; got {n!r}")
@@ -67,6 +68,12 @@ def validate_tp(config: ModelConfig, n: int, num_devices: int | None = None) -> 
             f"multiple of it (KV heads are then replicated)")
     widths = {"moe_intermediate_size": config.moe_intermediate_size,
               "shared_expert_intermediate_size": config.shared_expert_intermediate_size}
+    if expert_parallel and config.num_experts:
+        if config.num_experts % n:
+            raise TensorParallelError(
+                f"enable_expert_parallel: tensor_parallel_size={n} must divide the number of "
+                f"experts ({config.num_experts})")
+        del widths["moe_intermediate_size"]  # experts stay whole
     if not config.num_experts:
         widths = {"intermediate_size": config.intermediate_size}
     for name, width in widths.items():
@@ -105,10 +112,13 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "shared_gate_pr
 _ROW = ("o_proj", "down_proj", "shared_down_proj")
 
 
-def _layer_spec(key: str, leaf: str) -> P:
+def _layer_spec(key: str, leaf: str, expert_parallel: bool = False) -> P:
     """Spec of one stacked layer param ``[L, ...]``. Experts are split along their width
-    (every device holds a slice of every expert), so routing needs no communication; norms,
-    the router and the row-parallel biases (added after the all-reduce) are replicated."""
+    (every device holds a slice of every expert), so routing needs no communication, or with
+    ``expert_parallel`` by expert (`parallel.experts`); norms, the router and the row-parallel
+    biases (added after the all-reduce) are replicated."""
+    if expert_parallel and key in ("expert_gate", "expert_up", "expert_down"):
+        return P(None, AXIS, None, None)  # [L, E, ., .]
     if key in _COLUMN:
         return P(None, None, AXIS) if leaf == "kernel" else P(None, AXIS)
     if key in _ROW:
@@ -120,13 +130,14 @@ def _layer_spec(key: str, leaf: str) -> P:
     return P()
 
 
-def param_specs(config: ModelConfig, n: int, shard_vocab: bool = True) -> dict:
+def param_specs(config: ModelConfig, n: int, shard_vocab: bool = True,
+                expert_parallel: bool = False) -> dict:
     """PartitionSpecs matching the params pytree of `models.decoder.DecoderLM`."""
     from models.weights import abstract_params
 
     vocab = vocab_sharded(config, n, shard_vocab)
-    layers = {key: ({leaf: _layer_spec(key, leaf) for leaf in sub} if isinstance(sub, dict)
-                    else _layer_spec(key, ""))
+    layers = {key: ({leaf: _layer_spec(key, leaf, expert_parallel) for leaf in sub}
+                    if isinstance(sub, dict) else _layer_spec(key, "", expert_parallel))
               for key, sub in abstract_params(config)["layers"].items()}
     specs = {"embed": P(AXIS, None) if vocab else P(), "layers": layers, "final_norm": P()}
     if not config.tie_word_embeddings:
@@ -134,9 +145,11 @@ def param_specs(config: ModelConfig, n: int, shard_vocab: bool = True) -> dict:
     return specs
 
 
-def param_shardings(mesh: Mesh, config: ModelConfig, shard_vocab: bool = True) -> dict:
+def param_shardings(mesh: Mesh, config: ModelConfig, shard_vocab: bool = True,
+                    expert_parallel: bool = False) -> dict:
     n = mesh.shape[AXIS]
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, n, shard_vocab),
+    return jax.tree.map(lambda s: NamedSharding(mesh, s),
+                        param_specs(config, n, shard_vocab, expert_parallel),
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -164,7 +177,8 @@ def replicate_kv_columns(kernel: np.ndarray | jax.Array, head_dim: int, r: int):
     return k.reshape(*lead, heads * r * head_dim)
 
 
-def shard_params(params: dict, config: ModelConfig, mesh: Mesh, shard_vocab: bool = True) -> dict:
+def shard_params(params: dict, config: ModelConfig, mesh: Mesh, shard_vocab: bool = True,
+                 expert_parallel: bool = False) -> dict:
     """Place a params pytree on the mesh (replicating KV columns when N > num_kv_heads).
 
     Arrays that already carry the target sharding (e.g. from the sharded safetensors loader)
@@ -180,12 +194,12 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh, shard_vocab: boo
             layers[key] = {leaf: replicate_kv_columns(a, config.head_dim, r)
                            for leaf, a in layers[key].items()}
     params = {**params, "layers": layers}
-    shardings = param_shardings(mesh, config, shard_vocab)
+    shardings = param_shardings(mesh, config, shard_vocab, expert_parallel)
     return jax.tree.map(_place, params, shardings)
 
 
 def abstract_sharded_params(params: dict, config: ModelConfig, mesh: Mesh,
-                            shard_vocab: bool = True) -> dict:
+                            shard_vocab: bool = True, expert_parallel: bool = False) -> dict:
     """`shard_params` on a ShapeDtypeStruct tree: KV columns replicated, shardings attached."""
     r = kv_replication(config, mesh.shape[AXIS])
     layers = dict(params["layers"])
@@ -194,7 +208,7 @@ def abstract_sharded_params(params: dict, config: ModelConfig, mesh: Mesh,
                        for leaf, a in layers[key].items()}
     params = {**params, "layers": layers}
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        params, param_shardings(mesh, config, shard_vocab))
+                        params, param_shardings(mesh, config, shard_vocab, expert_parallel))
 
 
 def _place(x, sharding: NamedSharding):

@@ -25,6 +25,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.core.kv_groups import KVGroupLayout, plan_kv_groups
 from pagedjax.parallel import multihost
 from pagedjax.parallel.attention import ShardedPagedAttention, sharded_copy_blocks
+from pagedjax.parallel.experts import ExpertParallelMoE
 from pagedjax.parallel.mesh import (
     AXIS,
     abstract_sharded_params,
@@ -100,7 +101,8 @@ class ModelRunner:
         if jax.local_devices()[0].platform == "cpu":  # device buffers are heap memory
             keep_freed_memory()
         if self.mesh is not None:
-            params = shard_params(params, config, self.mesh, shard_vocab)
+            params = shard_params(params, config, self.mesh, shard_vocab,
+                                  expert_parallel=self.expert_parallel)
         # Committed placement: `update_params` keeps shardings, so the step sees arguments of
         # identical type before and after a weight swap (no retrace, no recompile).
         if self.mesh is None:
@@ -130,14 +132,21 @@ class ModelRunner:
         self.kv_layout = kv_layout(config, engine_config)
         layout = self.kv_layout if self.kv_layout.hybrid else None
         attn = PagedAttention(engine_config.attention_backend, layout)
+        # Expert parallelism: only for MoE models split over more than one device.
+        self.expert_parallel = bool(engine_config.enable_expert_parallel and self.tp > 1
+                                    and config.num_experts)
+        moe_fn = None
         if self.tp > 1:
-            validate_tp(config, self.tp, None if devices is None else len(devices))
+            validate_tp(config, self.tp, None if devices is None else len(devices),
+                        expert_parallel=self.expert_parallel)
             if multihost.is_multiprocess() and engine_config.preemption_mode == "swap":
                 raise ValueError("preemption_mode: 'swap' is not supported across processes; "
                                  "use 'recompute'")
             self.mesh = make_mesh(self.tp, devices)
             config = sharded_config(config, self.tp)
             attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend, layout)
+            if self.expert_parallel:
+                moe_fn = ExpertParallelMoE(self.mesh)
         self.config = config
         self.engine_config = engine_config
         self.dtype = dtype
@@ -153,7 +162,7 @@ class ModelRunner:
         # ids of pending tokens from the previous step's sampler output on the device.
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
                                                     devices)
-        self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers)
+        self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn)
 
     @classmethod
     def compile_only(cls, config: ModelConfig, engine_config: EngineConfig, dtype,
@@ -182,7 +191,7 @@ class ModelRunner:
             cache = jax.ShapeDtypeStruct(shape, self.dtype, sharding=sh)
         else:
             params = abstract_sharded_params(params, self.model_config, self.mesh,
-                                             self.shard_vocab)
+                                             self.shard_vocab, self.expert_parallel)
             cache = jax.ShapeDtypeStruct(shape, self.dtype, sharding=cache_sharding(self.mesh))
         if not self.scan_layers:
             params = unstack_layers(params)
@@ -217,7 +226,8 @@ class ModelRunner:
         if self.mesh is None:
             placed = jax.device_put(params, jax.local_devices()[0])
         else:
-            placed = shard_params(params, self.model_config, self.mesh, self.shard_vocab)
+            placed = shard_params(params, self.model_config, self.mesh, self.shard_vocab,
+                                  expert_parallel=self.expert_parallel)
         return placed if self.scan_layers else unstack_layers(placed)
 
     # ---- sizing ------------------------------------------------------------

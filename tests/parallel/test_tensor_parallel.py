@@ -76,6 +76,23 @@ def test_families_match_tp1(families, name, tp):
     assert per_device < total  # the weights really are split
 
 
+@pytest.mark.parametrize("name,tp", [("qwen2_moe", 2), ("qwen2_moe", 4), ("qwen3_moe", 2)])
+def test_expert_parallel_matches_tp1(families, name, tp):
+    """Whole experts per device (`enable_expert_parallel`): routing replicated, each device
+    computes its own experts' assignments, one all-reduce sums them: TP=1's tokens and
+    logprobs, experts split on the expert axis, weights really split."""
+    ep = families[f"{name}-ep{tp}"]
+    _assert_matches(families[f"{name}-tp1"], ep, atol=1e-4)
+    assert ep["free_blocks_ok"]
+    assert ep["expert_spec"] == "P(None, 'tp', None, None)"
+    assert families[f"{name}-tp{tp}"]["expert_spec"] == "P(None, None, None, 'tp')"
+    total, per_device = ep["param_bytes"]
+    assert per_device < total
+    if tp == 2:  # no all-to-all: activations are replicated, one all-reduce sums the experts
+        coll = ep["collectives"]["per_layer"]
+        assert set(coll) == {"all-reduce"}, coll
+
+
 def test_preemption_and_prefix_caching_were_exercised(tiny):
     for tp in (1, 2, 4):
         assert tiny[f"tp{tp}"]["preemptions"] > 0, tp  # TP=2 swapped, TP=1/4 recomputed

@@ -66,6 +66,13 @@ def decode_collectives(llm: LLM) -> dict:
     return count_collectives(hlo)
 
 
+def expert_spec(llm: LLM) -> str:
+    """Sharding of the first expert weight ("" for dense models or one device)."""
+    layers = llm.engine.runner.params.get("layers", {})
+    w = layers.get("expert_gate")
+    return str(w.sharding.spec) if w is not None and hasattr(w.sharding, "spec") else ""
+
+
 def run(cfg: ModelConfig, params: dict, tp: int, prompts, max_tokens: int, **kw) -> dict:
     llm = LLM.from_params(cfg, params, NoTokenizer(), tensor_parallel_size=tp, block_size=8,
                           max_num_seqs=4, max_num_batched_tokens=64, **kw)
@@ -86,6 +93,7 @@ def run(cfg: ModelConfig, params: dict, tp: int, prompts, max_tokens: int, **kw)
         "cache_spec": str(llm.engine.runner.k_cache.sharding.spec) if tp > 1 else "",
         "cache_heads": llm.engine.runner.k_cache.shape[1],
         "collectives": decode_collectives(llm) if tp == 2 else None,
+        "expert_spec": expert_spec(llm),
     }
 
 
@@ -131,6 +139,10 @@ def main(mode: str, out_path: str) -> None:
             for tp in sizes:
                 results[f"{name}-tp{tp}"] = run(cfg, params, tp, prompts, 12, num_gpu_blocks=12,
                                                 **common)
+            # Expert parallelism: whole experts per device (qwen2_moe: 4 experts, qwen3_moe: 6).
+            for tp in {"qwen2_moe": (2, 4), "qwen3_moe": (2,)}.get(name, ()):
+                results[f"{name}-ep{tp}"] = run(cfg, params, tp, prompts, 12, num_gpu_blocks=12,
+                                                enable_expert_parallel=True, **common)
     else:
         raise SystemExit(f"unknown mode {mode}")
     with open(out_path, "w") as f:
