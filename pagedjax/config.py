@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pagedjax.spec.config import SpeculativeConfig
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -49,6 +51,9 @@ class EngineConfig:
     # Mixture-of-experts under tensor parallelism: whole experts per device instead of a slice
     # of every expert (`parallel.experts`; vLLM's flag). No effect at tensor_parallel_size 1.
     enable_expert_parallel: bool = False
+    # Speculative decoding (thesis §4.4.4; `pagedjax.spec`): a `SpeculativeConfig`, a dict of
+    # its fields or that dict as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:
@@ -80,3 +85,9 @@ class EngineConfig:
              f"must be one of {KV_POLICIES}; got {self.kv_policy!r}")
         need(self.kv_policy == "paged" or not self.enable_prefix_caching, "enable_prefix_caching",
              "requires kv_policy='paged'")
+        self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
+        if self.speculative_config is not None:
+            need(self.kv_policy == "paged", "speculative_config", "requires kv_policy='paged'")
+            # The next step's tokens depend on how many drafts this one accepts.
+            need(not self.async_scheduling, "speculative_config",
+                 "cannot be combined with async_scheduling=True")

@@ -63,6 +63,7 @@ from pagedjax.sampler import (
     sample,
 )
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from pagedjax.spec import NgramProposer, accepted_prefix
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner
@@ -91,6 +92,21 @@ class EngineStats:
     num_cache_rebuilds: int = 0  # KV caches lost in a failed step and reallocated
     num_step_failures: int = 0  # steps, or the scheduling of one group, that raised
     healthy: bool = True  # False while a lost KV cache is not rebuilt yet
+    # Speculative decoding (zero without it): draft tokens scored, accepted, and accepted per
+    # draft position (index j: drafts accepted at position j + 1 of a step's proposal).
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_drafts: int = 0  # steps of a sequence that carried drafts
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / max(1, self.spec_num_draft_tokens)
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a drafted sequence gained per step: accepted drafts + the target's one."""
+        return 1 + self.spec_num_accepted_tokens / max(1, self.spec_num_drafts)
 
 
 
@@ -110,6 +126,8 @@ class _InFlight:
     tokens: jax.Array | None = None  # sampled ids padded for the next step's feed
     # Sequence id -> its row, for sequences given a pending token by this step.
     pending_rows: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Speculative decoding: sequence id -> (first row, drafts) of sequences with drafts.
+    spec_rows: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     # The next step cannot be scheduled before this one's tokens are applied: beams and
     # fan-outs fork on the host. (Penalised rows get their pending token into the sampler's
     # history on the device: `ModelRunner.merge_pending_history`.)
@@ -141,6 +159,14 @@ class LLMEngine:
             max_num_batched_tokens=ec.max_num_batched_tokens,
             enable_chunked_prefill=ec.enable_chunked_prefill, preemption_mode=ec.preemption_mode,
             policy=ec.scheduling_policy), self.block_manager)
+        self.spec_config = ec.speculative_config
+        if self.spec_config is not None:
+            sc = self.spec_config
+            self.scheduler.proposer = NgramProposer(sc.num_speculative_tokens,
+                                                    sc.prompt_lookup_min, sc.prompt_lookup_max)
+        self._spec_drafted = self._spec_accepted = self._spec_steps = 0
+        self._spec_by_pos = [0] * (self.spec_config.num_speculative_tokens
+                                   if self.spec_config else 0)
         self.eos_token_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -272,6 +298,9 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         r = self.inputs.process(request_id, prompt, params, prompt_token_ids, output_kind,
                                 strict_limits)
+        if self.spec_config is not None and r.params.use_beam_search:
+            raise ValueError("use_beam_search: not supported with speculative decoding "
+                             "(speculative_config is set on this engine)")
         seq = Sequence(self._new_seq_id(), r.prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         p = r.params
@@ -519,6 +548,14 @@ class LLMEngine:
             fan_out = (not req.is_beam and len(group.seqs) == 1 and req.num_samples > 1
                        and not group.seqs[0].output_token_ids)
             seq = next(q for q in group.seqs if q.seq_id == s.seq_id)
+            if s.spec_token_ids:  # one row per position: the last known token and each draft
+                k = len(s.spec_token_ids)
+                for j in range(k + 1):
+                    row_info.append((req, seq, req.seq_index[seq.seq_id], False))
+                    row_src.append(n_logits + j)
+                rows_per_seq.append(k + 1)
+                n_logits += k + 1
+                continue
             for j in range(req.num_samples if fan_out else 1):
                 row_info.append((req, seq, j if fan_out else req.seq_index[seq.seq_id], fan_out))
                 row_src.append(n_logits)
@@ -561,7 +598,10 @@ class LLMEngine:
         max_num_seqs rows), so a logits shape meets at most two sampler batch sizes. Prefill
         steps used to sample at the largest bucket too, paying a 256-row sampler for a lone
         prompt's one row on its first step."""
-        return seq_pad if num_rows <= seq_pad else self.runner.shape_plan.seq_cap
+        if num_rows <= seq_pad:
+            return seq_pad
+        # Speculative steps score up to 1 + k rows per sequence.
+        return max(self.runner.shape_plan.seq_cap, pow2_at_least(num_rows))
 
     def _sampling_metadata(self, rows: list[tuple], pad_to: int) -> SamplingMetadata:
         meta = SamplingMetadata.from_params(
@@ -577,10 +617,12 @@ class LLMEngine:
         be scheduled before they are known (`needs_sync` says when it cannot)."""
         rows_per_seq, row_info, row_src = self._rows_for(sched)
         p_rows, p_plan = self._prompt_rows(sched)
+        spec_lens = ([len(s.spec_token_ids) for s in sched.scheduled]
+                     if self.spec_config is not None else None)
         inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
                                    self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
                                    plan=self.runner.shape_plan, batch=self.input_batch,
-                                   num_groups=self.runner.num_kv_groups)
+                                   num_groups=self.runner.num_kv_groups, spec_lens=spec_lens)
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
         logits = self.runner.execute(inputs)
@@ -597,6 +639,16 @@ class LLMEngine:
                       else (seq.prompt_token_ids, seq.output_token_ids)),
                     req.counter, index, seq.num_pending))
                 for req, seq, index, _ in row_info]
+        if self.spec_config is not None:
+            fl.spec_rows = self._spec_rows(sched, rows_per_seq)
+            for r0, drafts in fl.spec_rows.values():
+                # Row j scores draft j: the j drafts before it count as outputs (penalties,
+                # min_tokens, the random key's step), as if they had been sampled already.
+                params, st = rows[r0]
+                for j in range(1, len(drafts) + 1):
+                    rows[r0 + j] = (params, st._replace(output_token_ids=np.concatenate(
+                        [np.asarray(st.output_token_ids, np.int32),
+                         np.asarray(drafts[:j], np.int32)])))
         meta = self._sampling_metadata(rows, b_pad)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
@@ -614,6 +666,8 @@ class LLMEngine:
             if req.is_beam or fan_out:  # forks are decided on the host
                 fl.needs_sync = True
                 continue
+            if seq.seq_id in fl.spec_rows:  # how many tokens it gains is decided on the host
+                continue
             after = seq.num_pending + 1  # tokens this sequence will have gained
             if (seq.num_output_tokens + after >= req.params.max_tokens
                     or seq.num_total_tokens + after >= self.max_model_len):
@@ -621,6 +675,17 @@ class LLMEngine:
             seq.num_pending += 1
             fl.pending_rows[seq.seq_id] = r
         return fl
+
+    @staticmethod
+    def _spec_rows(sched, rows_per_seq: list[int]) -> dict[int, tuple[int, tuple[int, ...]]]:
+        """Sequence id -> (its first sampled row, its drafts) for the step's drafted sequences
+        (their rows are consecutive: `_rows_for`)."""
+        out, r = {}, 0
+        for s, n in zip(sched.scheduled, rows_per_seq, strict=True):
+            if s.spec_token_ids:
+                out[s.seq_id] = (r, s.spec_token_ids)
+            r += n
+        return out
 
     def _feed_pending_history(self, meta: SamplingMetadata, row_info, prev: _InFlight | None
                               ) -> SamplingMetadata:
@@ -670,9 +735,20 @@ class LLMEngine:
         pending = fl.pending_rows
         sampled: list[SampledToken] = []
         rows: list[tuple[RequestState, int]] = []
+        spec = fl.spec_rows
         for r, (req, seq, index, fan_out) in enumerate(row_info):
             if req.is_beam or self._requests.get(req.request_id) is not req:
                 continue  # beams: below; gone: aborted or failed while the step ran
+            if seq.seq_id in spec:  # drafted: its first row takes all its accepted tokens
+                r0, drafts = spec[seq.seq_id]
+                if r == r0:
+                    a = self._accept(drafts, token_ids[r0 : r0 + len(drafts) + 1])
+                    for j in range(a + 1):
+                        sampled.append(SampledToken(req.request_id, seq, token_ids[r0 + j],
+                                                    logprobs[r0 + j],
+                                                    rejected=len(drafts) - a if j == 0 else 0))
+                        rows.append((req, r0 + j))
+                continue
             sampled.append(SampledToken(req.request_id, seq, token_ids[r], logprobs[r],
                                         index if fan_out else 0, pending.get(seq.seq_id) == r))
             rows.append((req, r))
@@ -692,6 +768,16 @@ class LLMEngine:
                 self.beams.advance(req, live_beams, c.parent[:k], c.token_ids[:k],
                                     c.cum_logprobs[:k], c.valid[:k])
         return touched
+
+    def _accept(self, drafts: tuple[int, ...], sampled: list[int]) -> int:
+        """Accepted drafts (`pagedjax.spec.verify`), counted for the metrics."""
+        a = accepted_prefix(drafts, sampled)
+        self._spec_steps += 1
+        self._spec_drafted += len(drafts)
+        self._spec_accepted += a
+        for j in range(a):
+            self._spec_by_pos[j] += 1
+        return a
 
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -734,4 +820,6 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             last_step_tokens=self.last_step_tokens, num_compiles=num_backend_compiles(),
             num_cache_rebuilds=self.num_cache_rebuilds, num_step_failures=self.num_step_failures,
-            healthy=self.healthy)
+            healthy=self.healthy, spec_num_draft_tokens=self._spec_drafted,
+            spec_num_accepted_tokens=self._spec_accepted, spec_num_drafts=self._spec_steps,
+            spec_accepted_per_position=tuple(self._spec_by_pos))

@@ -107,7 +107,8 @@ class OutputProcessor:
             if p.logprobs is not None:
                 k = p.logprobs
                 entry = {int(i): float(v) for i, v in zip(out.topk_ids[r][:k], out.topk_logprobs[r][:k])}
-                entry[seq.output_token_ids[-1]] = seq.output_logprobs[-1]
+                # This row's token (a speculative step appends several per sequence).
+                entry[int(out.token_ids[r])] = float(out.logprobs[r])
                 req.logprobs[seq.seq_id].append(entry)
             items.append((seq.get_token_slice, seq.num_total_tokens, req.detok[seq.seq_id],
                           p.skip_special_tokens))

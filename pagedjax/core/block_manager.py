@@ -375,6 +375,20 @@ class BlockManager:
             table.append(gpu.allocate())
         return copies
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release the blocks past the first ``num_tokens`` tokens' (speculative decoding: the
+        slots of rejected drafts), last first. Their KV was never published (only known
+        tokens' full blocks are), so nothing else changes."""
+        st = self._state(seq)
+        keep = max(self._num_blocks(num_tokens), st.released)
+        table = st.table
+        if len(table) <= keep:
+            return
+        pool = self.cpu if st.on_cpu else self.gpu
+        while len(table) > keep:
+            pool.decref(table.pop())
+        st.version = next(self._versions)  # not an append: the runner rewrites its row
+
     def _release_before_window(self, st: _SeqBlocks, start: int) -> None:
         """Release the blocks no query from position ``start`` on can see: the first of
         them sees back to ``start - sliding_window + 1``."""

@@ -140,6 +140,10 @@ class HybridBlockManager:
             copies.extend(m.append_slots(seq, num_new_tokens))
         return copies
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        for m in self.groups:
+            m.trim(seq, num_tokens)
+
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         for m in self.groups:
             m.fork(parent_seq, child_seq)

@@ -58,12 +58,17 @@ class ScheduledSeq:
     token_ids: list[int]  # the Δ tokens to compute this step
     start_pos: int  # position of token_ids[0] == num_computed_tokens before the step
     # Full physical block table after allocation for this step. From the scheduler it is the
-    # KV manager's live list, not a copy: read it before the next `schedule()`.
-    block_table: list[int]
+    # KV manager's live list, not a copy: read it before the next `schedule()`. A hybrid
+    # model's (`HybridBlockManager`): a tuple of one table per KV-cache group.
+    block_table: list[int] | tuple[list[int], ...]
     needs_logits: bool  # all known tokens computed after this step -> sample
     # The table's version (`BlockManager.get_block_table_ref`): the same version as a table
     # seen before means only appends since. -1: unknown, the runner copies the whole table.
-    table_version: int = -1
+    # Hybrid: a tuple of one version per group.
+    table_version: int | tuple[int, ...] = -1
+    # Speculative decoding: the draft tokens at the end of `token_ids` (the step scores the
+    # last known token and each draft: 1 + len(spec_token_ids) logits rows).
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -96,6 +101,9 @@ class SampledToken:
     logprob: float
     fork_index: int = 0  # > 0: sample j of a fresh n>1 prompt, which goes to a new child
     pending: bool = False  # counted in `seq.num_pending` when its step launched (async)
+    # Speculative decoding, on a sequence's first token of the step: draft tokens the target
+    # rejected, whose slots the step computed but whose KV is not the sequence's.
+    rejected: int = 0
 
 
 @dataclass(slots=True)
@@ -145,6 +153,8 @@ class Scheduler:
         self._groups: dict[str, SequenceGroup] = {}
         self._counter = itertools.count()
         self._finished_elsewhere: list[SequenceGroup] = []  # see `_free_finished_elsewhere`
+        # Speculative decoding: drafts for decoding sequences (`pagedjax.spec`), or None.
+        self.proposer = None
 
     # -- request lifecycle ---------------------------------------------------
     @staticmethod
@@ -273,6 +283,11 @@ class Scheduler:
                 self.bm.fork(t.seq, child)
                 g.add(child)
                 children[i] = child
+        for t in tokens:  # speculative steps: forget the rejected drafts' slots first
+            if t.rejected and groups.get(t.request_id) is not None \
+                    and t.seq.status not in _FINISHED:
+                t.seq.num_computed_tokens -= t.rejected
+                self.bm.trim(t.seq, t.seq.num_computed_tokens + 1)
         for i, t in enumerate(tokens):
             g = groups.get(t.request_id)
             if g is None:
@@ -373,6 +388,7 @@ class Scheduler:
     def _plan(self, g: SequenceGroup, budget: int, allow_chunk: bool) -> list[tuple[Sequence, int]] | None:
         """Per-sequence Δ within the budget; None if it must run whole and does not fit."""
         seqs = g.seqs
+        spec = self.proposer is not None
         if len(seqs) == 1:  # fast path: single sequence
             seq = seqs[0]
             if seq.status in _FINISHED:
@@ -384,6 +400,8 @@ class Scheduler:
                 if not allow_chunk:
                     return None
                 d = budget
+            if spec:
+                d += self._propose(g, seq, budget - 1) if d == 1 else self._no_drafts(seq)
             return [(seq, d)] if d > 0 else []
         plan: list[tuple[Sequence, int]] = []
         for seq in seqs:
@@ -398,9 +416,36 @@ class Scheduler:
                 d = budget
             if d == 0:
                 break
+            if spec:
+                d += self._propose(g, seq, budget - 1) if d == 1 else self._no_drafts(seq)
             plan.append((seq, d))
             budget -= d
         return plan
+
+    @staticmethod
+    def _no_drafts(seq: Sequence) -> int:
+        seq.spec_token_ids = []  # drafts of a plan that was never emitted are stale
+        return 0
+
+    def _propose(self, g: SequenceGroup, seq: Sequence, room: int) -> int:
+        """Draft tokens for a decoding sequence (speculative decoding), kept in
+        ``seq.spec_token_ids`` for `_emit`: at most ``room`` (the step's budget), never past
+        ``max_tokens`` or ``max_model_len`` (a step emits up to drafts + 1 tokens), and none
+        when the drafts' blocks are not free now (speculation never preempts)."""
+        seq.spec_token_ids = []
+        if not seq.output_token_ids or seq.num_pending:
+            return 0  # prompt steps and fan-outs sample one row
+        k = min(room, self.config.max_model_len - seq.num_total_tokens - 1)
+        if g.max_tokens is not None:
+            k = min(k, g.max_tokens - seq.num_output_tokens - 1)
+        if k <= 0:
+            return 0
+        drafts = self.proposer.propose(seq.get_token_slice(0, seq.num_total_tokens), k)
+        if drafts and self.bm.blocks_needed(seq, 1 + len(drafts)) > \
+                self.bm.get_num_free_gpu_blocks():
+            drafts = []
+        seq.spec_token_ids = drafts
+        return len(drafts)
 
     def _emit(self, st: _Step, g: SequenceGroup, plan: list[tuple[Sequence, int]]) -> None:
         out = st.out
@@ -412,12 +457,18 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + d
             known = seq.num_total_tokens
-            ids = seq.get_token_slice(start, end)
-            if end > known:  # tokens still on the device (async scheduling): placeholders
-                ids = ids + [PENDING_TOKEN] * (end - max(start, known))
+            spec = seq.spec_token_ids
+            if spec:  # the last known token, then the drafts
+                ids = seq.get_token_slice(start, known) + spec
+                seq.spec_token_ids = []
+            else:
+                ids = seq.get_token_slice(start, end)
+                if end > known:  # tokens still on the device (async scheduling): placeholders
+                    ids = ids + [PENDING_TOKEN] * (end - max(start, known))
             table, version = bm.get_block_table_ref(seq)
             out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, table,
-                                              end == known + seq.num_pending, version))
+                                              bool(spec) or end == known + seq.num_pending,
+                                              version, tuple(spec)))
             st.budget -= d
             out.num_batched_tokens += d
         # A lone prompt of an n>1 request fans out into n sampled rows when its prefill ends:

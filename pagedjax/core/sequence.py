@@ -60,6 +60,7 @@ class Sequence:
         "cumulative_logprob",
         "status",
         "num_pending",
+        "spec_token_ids",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: Iterable[int]) -> None:
@@ -73,6 +74,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.status = SequenceStatus.WAITING
         self.num_pending = 0  # sampled on the device, not yet applied (async scheduling)
+        self.spec_token_ids: list[int] = []  # draft tokens of the step being scheduled
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -160,8 +160,10 @@ class ModelRunner:
         self.scan_layers = resolve_layer_loop(engine_config.layer_loop, self.tp, devices) == "scan"
         # Async scheduling: every step's token ids pass through `_merge_ids`, which takes the
         # ids of pending tokens from the previous step's sampler output on the device.
+        # Not with speculative decoding: a step's tokens decide the next step's drafts.
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
-                                                    devices)
+                                                    devices) and \
+            engine_config.speculative_config is None
         self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn)
 
     @classmethod

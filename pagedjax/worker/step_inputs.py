@@ -44,7 +44,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
                       extra_rows: list[int] | None = None,
                       plan: ShapePlan | None = None,
                       batch: InputBatch | None = None,
-                      num_groups: int = 1) -> StepInputs:
+                      num_groups: int = 1,
+                      spec_lens: list[int] | None = None) -> StepInputs:
     """Flatten scheduled sequences into a ragged token batch.
 
     `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
@@ -53,10 +54,12 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     follow the sampled rows in `logits_indices`. `plan` fixes the padded shapes (default: a
     plan sized for this batch, for tools that build one step by hand). `batch` (the engine's
     persistent `InputBatch`) supplies the block tables by deltas; without it each table is
-    copied whole. `num_groups` > 1 (a hybrid model's KV-cache groups, `core.kv_groups`):
-    block tables are `[G, S, M]` and slot mappings `[G, T]`, one per group; a sequence's
-    `block_table` is then one table per group (a plain list, as hand-built steps give, is
-    used for every group).
+    copied whole. `spec_lens[i]` > 0 (speculative decoding): sequence i ends with that many
+    draft tokens and its `1 + spec_lens[i]` logits rows are its last token positions, one
+    each, instead of copies of the last one. `num_groups` > 1 (a hybrid model's KV-cache
+    groups, `core.kv_groups`): block tables are `[G, S, M]` and slot mappings `[G, T]`, one
+    per group; a sequence's `block_table` is then one table per group (a plain list, as
+    hand-built steps give, is used for every group).
     Vectorised over tokens: the only per-sequence Python work is its block table row (host
     overhead is on the critical path of every step).
     """
@@ -117,6 +120,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
 
     last_token = cu_q_lens[1 : num_seqs + 1] - 1
     logits_rows = np.repeat(last_token, rows)
+    if spec_lens and any(spec_lens):
+        offsets = np.concatenate([np.arange(-k, 1) if k else np.zeros(r, np.int32)
+                                  for k, r in zip(spec_lens, rows.tolist(), strict=True)])
+        logits_rows = logits_rows + offsets.astype(np.int32)
     if extra_rows:
         logits_rows = np.concatenate([logits_rows, np.asarray(extra_rows, np.int32)])
     logits_indices = np.zeros(r_pad, np.int32)

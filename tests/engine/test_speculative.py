@@ -1,0 +1,198 @@
+"""Speculative decoding (n-gram proposer) through the engine.
+
+Lossless: greedy outputs equal the engine's without speculation (and the reference
+generator's) under recompute and swap preemption, prefix caching and chunked prefill, with
+parallel samples, on a Llama and a hybrid Gemma 3 config; seeded sampling is token-for-token
+identical (each draft row samples with the key and history of the unspeculated position);
+unseeded sampling has the target's distribution (a two-sample chi-square test on a random
+model whose drafts are mostly rejected). Rejected drafts' slots are rolled back: the pool is
+whole after every run, including aborts mid-speculation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.loader import load_model
+from pagedjax import LLM, SamplingParams
+from pagedjax.reference import ReferenceGenerator
+from tests.engine.test_engine_e2e import assert_pool_whole
+from tests.model.test_families import write_family
+from tests.parallel.tp_script import NoTokenizer, tiny_model
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
+
+
+def _prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts with repeated spans (what n-gram lookup continues) and a shared head."""
+    rng = np.random.default_rng(seed)
+    head = [int(t) for t in rng.integers(3, vocab, 12)]
+    out = []
+    for _ in range(n):
+        span = [int(t) for t in rng.integers(3, vocab, int(rng.integers(3, 7)))]
+        out.append(head + span * int(rng.integers(2, 4)) + span[: int(rng.integers(1, 3))])
+    return out
+
+
+def _generate(llm: LLM, prompts, params):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return [[o.token_ids for o in r.outputs] for r in outs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_equals_plain_decoding(tiny, mode):
+    config, params = tiny
+    prompts = _prompts(config.vocab_size, 8)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = ReferenceGenerator(config, params).generate(prompts, [40] * len(prompts),
+                                                       eos_token_ids=())
+    kw = dict(num_gpu_blocks=24, block_size=8, max_num_seqs=6, max_model_len=128,
+              preemption_mode=mode, enable_prefix_caching=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=32)
+    plain = LLM.from_params(config, params, NoTokenizer(), **kw)
+    spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
+    got_plain, got_spec = _generate(plain, prompts, sp), _generate(spec, prompts, sp)
+    assert [o[0] for o in got_plain] == want
+    assert got_spec == got_plain
+    st = spec.engine.get_stats()
+    assert st.spec_num_accepted_tokens > 0 and st.spec_num_draft_tokens > st.spec_num_accepted_tokens
+    assert st.num_preemptions_total > 0
+    assert st.num_steps < plain.engine.get_stats().num_steps  # drafts saved steps
+    assert len(st.spec_accepted_per_position) == 4
+    assert st.spec_accepted_per_position[0] >= st.spec_accepted_per_position[-1]
+    assert 1 < st.spec_mean_accepted_length <= 5
+    assert_pool_whole(spec)
+    # Again on the same engines: prefix-cache hits must never return draft KV.
+    assert _generate(spec, prompts, sp) == got_plain
+    assert_pool_whole(spec)
+
+
+def test_seeded_sampling_is_identical(tiny):
+    """Temperature, top-k/top-p, penalties, n=2: with per-request seeds every token equals the
+    unspeculated run's, accepted drafts included."""
+    config, params = tiny
+    prompts = _prompts(config.vocab_size, 4, seed=1)
+    sps = [SamplingParams(temperature=0.7, top_k=12, top_p=0.9, seed=100 + i, max_tokens=30,
+                          ignore_eos=True, n=2, repetition_penalty=1.1 if i % 2 else 1.0,
+                          presence_penalty=0.2 if i == 2 else 0.0, logprobs=2)
+           for i in range(len(prompts))]
+    kw = dict(num_gpu_blocks=48, block_size=8, max_num_seqs=8, max_model_len=128)
+    plain = LLM.from_params(config, params, NoTokenizer(), **kw)
+    spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
+    a = plain.generate([{"prompt_token_ids": p} for p in prompts], sps)
+    b = spec.generate([{"prompt_token_ids": p} for p in prompts], sps)
+    for ra, rb in zip(a, b, strict=True):
+        for oa, ob in zip(ra.outputs, rb.outputs, strict=True):
+            assert oa.token_ids == ob.token_ids
+            # The sampled token's logprob: same value (a draft row runs in a multi-token
+            # step, so the logits differ in rounding only, as do near-tied top-k orders).
+            for t, da, db in zip(oa.token_ids, oa.logprobs, ob.logprobs, strict=True):
+                assert abs(da[t] - db[t]) < 1e-4
+    assert spec.engine.get_stats().spec_num_accepted_tokens > 0
+    assert_pool_whole(spec)
+
+
+def test_unseeded_distribution_equals_the_targets(tiny):
+    """Two-sample chi-square on the 2nd, 3rd and 4th sampled tokens (the positions drafts
+    cover), 600 samples each, different engine seeds so the runs share no random draws. The
+    prompt holds every token once, so every step has a draft (what followed the last token in
+    the prompt), and the random model rarely continues it: most drafts are rejected and the
+    residual rule is what is tested. Threshold p < 1e-4 per test: a false failure about once
+    in 3 300 runs of the three."""
+    from scipy.stats import chi2_contingency
+
+    config, params = tiny
+    prompt = [int(t) for t in np.random.default_rng(5).permutation(np.arange(3, 96))]
+    sp = SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, n=8)
+    reps = 75  # 75 requests x n=8 = 600 samples
+
+    def samples(spec: dict | None, seed: int) -> np.ndarray:
+        llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=160, block_size=8,
+                              max_num_seqs=64, max_model_len=128, seed=seed,
+                              speculative_config=spec)
+        outs = llm.generate([{"prompt_token_ids": prompt}] * reps, sp)
+        if spec:
+            st = llm.engine.get_stats()
+            assert st.spec_num_draft_tokens > 1000 and st.spec_acceptance_rate < 0.5
+        assert_pool_whole(llm)
+        return np.array([o.token_ids for r in outs for o in r.outputs])
+
+    plain, spec = samples(None, 1), samples(SPEC, 2)
+    for pos in (1, 2, 3):
+        vocab = sorted(set(plain[:, pos]) | set(spec[:, pos]))
+        table = np.array([[np.sum(x[:, pos] == v) for v in vocab] for x in (plain, spec)])
+        table = table[:, table.sum(axis=0) >= 5]  # chi-square needs populated cells
+        _, p, _, _ = chi2_contingency(table)
+        assert p > 1e-4, (pos, p, table)
+
+
+def test_hybrid_model_greedy_equals_plain():
+    """Gemma 3 config (two local, one global layer, window 8): drafts are trimmed per KV-cache
+    group, local groups release behind the window."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_family("gemma3", Path(tmp))
+        config, params, _ = load_model(tmp, dtype="float32")
+    prompts = _prompts(config.vocab_size, 6, seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(num_gpu_blocks=60, block_size=8, max_num_seqs=4, max_model_len=128,
+              enable_prefix_caching=True)
+    plain = LLM.from_params(config, params, NoTokenizer(), **kw)
+    spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
+    assert _generate(spec, prompts, sp) == _generate(plain, prompts, sp)
+    assert spec.engine.get_stats().spec_num_accepted_tokens > 0
+    assert_pool_whole(spec)
+
+
+def test_abort_mid_speculation_returns_every_block(tiny):
+    config, params = tiny
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=40, block_size=8,
+                          max_model_len=128, speculative_config=SPEC)
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    for i, p in enumerate(_prompts(config.vocab_size, 4, seed=3)):
+        eng.add_request(str(i), None, sp, prompt_token_ids=p)
+    for _ in range(6):
+        eng.step()
+    assert eng.get_stats().spec_num_draft_tokens > 0
+    eng.abort_request(["0", "2"])
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_pool_whole(llm)
+
+
+def test_stops_inside_accepted_drafts(tiny):
+    """max_tokens and stop ids cut a step's accepted tokens where plain decoding stops."""
+    config, params = tiny
+    prompts = _prompts(config.vocab_size, 6, seed=4)
+    kw = dict(num_gpu_blocks=64, block_size=8, max_model_len=128)
+    plain = LLM.from_params(config, params, NoTokenizer(), **kw)
+    spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
+    base = _generate(plain, prompts, SamplingParams(temperature=0, max_tokens=30,
+                                                    ignore_eos=True))
+    for n in (1, 7, 13):
+        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        assert _generate(spec, prompts, sp) == [[o[0][:n]] for o in base]
+    stop = base[0][0][9]  # a token the first request emits mid-run
+    sp = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop])
+    assert _generate(spec, prompts, sp) == _generate(plain, prompts, sp)
+    assert_pool_whole(spec)
+
+
+def test_beam_search_is_refused(tiny):
+    config, params = tiny
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=16, block_size=8,
+                          max_model_len=64, speculative_config=SPEC)
+    with pytest.raises(ValueError, match="use_beam_search"):
+        llm.engine.add_request("b", None, SamplingParams(use_beam_search=True, best_of=2,
+                                                         temperature=0, max_tokens=4),
+                               prompt_token_ids=[5, 6, 7])
+    assert not llm.engine.has_unfinished_requests()
