@@ -48,6 +48,16 @@ class ServingMetrics:
                                     "a failed step and rebuilt", registry=r)
         self.healthy = Gauge("pagedjax_engine_healthy", "1 while serving, 0 while a lost KV cache "
                              "is being rebuilt", registry=r)
+        # Speculative decoding (vLLM's spec_decode_* counters, as gauges of engine totals).
+        self.spec_drafts = Gauge("pagedjax_spec_decode_num_drafts", "Steps of a sequence that "
+                                 "carried draft tokens", registry=r)
+        self.spec_draft_tokens = Gauge("pagedjax_spec_decode_num_draft_tokens",
+                                       "Draft tokens scored by the target model", registry=r)
+        self.spec_accepted = Gauge("pagedjax_spec_decode_num_accepted_tokens",
+                                   "Draft tokens accepted", registry=r)
+        self.spec_accepted_pos = Gauge("pagedjax_spec_decode_num_accepted_tokens_per_pos",
+                                       "Draft tokens accepted at each position of a proposal",
+                                       ["position"], registry=r)
 
     def attach(self, engine: AsyncEngine) -> ServingMetrics:
         engine.on_request_done(self.observe_request)
@@ -76,6 +86,11 @@ class ServingMetrics:
         self.step_failures.set(getattr(s, "num_step_failures", 0))
         self.cache_rebuilds.set(getattr(s, "num_cache_rebuilds", 0))
         self.healthy.set(1 if getattr(s, "healthy", True) else 0)
+        self.spec_drafts.set(getattr(s, "spec_num_drafts", 0))
+        self.spec_draft_tokens.set(getattr(s, "spec_num_draft_tokens", 0))
+        self.spec_accepted.set(getattr(s, "spec_num_accepted_tokens", 0))
+        for pos, n in enumerate(getattr(s, "spec_accepted_per_position", ())):
+            self.spec_accepted_pos.labels(str(pos)).set(n)
 
     async def serve(self, port: int, host: str = "127.0.0.1", limits: HttpLimits | None = None) -> int:
         """Expose `/metrics` on the running event loop; returns the bound port (0 → ephemeral).

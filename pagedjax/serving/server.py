@@ -209,7 +209,11 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                         kv_cache_usage=s.kv_cache_usage, num_preemptions_total=s.num_preemptions_total,
                         num_steps=s.num_steps, prompt_tokens_total=s.prompt_tokens_total,
                         generation_tokens_total=s.generation_tokens_total,
-                        num_in_flight=aeng.num_in_flight(), num_compiles=getattr(s, "num_compiles", 0))
+                        num_in_flight=aeng.num_in_flight(), num_compiles=getattr(s, "num_compiles", 0),
+                        spec_num_draft_tokens=getattr(s, "spec_num_draft_tokens", 0),
+                        spec_num_accepted_tokens=getattr(s, "spec_num_accepted_tokens", 0),
+                        spec_num_drafts=getattr(s, "spec_num_drafts", 0),
+                        spec_accepted_per_position=list(getattr(s, "spec_accepted_per_position", ())))
 
 
 def _checked_ids(engine, prompt: str) -> list[int]:

@@ -196,3 +196,36 @@ def test_beam_search_is_refused(tiny):
                                                          temperature=0, max_tokens=4),
                                prompt_token_ids=[5, 6, 7])
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_metrics_reach_prometheus_grpc_and_the_cli(tiny):
+    from prometheus_client import generate_latest
+
+    from pagedjax.cli import build_parser, serve_options
+    from pagedjax.serving.metrics import ServingMetrics
+    from pagedjax.serving.proto import pagedjax_pb2 as pb
+
+    config, params = tiny
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=40, block_size=8,
+                          max_model_len=128, speculative_config=SPEC)
+    _generate(llm, _prompts(config.vocab_size, 3, seed=6),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    st = llm.engine.get_stats()
+    assert st.spec_num_accepted_tokens == sum(st.spec_accepted_per_position) > 0
+    m = ServingMetrics()
+    m.observe_stats(st)
+    text = generate_latest(m.registry).decode()
+    assert f"pagedjax_spec_decode_num_draft_tokens {float(st.spec_num_draft_tokens)}" in text
+    assert f"pagedjax_spec_decode_num_accepted_tokens {float(st.spec_num_accepted_tokens)}" in text
+    assert 'pagedjax_spec_decode_num_accepted_tokens_per_pos{position="0"} ' \
+           f"{float(st.spec_accepted_per_position[0])}" in text
+    msg = pb.Stats(spec_num_draft_tokens=st.spec_num_draft_tokens,
+                   spec_accepted_per_position=list(st.spec_accepted_per_position))
+    assert pb.Stats.FromString(msg.SerializeToString()).spec_accepted_per_position == \
+        list(st.spec_accepted_per_position)
+    args = build_parser().parse_args(
+        ["serve", "--speculative-config", '{"num_speculative_tokens": 2}'])
+    from pagedjax.config import EngineConfig
+
+    ec = EngineConfig(**serve_options(args).engine_kwargs)
+    assert ec.speculative_config.num_speculative_tokens == 2
