@@ -64,6 +64,7 @@ from pagedjax.sampler import (
 )
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from pagedjax.spec import NgramProposer, accepted_prefix
+from pagedjax.spec.draft import DraftModelProposer
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner
@@ -160,10 +161,15 @@ class LLMEngine:
             enable_chunked_prefill=ec.enable_chunked_prefill, preemption_mode=ec.preemption_mode,
             policy=ec.scheduling_policy), self.block_manager)
         self.spec_config = ec.speculative_config
+        self.draft: DraftModelProposer | None = None
         if self.spec_config is not None:
             sc = self.spec_config
-            self.scheduler.proposer = NgramProposer(sc.num_speculative_tokens,
-                                                    sc.prompt_lookup_min, sc.prompt_lookup_max)
+            if sc.method == "draft_model":
+                self.draft = self._draft_proposer(sc, config, dtype)
+                self.scheduler.proposer = self.draft
+            else:
+                self.scheduler.proposer = NgramProposer(
+                    sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
         self._spec_drafted = self._spec_accepted = self._spec_steps = 0
         self._spec_by_pos = [0] * (self.spec_config.num_speculative_tokens
                                    if self.spec_config else 0)
@@ -406,6 +412,8 @@ class LLMEngine:
         """Schedule a step and launch it on the device (no host sync); requests that failed
         or could not be placed get their outputs in `outputs`."""
         try:
+            if self.draft is not None:
+                self._prepare_drafts()
             sched = self.scheduler.schedule()
         except Exception as exc:  # a bug: the scheduler guards each group, this is a last resort
             logger.exception("schedule() failed")
@@ -491,6 +499,8 @@ class LLMEngine:
         done = self.scheduler.free_finished_seq_groups()
         if done:
             self.input_batch.release(s.seq_id for g in done for s in g.seqs)
+            if self.draft is not None:
+                self.draft.release(s.seq_id for g in done for s in g.seqs)
         for rid in touched:
             req = self._requests.get(rid)
             if req is None:
@@ -675,6 +685,41 @@ class LLMEngine:
             seq.num_pending += 1
             fl.pending_rows[seq.seq_id] = r
         return fl
+
+    def _draft_proposer(self, sc, config: ModelConfig, dtype) -> DraftModelProposer:
+        """The draft model's runner: its own cache (as many blocks as the target's, of its
+        own size), one block table for all its layers, the target's kernels and budgets."""
+        import dataclasses as dc
+
+        from models.loader import load_model
+
+        dconfig, dparams, _ = load_model(sc.model, dtype)
+        if dconfig.vocab_size != config.vocab_size:
+            raise ValueError(f"speculative_config.model: vocabulary of {dconfig.vocab_size} "
+                             f"tokens, the target has {config.vocab_size}")
+        n = sc.draft_num_layers
+        if n is not None and n < dconfig.num_layers:  # a truncated copy: the first n layers
+            windows = dconfig.layer_windows[:n] if dconfig.layer_windows else ()
+            dconfig = dc.replace(dconfig, num_layers=n, layer_windows=windows)
+            dparams = {**dparams, "layers": jax.tree.map(lambda x: x[:n], dparams["layers"])}
+        ec = self.engine_config
+        dec = EngineConfig(block_size=ec.block_size, num_gpu_blocks=self.runner.num_gpu_blocks,
+                           max_num_seqs=ec.max_num_seqs,
+                           max_num_batched_tokens=ec.max_num_batched_tokens,
+                           attention_backend=ec.attention_backend, layer_loop=ec.layer_loop,
+                           async_scheduling=False, warmup=False, swap_space_gb=0,
+                           disable_hybrid_kv_cache_manager=True)
+        runner = ModelRunner(dconfig, dparams, dec, dtype, self.max_model_len)
+        return DraftModelProposer(runner, sc.num_speculative_tokens)
+
+    def _prepare_drafts(self) -> None:
+        """Draft-model speculation: draft for every decoding sequence before the scheduler
+        plans the step (batched over them; the scheduler takes what fits)."""
+        seqs = [s for g in self.scheduler.running for s in g.seqs
+                if s.status is SequenceStatus.RUNNING and s.output_token_ids
+                and not s.num_pending and s.num_uncomputed_tokens == 1]
+        if seqs:
+            self.draft.prepare(seqs)
 
     @staticmethod
     def _spec_rows(sched, rows_per_seq: list[int]) -> dict[int, tuple[int, tuple[int, ...]]]:

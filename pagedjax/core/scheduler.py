@@ -440,7 +440,7 @@ class Scheduler:
             k = min(k, g.max_tokens - seq.num_output_tokens - 1)
         if k <= 0:
             return 0
-        drafts = self.proposer.propose(seq.get_token_slice(0, seq.num_total_tokens), k)
+        drafts = self.proposer.propose_for(seq, k)
         if drafts and self.bm.blocks_needed(seq, 1 + len(drafts)) > \
                 self.bm.get_num_free_gpu_blocks():
             drafts = []

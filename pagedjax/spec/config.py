@@ -6,25 +6,36 @@ import dataclasses
 import json
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """``method``: ``"ngram"`` (prompt lookup: continue the latest earlier occurrence of the
     sequence's last ``prompt_lookup_min..prompt_lookup_max`` tokens in its own prompt and
-    output). ``num_speculative_tokens``: most draft tokens per sequence and step (a step
-    then computes up to that many + 1 tokens for the sequence and emits 1 to that many + 1)."""
+    output) or ``"draft_model"`` (``model``: a checkpoint or packaged model name with the
+    target's vocabulary, run greedily for the drafts; ``draft_num_layers``: keep only its first
+    layers, e.g. a truncated copy of the target). ``num_speculative_tokens``: most draft tokens
+    per sequence and step (a step then computes up to that many + 1 tokens for the sequence
+    and emits 1 to that many + 1)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    model: str | None = None
+    draft_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config.method: must be one of {METHODS}; "
                              f"got {self.method!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config.model: required for method 'draft_model'")
+        if self.draft_num_layers is not None and (not isinstance(self.draft_num_layers, int)
+                                                  or self.draft_num_layers < 1):
+            raise ValueError("speculative_config.draft_num_layers: must be an integer >= 1; "
+                             f"got {self.draft_num_layers!r}")
         if not isinstance(self.num_speculative_tokens, int) or not \
                 1 <= self.num_speculative_tokens <= 16:
             raise ValueError("speculative_config.num_speculative_tokens: must be an integer in "

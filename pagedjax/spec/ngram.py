@@ -22,6 +22,10 @@ class NgramProposer:
             raise ValueError("need k >= 1 and 1 <= min_n <= max_n")
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
+    def propose_for(self, seq, k: int) -> list[int]:
+        """The scheduler's interface: drafts for a `Sequence`."""
+        return self.propose(seq.get_token_slice(0, seq.num_total_tokens), k)
+
     def propose(self, tokens: Sequence[int] | np.ndarray, k: int | None = None) -> list[int]:
         """Up to ``k`` (default: the proposer's) draft tokens to follow ``tokens``; [] when
         no suffix of length ``min_n..max_n`` occurs earlier."""

@@ -229,3 +229,95 @@ def test_metrics_reach_prometheus_grpc_and_the_cli(tiny):
 
     ec = EngineConfig(**serve_options(args).engine_kwargs)
     assert ec.speculative_config.num_speculative_tokens == 2
+
+
+# -- draft-model proposer ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory):
+    """The llama3 family config of the HF goldens as the target; the same checkpoint, and
+    the mistral family's (same 128-token vocabulary, unrelated weights) as drafts."""
+    out = {}
+    for name in ("llama3", "mistral"):
+        path = tmp_path_factory.mktemp(name)
+        write_family(name, path)
+        out[name] = path
+    return out
+
+
+def _draft_llm(family_dirs, draft: str | None, **kw) -> LLM:
+    config, params, _ = load_model(family_dirs["llama3"], dtype="float32")
+    spec = None if draft is None else {
+        "method": "draft_model", "model": str(family_dirs[draft]), "num_speculative_tokens": 3}
+    return LLM.from_params(config, params, NoTokenizer(), block_size=8, max_model_len=128,
+                           speculative_config=spec, **kw)
+
+
+def _assert_draft_pool_whole(llm: LLM) -> None:
+    d = llm.engine.draft
+    d.release(list(d._seqs))
+    assert d.pool.get_num_free() == d.runner.num_gpu_blocks
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_draft_model_greedy_equals_plain(family_dirs, mode):
+    kw = dict(num_gpu_blocks=30, max_num_seqs=6, preemption_mode=mode,
+              enable_prefix_caching=True)
+    plain, spec = _draft_llm(family_dirs, None, **kw), _draft_llm(family_dirs, "mistral", **kw)
+    prompts = _prompts(128, 8, seed=7)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert _generate(spec, prompts, sp) == _generate(plain, prompts, sp)
+    st = spec.engine.get_stats()
+    assert st.spec_num_draft_tokens > 100 and st.num_preemptions_total > 0
+    assert st.spec_acceptance_rate < 0.9  # a poor draft: the residual path is exercised
+    assert_pool_whole(spec)
+    _assert_draft_pool_whole(spec)
+
+
+def test_draft_equal_to_target_accepts_every_token(family_dirs):
+    spec = _draft_llm(family_dirs, "llama3", num_gpu_blocks=64)
+    plain = _draft_llm(family_dirs, None, num_gpu_blocks=64)
+    prompts = _prompts(128, 4, seed=8)
+    sp = SamplingParams(temperature=0, max_tokens=31, ignore_eos=True)
+    assert _generate(spec, prompts, sp) == _generate(plain, prompts, sp)
+    st = spec.engine.get_stats()
+    assert st.spec_num_draft_tokens > 0
+    assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+    assert st.spec_accepted_per_position[0] == st.spec_num_drafts  # no step rejected any
+    assert st.spec_mean_accepted_length > 3.5  # k = 3 (fewer only next to max_tokens) + 1
+    assert_pool_whole(spec)
+
+
+def test_draft_model_seeded_and_unseeded_sampling(family_dirs):
+    """Seeded: identical tokens; unseeded: chi-square against plain decoding (p < 1e-4 per
+    position, as above) with the unrelated draft, whose drafts are mostly rejected."""
+    from scipy.stats import chi2_contingency
+
+    prompts = _prompts(128, 4, seed=9)
+    sps = [SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=20,
+                          ignore_eos=True) for i in range(4)]
+    kw = dict(num_gpu_blocks=64, max_num_seqs=8)
+    plain, spec = _draft_llm(family_dirs, None, **kw), _draft_llm(family_dirs, "mistral", **kw)
+    assert _generate(spec, prompts, sps) == _generate(plain, prompts, sps)
+
+    sp = SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, n=8)
+
+    def samples(draft, seed):
+        llm = _draft_llm(family_dirs, draft, num_gpu_blocks=200, max_num_seqs=64, seed=seed)
+        outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 75, sp)
+        if draft:
+            assert llm.engine.get_stats().spec_num_draft_tokens > 1000
+        return np.array([o.token_ids for r in outs for o in r.outputs])
+
+    a, b = samples(None, 1), samples("mistral", 2)
+    for pos in (1, 2, 3):
+        vocab = sorted(set(a[:, pos]) | set(b[:, pos]))
+        table = np.array([[np.sum(x[:, pos] == v) for v in vocab] for x in (a, b)])
+        table = table[:, table.sum(axis=0) >= 5]
+        assert chi2_contingency(table)[1] > 1e-4, (pos, table)
+
+
+def test_draft_model_config_errors(family_dirs, tmp_path):
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        LLM.from_params(*load_model(family_dirs["llama3"], dtype="float32")[:2], NoTokenizer(),
+                        speculative_config={"method": "draft_model"})
