@@ -781,6 +781,10 @@ class LLMEngine:
         sampled: list[SampledToken] = []
         rows: list[tuple[RequestState, int]] = []
         spec = fl.spec_rows
+        # A drafted sequence's j-th token goes in round j: every stop (token, length, stop
+        # string) is then found after the same token as without speculation, and the tokens
+        # after it are never appended.
+        later: list[tuple[list[SampledToken], list[tuple[RequestState, int]]]] = []
         for r, (req, seq, index, fan_out) in enumerate(row_info):
             if req.is_beam or self._requests.get(req.request_id) is not req:
                 continue  # beams: below; gone: aborted or failed while the step ran
@@ -788,22 +792,27 @@ class LLMEngine:
                 r0, drafts = spec[seq.seq_id]
                 if r == r0:
                     a = self._accept(drafts, token_ids[r0 : r0 + len(drafts) + 1])
-                    for j in range(a + 1):
-                        sampled.append(SampledToken(req.request_id, seq, token_ids[r0 + j],
-                                                    logprobs[r0 + j],
-                                                    rejected=len(drafts) - a if j == 0 else 0))
-                        rows.append((req, r0 + j))
+                    sampled.append(SampledToken(req.request_id, seq, token_ids[r0], logprobs[r0],
+                                                rejected=len(drafts) - a))
+                    rows.append((req, r0))
+                    for j in range(1, a + 1):
+                        if len(later) < j:
+                            later.append(([], []))
+                        later[j - 1][0].append(SampledToken(req.request_id, seq,
+                                                            token_ids[r0 + j], logprobs[r0 + j]))
+                        later[j - 1][1].append((req, r0 + j))
                 continue
             sampled.append(SampledToken(req.request_id, seq, token_ids[r], logprobs[r],
                                         index if fan_out else 0, pending.get(seq.seq_id) == r))
             rows.append((req, r))
-        applied = self.scheduler.update_from_output(sampled, self._new_seq_id)
-        for a in applied:
-            if a.forked:
-                req, r = rows[a.index]
-                req.register(a.seq, row_info[r][2])
-        for req, seq in self.outputs.process(applied, rows, out):
-            self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
+        for tokens, token_rows in [(sampled, rows), *later]:
+            applied = self.scheduler.update_from_output(tokens, self._new_seq_id)
+            for a in applied:
+                if a.forked:
+                    req, r = token_rows[a.index]
+                    req.register(a.seq, row_info[r][2])
+            for req, seq in self.outputs.process(applied, token_rows, out):
+                self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if beams is not None:
             groups, cands = beams
             for (req, live_beams), c in zip(groups, cands):

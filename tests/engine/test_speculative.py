@@ -321,3 +321,27 @@ def test_draft_model_config_errors(family_dirs, tmp_path):
     with pytest.raises(ValueError, match="speculative_config.model"):
         LLM.from_params(*load_model(family_dirs["llama3"], dtype="float32")[:2], NoTokenizer(),
                         speculative_config={"method": "draft_model"})
+
+
+def test_stop_strings_stop_at_the_same_token(tiny):
+    """A stop string completed by an accepted draft ends the sequence there: the tokens the
+    same step accepted after it are never appended (NoTokenizer's text is the ids joined)."""
+    config, params = tiny
+    prompts = _prompts(config.vocab_size, 6, seed=4)
+    kw = dict(num_gpu_blocks=64, block_size=8, max_model_len=128)
+    plain = LLM.from_params(config, params, NoTokenizer(), **kw)
+    spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
+    base = _generate(plain, prompts, SamplingParams(temperature=0, max_tokens=30,
+                                                    ignore_eos=True))
+    for i in (3, 8):
+        stop = " ".join(map(str, base[0][0][i : i + 2]))  # two tokens the first request emits
+        sp = SamplingParams(temperature=0, max_tokens=30, stop=[stop], ignore_eos=True)
+        a = plain.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        b = spec.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        for x, y in zip(a, b, strict=True):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            assert x.outputs[0].text == y.outputs[0].text
+            assert x.outputs[0].finish_reason == y.outputs[0].finish_reason
+        assert a[0].outputs[0].finish_reason == "stop"
+    assert spec.engine.get_stats().spec_num_accepted_tokens > 0
+    assert_pool_whole(spec)
