@@ -95,13 +95,17 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft-layers", type=int, default=8)
+    ap.add_argument("--lookup-min", type=int, default=2,
+                    help="prompt_lookup_min: 1 drafts after any single repeated token, which "
+                         "free-form text mostly rejects")
     ap.add_argument("--max-load", type=float, default=0.5)
     args = ap.parse_args()
     load = os.getloadavg()[0]
     if load > args.max_load:
         raise SystemExit(f"1-minute load average {load:.2f} > {args.max_load}: a busy machine "
                          "gives no result (--max-load to override)")
-    spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4}
+    spec_cfg = {"method": "ngram", "num_speculative_tokens": args.k,
+                "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": 4}
     # The draft: a truncated copy of the demo model (its first --draft-layers of 30 layers,
     # same embeddings and head), the stand-in for a smaller model of the tokenizer.
     draft_cfg = {"method": "draft_model", "model": "smollm2",

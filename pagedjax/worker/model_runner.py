@@ -39,7 +39,7 @@ from pagedjax.parallel.mesh import (
 )
 from pagedjax.worker.host_heap import keep_freed_memory
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
-from pagedjax.worker.shapes import ShapePlan
+from pagedjax.worker.shapes import MIN_PREFILL_TOKENS, ShapePlan, pow2_at_least
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
 from pallas_kernels.backend import cost_follows_length
@@ -77,6 +77,15 @@ def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool
         platform = (devices[0] if devices else jax.devices()[0]).platform
         choice = tp == 1 and platform != "cpu"
     return bool(choice)
+
+
+def min_step_tokens(engine_config: EngineConfig) -> int:
+    """Smallest token bucket of a multi-token step: a lone speculative sequence's 1 + k
+    tokens when speculating (`ShapePlan.min_tokens`), else the prefill minimum."""
+    sc = engine_config.speculative_config
+    if sc is None:
+        return MIN_PREFILL_TOKENS
+    return min(MIN_PREFILL_TOKENS, pow2_at_least(1 + sc.num_speculative_tokens, 2))
 
 
 def kv_layout(config: ModelConfig, engine_config: EngineConfig) -> KVGroupLayout:
@@ -156,7 +165,8 @@ class ModelRunner:
             engine_config.max_num_seqs, engine_config.max_num_batched_tokens,
             self.max_blocks_per_seq,
             fixed_width=cost_follows_length(engine_config.attention_backend),
-            block_size=self.block_size)
+            block_size=self.block_size,
+            min_tokens=min_step_tokens(engine_config))
         self.scan_layers = resolve_layer_loop(engine_config.layer_loop, self.tp, devices) == "scan"
         # Async scheduling: every step's token ids pass through `_merge_ids`, which takes the
         # ids of pending tokens from the previous step's sampler output on the device.

@@ -61,6 +61,10 @@ class ShapePlan:
     max_blocks_per_seq: int
     fixed_width: bool  # True where attention cost follows real lengths (Pallas, native CPU)
     block_size: int = 16
+    # Smallest token bucket of a step with more than one token per sequence. Speculative
+    # decoding lowers it to fit a lone sequence's 1 + k tokens: padded tokens cost full
+    # compute, and 5 tokens padded to 16 made a batch-1 speculative step 3x the work.
+    min_tokens: int = MIN_PREFILL_TOKENS
 
     @property
     def seq_cap(self) -> int:
@@ -72,7 +76,7 @@ class ShapePlan:
 
     @property
     def token_buckets(self) -> list[int]:
-        return _pow2_range(MIN_PREFILL_TOKENS, self.max_num_batched_tokens)
+        return _pow2_range(self.min_tokens, self.max_num_batched_tokens)
 
     @property
     def widths(self) -> list[int]:
@@ -98,7 +102,7 @@ class ShapePlan:
 
     def mixed(self, num_tokens: int, num_seqs: int, extra_rows: int) -> tuple[int, int, int]:
         """(T, S, R) of a step with prefill tokens; ``extra_rows`` (prompt logprobs) <= T."""
-        t = pow2_at_least(num_tokens, MIN_PREFILL_TOKENS)
+        t = pow2_at_least(num_tokens, self.min_tokens)
         s = min(t, self.seq_cap)
         if num_seqs > s or extra_rows > t:
             raise ValueError(f"step of {num_tokens} tokens has {num_seqs} sequences and "

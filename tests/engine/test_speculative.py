@@ -345,3 +345,19 @@ def test_stop_strings_stop_at_the_same_token(tiny):
         assert a[0].outputs[0].finish_reason == "stop"
     assert spec.engine.get_stats().spec_num_accepted_tokens > 0
     assert_pool_whole(spec)
+
+
+def test_speculative_steps_use_small_token_buckets(tiny):
+    """A lone sequence's 1 + k tokens are padded to 8, not to the 16-token prefill minimum
+    (padded tokens cost full compute)."""
+    from pagedjax.worker.shapes import ShapePlan
+
+    config, params = tiny
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=32, block_size=8,
+                          max_model_len=128, speculative_config=SPEC)
+    plan = llm.engine.runner.shape_plan
+    assert plan.min_tokens == 8 and plan.mixed(5, 1, 0)[0] == 8
+    assert ShapePlan(8, 64, 16, True).mixed(5, 1, 0)[0] == 16  # without speculation
+    plain = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=32, block_size=8,
+                            max_model_len=128)
+    assert plain.engine.runner.shape_plan.min_tokens == 16
