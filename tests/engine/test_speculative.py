@@ -18,6 +18,7 @@ from models.loader import load_model
 from pagedjax import LLM, SamplingParams
 from pagedjax.reference import ReferenceGenerator
 from tests.engine.test_engine_e2e import assert_pool_whole
+from tests.engine.test_hybrid_kv import _poison
 from tests.model.test_families import write_family
 from tests.parallel.tp_script import NoTokenizer, tiny_model
 
@@ -57,6 +58,7 @@ def test_greedy_equals_plain_decoding(tiny, mode):
               max_num_batched_tokens=32)
     plain = LLM.from_params(config, params, NoTokenizer(), **kw)
     spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
+    _poison(spec)  # a read of a slot no table names for that position changes tokens
     got_plain, got_spec = _generate(plain, prompts, sp), _generate(spec, prompts, sp)
     assert [o[0] for o in got_plain] == want
     assert got_spec == got_plain
@@ -114,7 +116,7 @@ def test_unseeded_distribution_equals_the_targets(tiny):
 
     def samples(spec: dict | None, seed: int) -> np.ndarray:
         llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=160, block_size=8,
-                              max_num_seqs=64, max_model_len=128, seed=seed,
+                              max_num_seqs=16, max_model_len=128, seed=seed,
                               speculative_config=spec)
         outs = llm.generate([{"prompt_token_ids": prompt}] * reps, sp)
         if spec:
@@ -303,7 +305,7 @@ def test_draft_model_seeded_and_unseeded_sampling(family_dirs):
     sp = SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, n=8)
 
     def samples(draft, seed):
-        llm = _draft_llm(family_dirs, draft, num_gpu_blocks=200, max_num_seqs=64, seed=seed)
+        llm = _draft_llm(family_dirs, draft, num_gpu_blocks=200, max_num_seqs=16, seed=seed)
         outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 75, sp)
         if draft:
             assert llm.engine.get_stats().spec_num_draft_tokens > 1000
