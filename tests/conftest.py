@@ -16,6 +16,22 @@ DATA = Path(__file__).parent / "data"
 os.environ.setdefault("PAGEDJAX_LAYER_LOOP", "scan")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_code():
+    """Drop JAX's compilation caches after each test module. Every compiled XLA:CPU
+    executable keeps its code mapped (about 300 mappings a second while a module builds
+    engines), and the jitted methods' caches hold the runners alive; a worker running half
+    the suite passed Linux's 65 530-mapping limit and segfaulted inside the compiler."""
+    yield
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def demo_gguf() -> Path:
     from models.demo import ensure_demo_model
