@@ -263,6 +263,14 @@ class LLMEngine:
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
                     jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
                                                  rows=np.zeros(b, np.int32)))
+                    if p is full and self.runner.feed_tokens:
+                        # Async scheduling writes pending tokens into the histories on the
+                        # device (`merge_pending_history`): a committed array is another
+                        # jit key than the host one.
+                        meta = meta.replace(output_token_ids=jax.device_put(
+                            meta.output_token_ids, dev))
+                        jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
+                                                     rows=np.zeros(b, np.int32)))
             if r > s:
                 jax.block_until_ready(prompt_logprobs(logits, np.zeros(r, np.int32), MAX_LOGPROBS,
                                                       rows=np.zeros(r, np.int32)))
