@@ -88,6 +88,3 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         if self.speculative_config is not None:
             need(self.kv_policy == "paged", "speculative_config", "requires kv_policy='paged'")
-            # The next step's tokens depend on how many drafts this one accepts.
-            need(not self.async_scheduling, "speculative_config",
-                 "cannot be combined with async_scheduling=True")

@@ -129,6 +129,8 @@ class _InFlight:
     pending_rows: dict[int, int] = dataclasses.field(default_factory=dict)
     # Speculative decoding: sequence id -> (first row, drafts) of sequences with drafts.
     spec_rows: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
+    # Of those, the sequences whose drafts follow a guess of their pending token (async).
+    guessed: set[int] = dataclasses.field(default_factory=set)
     # The next step cannot be scheduled before this one's tokens are applied: beams and
     # fan-outs fork on the host. (Penalised rows get their pending token into the sampler's
     # history on the device: `ModelRunner.merge_pending_history`.)
@@ -171,6 +173,7 @@ class LLMEngine:
                 self.scheduler.proposer = NgramProposer(
                     sc.num_speculative_tokens, sc.prompt_lookup_min, sc.prompt_lookup_max)
         self._spec_drafted = self._spec_accepted = self._spec_steps = 0
+        self.num_guessed_accepted = 0  # accepted drafts that followed a guessed pending token
         self._spec_by_pos = [0] * (self.spec_config.num_speculative_tokens
                                    if self.spec_config else 0)
         self.eos_token_ids = set(config.eos_token_ids)
@@ -258,7 +261,11 @@ class LLMEngine:
         dev = jax.local_devices()[0]  # the step's logits are committed there: same jit key
         for _t, s, _m, r, _decode in shapes:
             logits = jax.device_put(jnp.zeros((r, vocab), jnp.float32), dev)
-            for b in {self._sample_batch(1, s), plan.seq_cap}:
+            # Speculative steps sample up to one row per logits row, plus a fresh n>1
+            # prompt's fan-out: more rows than sequences.
+            most = pow2_at_least(r + plan.max_num_seqs) if plan.spec_tokens else 0
+            spec_batches = [b for b in plan.sample_buckets if plan.seq_cap < b <= most]
+            for b in {self._sample_batch(1, s), plan.seq_cap, *spec_batches}:
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
                     jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
@@ -277,7 +284,7 @@ class LLMEngine:
         # Beam selection per (batch, groups, width) bucket: padded widths up to 8 (wider beams
         # compile on first use) and groups * width <= 4 * batch, which covers every mix of
         # groups whose live beams fill the batch (padding each of groups and width at most 2x).
-        for b in plan.sample_buckets:
+        for b in plan.seq_buckets:  # beams never run with speculation
             lp = jax.device_put(jnp.zeros((b, vocab), jnp.float32), dev)
             w = 2
             while w <= min(b, MAX_WARM_BEAM_WIDTH):
@@ -662,11 +669,16 @@ class LLMEngine:
             for r0, drafts in fl.spec_rows.values():
                 # Row j scores draft j: the j drafts before it count as outputs (penalties,
                 # min_tokens, the random key's step), as if they had been sampled already.
+                # A pending token (async scheduling) comes first: a placeholder column that
+                # `_feed_pending_history` fills on the device, as for row 0.
                 params, st = rows[r0]
+                if st.num_pending:
+                    fl.guessed.add(row_info[r0][1].seq_id)
+                head = [np.asarray(st.output_token_ids, np.int32),
+                        np.zeros(st.num_pending, np.int32)]
                 for j in range(1, len(drafts) + 1):
-                    rows[r0 + j] = (params, st._replace(output_token_ids=np.concatenate(
-                        [np.asarray(st.output_token_ids, np.int32),
-                         np.asarray(drafts[:j], np.int32)])))
+                    rows[r0 + j] = (params, st._replace(num_pending=0, output_token_ids=(
+                        np.concatenate(head + [np.asarray(drafts[:j], np.int32)]))))
         meta = self._sampling_metadata(rows, b_pad)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
@@ -684,7 +696,12 @@ class LLMEngine:
             if req.is_beam or fan_out:  # forks are decided on the host
                 fl.needs_sync = True
                 continue
-            if seq.seq_id in fl.spec_rows:  # how many tokens it gains is decided on the host
+            if seq.seq_id in fl.spec_rows:
+                # How many tokens it gains is decided on the host, and the next drafts follow
+                # them: the step after a drafted one waits for its results (the n-gram and
+                # draft-model proposers draft from known tokens on the host; thesis §4.6.1's
+                # fully overlapped form needs a proposer on the device).
+                fl.needs_sync = True
                 continue
             after = seq.num_pending + 1  # tokens this sequence will have gained
             if (seq.num_output_tokens + after >= req.params.max_tokens
@@ -724,8 +741,8 @@ class LLMEngine:
         """Draft-model speculation: draft for every decoding sequence before the scheduler
         plans the step (batched over them; the scheduler takes what fits)."""
         seqs = [s for g in self.scheduler.running for s in g.seqs
-                if s.status is SequenceStatus.RUNNING and s.output_token_ids
-                and not s.num_pending and s.num_uncomputed_tokens == 1]
+                if s.status is SequenceStatus.RUNNING and (s.output_token_ids or s.num_pending)
+                and s.num_pending <= 1 and s.num_uncomputed_tokens == 1]
         if seqs:
             self.draft.prepare(seqs)
 
@@ -767,14 +784,15 @@ class LLMEngine:
         rows = None
         cu = inputs.meta.cu_q_lens
         for i, s in enumerate(sched.scheduled):
-            if s.token_ids[-1] != PENDING_TOKEN:
+            at = -1 - len(s.spec_token_ids)  # drafts follow a pending token
+            if s.token_ids[at] != PENDING_TOKEN:
                 continue
             if prev is None or s.seq_id not in prev.pending_rows:
                 raise RuntimeError(f"sequence {s.seq_id} has a pending token that no "
                                    f"launched step samples")
             if rows is None:
                 rows = np.full(inputs.input_ids.shape, -1, np.int32)
-            rows[cu[i + 1] - 1] = prev.pending_rows[s.seq_id]
+            rows[cu[i + 1] + at] = prev.pending_rows[s.seq_id]
         if rows is not None:
             inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
 
@@ -800,6 +818,8 @@ class LLMEngine:
                 r0, drafts = spec[seq.seq_id]
                 if r == r0:
                     a = self._accept(drafts, token_ids[r0 : r0 + len(drafts) + 1])
+                    if seq.seq_id in fl.guessed:
+                        self.num_guessed_accepted += a
                     sampled.append(SampledToken(req.request_id, seq, token_ids[r0], logprobs[r0],
                                                 rejected=len(drafts) - a))
                     rows.append((req, r0))

@@ -155,6 +155,7 @@ class Scheduler:
         self._finished_elsewhere: list[SequenceGroup] = []  # see `_free_finished_elsewhere`
         # Speculative decoding: drafts for decoding sequences (`pagedjax.spec`), or None.
         self.proposer = None
+        self.num_guessed_drafts = 0  # proposals that followed a guessed pending token
 
     # -- request lifecycle ---------------------------------------------------
     @staticmethod
@@ -429,18 +430,32 @@ class Scheduler:
 
     def _propose(self, g: SequenceGroup, seq: Sequence, room: int) -> int:
         """Draft tokens for a decoding sequence (speculative decoding), kept in
-        ``seq.spec_token_ids`` for `_emit`: at most ``room`` (the step's budget), never past
-        ``max_tokens`` or ``max_model_len`` (a step emits up to drafts + 1 tokens), and none
-        when the drafts' blocks are not free now (speculation never preempts)."""
+        ``seq.spec_token_ids`` for `_emit`: at most ``room`` (the step's budget) and the
+        proposer's ``k``, never past ``max_tokens`` or ``max_model_len`` (a step emits up to
+        drafts + 1 tokens), and none when the drafts' blocks are not free now (speculation
+        never preempts).
+
+        Under async scheduling the sequence's last token may still be on the device (one
+        pending token). The drafts then follow a guess of it: the proposal for the known
+        tokens is asked for one token more and its first token stands for the pending one.
+        Verification is unchanged and exact either way (the step feeds the real pending token
+        and each draft is checked against the row before it); a wrong guess only costs the
+        drafts. Without this a sequence that once decoded asynchronously would never draft
+        again, since every step it is scheduled in leaves it a pending token."""
         seq.spec_token_ids = []
-        if not seq.output_token_ids or seq.num_pending:
+        p = seq.num_pending
+        if p > 1 or not (seq.output_token_ids or p):
             return 0  # prompt steps and fan-outs sample one row
-        k = min(room, self.config.max_model_len - seq.num_total_tokens - 1)
+        k = min(room, self.proposer.k, self.config.max_model_len - seq.num_total_tokens - p - 1)
         if g.max_tokens is not None:
-            k = min(k, g.max_tokens - seq.num_output_tokens - 1)
+            k = min(k, g.max_tokens - seq.num_output_tokens - p - 1)
         if k <= 0:
             return 0
-        drafts = self.proposer.propose_for(seq, k)
+        if p:
+            drafts = self.proposer.propose_for(seq, k + 1)[1:]
+            self.num_guessed_drafts += bool(drafts)
+        else:
+            drafts = self.proposer.propose_for(seq, k)
         if drafts and self.bm.blocks_needed(seq, 1 + len(drafts)) > \
                 self.bm.get_num_free_gpu_blocks():
             drafts = []
@@ -458,8 +473,8 @@ class Scheduler:
             end = start + d
             known = seq.num_total_tokens
             spec = seq.spec_token_ids
-            if spec:  # the last known token, then the drafts
-                ids = seq.get_token_slice(start, known) + spec
+            if spec:  # the last known (or pending) token, then the drafts
+                ids = seq.get_token_slice(start, known) + [PENDING_TOKEN] * seq.num_pending + spec
                 seq.spec_token_ids = []
             else:
                 ids = seq.get_token_slice(start, end)

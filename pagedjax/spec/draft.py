@@ -64,9 +64,11 @@ class DraftModelProposer:
 
     # -- drafting ---------------------------------------------------------------
     def prepare(self, seqs: list) -> None:
-        """Draft k tokens for each of ``seqs`` (decoding sequences whose tokens are all
-        known), batched: one catch-up pass, then k - 1 single-token passes."""
-        k = self.k
+        """Draft k tokens for each of ``seqs`` (decoding sequences), batched: one catch-up
+        pass, then k - 1 single-token passes. Drafts follow the known tokens; where a
+        sequence's last token is still on the device (async scheduling) the scheduler takes
+        the first draft as a guess of it, so then one more is drafted (k + 1)."""
+        k = self.k + any(seq.num_pending for seq in seqs)
         # Sequences not decoding now (finished, aborted, preempted) give their blocks back; a
         # preempted one catches up again when it returns.
         live = {seq.seq_id for seq in seqs}

@@ -28,8 +28,9 @@ class NgramProposer:
 
     def propose(self, tokens: Sequence[int] | np.ndarray, k: int | None = None) -> list[int]:
         """Up to ``k`` (default: the proposer's) draft tokens to follow ``tokens``; [] when
-        no suffix of length ``min_n..max_n`` occurs earlier."""
-        k = self.k if k is None else min(k, self.k)
+        no suffix of length ``min_n..max_n`` occurs earlier. The scheduler asks for ``k + 1``
+        when the first token stands for one still on the device (`Scheduler._propose`)."""
+        k = self.k if k is None else k
         if k <= 0:
             return []
         a = np.asarray(tokens)

@@ -166,14 +166,16 @@ class ModelRunner:
             self.max_blocks_per_seq,
             fixed_width=cost_follows_length(engine_config.attention_backend),
             block_size=self.block_size,
-            min_tokens=min_step_tokens(engine_config))
+            min_tokens=min_step_tokens(engine_config),
+            spec_tokens=(engine_config.speculative_config.num_speculative_tokens
+                         if engine_config.speculative_config is not None else 0))
         self.scan_layers = resolve_layer_loop(engine_config.layer_loop, self.tp, devices) == "scan"
         # Async scheduling: every step's token ids pass through `_merge_ids`, which takes the
         # ids of pending tokens from the previous step's sampler output on the device.
-        # Not with speculative decoding: a step's tokens decide the next step's drafts.
+        # With speculative decoding a drafted step's results are awaited before the next
+        # step is scheduled (`LLMEngine._launch`); the others overlap as usual.
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
-                                                    devices) and \
-            engine_config.speculative_config is None
+                                                    devices)
         self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn)
 
     @classmethod
@@ -306,6 +308,7 @@ class ModelRunner:
         plan = self.shape_plan
         shapes = plan.step_shapes(prompt_logprobs)
         for t, s, m, r, decode in shapes:
+            rows = spec_lens = None
             if decode:
                 fake = [ScheduledSeq(i, "warmup", [0], 0, [0] * m, True) for i in range(s)]
                 extra = None
@@ -316,8 +319,11 @@ class ModelRunner:
                 fake = [ScheduledSeq(i, "warmup", [0] * n, 0, [0] * m, True)
                         for i, n in enumerate(sizes)]
                 extra = list(range(r - s)) or None
+                if plan.spec_tokens and r == t > s:  # speculation: a sampled row per token
+                    rows, spec_lens, extra = sizes, [n - 1 for n in sizes], None
             inputs = build_step_inputs(fake, self.block_size, self.max_blocks_per_seq,
-                                       extra_rows=extra, plan=plan, num_groups=self.num_kv_groups)
+                                       rows_per_seq=rows, extra_rows=extra, plan=plan,
+                                       num_groups=self.num_kv_groups, spec_lens=spec_lens)
             assert inputs.shape_key == (t, s, m, r, decode), (inputs.shape_key, (t, s, m, r))
             inputs.meta.slot_mapping[:] = -1
             inputs.meta.kv_lens[:] = 0
@@ -375,7 +381,7 @@ class ModelRunner:
 
     @partial(jax.jit, static_argnums=0)
     def _pad_tokens(self, tokens):
-        cap = self.shape_plan.seq_cap
+        cap = self.shape_plan.sample_cap
         return jnp.zeros(cap, jnp.int32).at[: tokens.shape[0]].set(tokens.astype(jnp.int32))
 
     def sampled_tokens(self, tokens: jax.Array) -> jax.Array:
@@ -385,7 +391,7 @@ class ModelRunner:
 
     def _no_tokens(self) -> jax.Array:
         if getattr(self, "_zero_tokens", None) is None:
-            self._zero_tokens = jax.device_put(np.zeros(self.shape_plan.seq_cap, np.int32),
+            self._zero_tokens = jax.device_put(np.zeros(self.shape_plan.sample_cap, np.int32),
                                                jax.local_devices()[0])
         return self._zero_tokens
 

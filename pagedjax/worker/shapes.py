@@ -65,6 +65,9 @@ class ShapePlan:
     # decoding lowers it to fit a lone sequence's 1 + k tokens: padded tokens cost full
     # compute, and 5 tokens padded to 16 made a batch-1 speculative step 3x the work.
     min_tokens: int = MIN_PREFILL_TOKENS
+    # Speculative decoding's k: a sequence samples up to 1 + k rows per step, so steps may
+    # have more sampled rows than sequences (never more than tokens).
+    spec_tokens: int = 0
 
     @property
     def seq_cap(self) -> int:
@@ -122,14 +125,30 @@ class ShapePlan:
                 if t // 2 + 1 > min(s, self.max_num_seqs) * m * self.block_size:
                     continue
                 shapes.append((t, s, m, s, False))
+                if self.spec_tokens and t > s:  # drafted sequences' rows exceed the sequences
+                    shapes.append((t, s, m, t, False))
                 if prompt_logprobs:
                     shapes.append((t, s, m, s + t, False))
         return shapes
 
     @property
+    def sample_cap(self) -> int:
+        """Most rows the sampler sees in a step: max_num_seqs (one row each, fan-outs within
+        it), or with speculation up to 1 + k rows per sequence, within the token budget."""
+        if not self.spec_tokens:
+            return self.seq_cap
+        rows = min(self.max_num_batched_tokens, self.max_num_seqs * (1 + self.spec_tokens))
+        return max(self.seq_cap, pow2_at_least(rows))
+
+    @property
     def sample_buckets(self) -> list[int]:
-        """Batch sizes of the sampler: every sampled row is one of at most max_num_seqs."""
-        return self.seq_buckets
+        """Batch sizes of the sampler: the sequence buckets, then (speculation) powers of two
+        up to `sample_cap`."""
+        out, b = list(self.seq_buckets), pow2_at_least(self.seq_cap + 1)
+        while b <= self.sample_cap:  # `LLMEngine._sample_batch`: powers of two past seq_cap
+            out.append(b)
+            b *= 2
+        return out
 
     def copy_buckets(self, num_blocks: int) -> list[int]:
         """Padded sizes of a step's copy-on-write list: at most one copy per sequence."""

@@ -86,8 +86,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
         t_pad, s_pad, r_pad = plan.decode(num_seqs)
     else:
         t_pad, s_pad, r_pad = plan.mixed(total, num_seqs, n_extra)
-    if num_rows + n_extra > r_pad:  # rows fanned out per sequence: hand-built steps only
-        r_pad = pow2_at_least(num_rows + n_extra)
+    if num_rows + n_extra > r_pad:
+        # Speculation: up to 1 + k rows per sequence, never more than the step's tokens
+        # (`ShapePlan.step_shapes` has R = T); otherwise hand-built steps only.
+        r_pad = t_pad if num_rows + n_extra <= t_pad else pow2_at_least(num_rows + n_extra)
     m_pad = plan.width(max_blocks)
 
     cu_q_lens = np.full(s_pad + 1, total, np.int32)

@@ -23,8 +23,11 @@ def tiny():
     return config, assemble_params(config, random_hf_tensors(config, seed=7).get)
 
 
-def _random_params(rng: np.random.Generator, prefix_caching: bool) -> SamplingParams:
+def _random_params(rng: np.random.Generator, prefix_caching: bool,
+                   beams: bool = True) -> SamplingParams:
     kind = rng.integers(0, 7)
+    if kind == 3 and not beams:  # speculation refuses beam search
+        kind = 0
     max_tokens = int(rng.integers(1, 24))
     if kind == 0:
         return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -50,17 +53,24 @@ def _random_params(rng: np.random.Generator, prefix_caching: bool) -> SamplingPa
                           min_tokens=min(2, max_tokens))
 
 
-@pytest.mark.parametrize("mode,prefix_caching,async_scheduling",
-                         [("swap", True, False), ("recompute", False, False),
-                          ("recompute", True, True)])
-def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling):
+# Speculative decoding (n-gram): steps of 1 + k tokens per drafted sequence and up to one
+# sampled row per token.
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+@pytest.mark.parametrize("mode,prefix_caching,async_scheduling,spec",
+                         [("swap", True, False, None), ("recompute", False, False, None),
+                          ("recompute", True, True, None), ("swap", False, False, SPEC),
+                          ("recompute", True, True, SPEC)])
+def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling, spec):
     config, params = tiny
     # 24 blocks of 8 slots for up to 8 sequences of up to 128 tokens: preemption is frequent.
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=24, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
                           preemption_mode=mode, enable_prefix_caching=prefix_caching,
                           enable_chunked_prefill=True, swap_space_gb=0.01,
-                          async_scheduling=async_scheduling, warmup=True)
+                          async_scheduling=async_scheduling, speculative_config=spec,
+                          warmup=True)
     engine = llm.engine
     compiles = num_backend_compiles()
     shapes = set(engine.runner.compiled_shapes)
@@ -72,7 +82,7 @@ def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling
         prompt = [int(t) for t in rng.integers(3, config.vocab_size, n)]
         if i % 3 == 0:
             prompt = shared + prompt[:40]
-        requests.append((f"r{i}", prompt, _random_params(rng, prefix_caching)))
+        requests.append((f"r{i}", prompt, _random_params(rng, prefix_caching, spec is None)))
     outputs, pending = {}, list(requests)
     aborted = set()
     while pending or engine.has_unfinished_requests():
@@ -89,6 +99,7 @@ def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling
                 outputs[out.request_id] = out
     stats = engine.get_stats()
     assert stats.num_preemptions_total > 0
+    assert spec is None or stats.spec_num_accepted_tokens > 0
     assert num_backend_compiles() == compiles, "serving compiled after warm-up"
     assert engine.runner.compiled_shapes == shapes
     assert len(outputs) == len(requests)

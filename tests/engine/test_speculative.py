@@ -363,3 +363,104 @@ def test_speculative_steps_use_small_token_buckets(tiny):
     plain = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=32, block_size=8,
                             max_model_len=128)
     assert plain.engine.runner.shape_plan.min_tokens == 16
+
+
+# ---- composition with async scheduling ------------------------------------------------------
+def _pending_drafts(llm: LLM) -> int:
+    """Accepted drafts that followed a guess of a token still on the device (and the guess
+    was proposed at all)."""
+    assert llm.engine.scheduler.num_guessed_drafts > 0
+    return llm.engine.num_guessed_accepted
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_async_scheduling_greedy_equals_plain(tiny, mode):
+    """Async scheduling on: steps without drafts overlap the host with the device, drafted
+    steps wait for their results, and drafts may follow a guess of the token still on the
+    device. Outputs equal plain decoding with async scheduling off, under preemption, prefix
+    caching, chunked prefill and a poisoned cache; drafts that followed a pending token were
+    verified and some accepted."""
+    config, params = tiny
+    prompts = _prompts(config.vocab_size, 8, seed=3)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    kw = dict(num_gpu_blocks=24, block_size=8, max_num_seqs=6, max_model_len=128,
+              preemption_mode=mode, enable_prefix_caching=True, enable_chunked_prefill=True,
+              max_num_batched_tokens=32)
+    plain = LLM.from_params(config, params, NoTokenizer(), async_scheduling=False, **kw)
+    spec = LLM.from_params(config, params, NoTokenizer(), async_scheduling=True,
+                           speculative_config={**SPEC, "prompt_lookup_min": 2}, **kw)
+    assert spec.engine.runner.feed_tokens
+    _poison(spec)
+    want = _generate(plain, prompts, sp)
+    assert _generate(spec, prompts, sp) == want
+    st = spec.engine.get_stats()
+    assert st.spec_num_accepted_tokens > 0 and st.num_preemptions_total > 0
+    assert _pending_drafts(spec) > 0
+    assert st.num_steps < plain.engine.get_stats().num_steps
+    assert_pool_whole(spec)
+    assert _generate(spec, prompts, sp) == want  # prefix-cache hits after async speculation
+    assert_pool_whole(spec)
+
+
+class _Oracle:
+    """A proposer that knows each sequence's future (a plain run's outputs): it drafts only
+    while the sequence's last token is still on the device, so every drafted step follows a
+    guessed pending token, and it spoils every third proposal's last draft so that
+    rejections happen too."""
+
+    def __init__(self, k: int, expected: dict[tuple[int, ...], list[list[int]]]) -> None:
+        self.k, self.expected, self.calls = k, expected, 0
+
+    def propose_for(self, seq, k: int) -> list[int]:
+        if not seq.num_pending:
+            return []
+        out = list(seq.output_token_ids)
+        for want in self.expected[tuple(seq.prompt_token_ids)]:
+            if want[: len(out)] == out:
+                drafts = want[len(out) : len(out) + k]
+                self.calls += 1
+                if self.calls % 3 == 0 and len(drafts) > 1:
+                    drafts[-1] = (drafts[-1] + 1) % 96
+                return drafts
+        return []
+
+
+def test_async_scheduling_guessed_drafts_keep_seeded_sampling_identical(tiny):
+    """Seeded sampling with penalties, min_tokens and n=2 under async scheduling, with drafts
+    that follow a guessed pending token (`_Oracle`): a draft row counts the pending token
+    before it (a placeholder history column written on the device, the random key's step,
+    min_tokens), so every token equals plain decoding's."""
+    config, params = tiny
+    prompts = _prompts(config.vocab_size, 4, seed=4)
+    sps = [SamplingParams(temperature=0.8, top_k=12, top_p=0.9, seed=200 + i, max_tokens=30,
+                          ignore_eos=True, n=2 if i == 3 else 1,
+                          repetition_penalty=1.3 if i % 2 else 1.0,
+                          frequency_penalty=0.5 if i == 2 else 0.0, min_tokens=5)
+           for i in range(len(prompts))]
+    kw = dict(num_gpu_blocks=48, block_size=8, max_num_seqs=8, max_model_len=128)
+    plain = LLM.from_params(config, params, NoTokenizer(), async_scheduling=False, **kw)
+    want = _generate(plain, prompts, sps)
+    spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC,
+                           async_scheduling=True, **kw)
+    spec.engine.scheduler.proposer = _Oracle(4, {tuple(p): w for p, w in zip(prompts, want)})
+    assert _generate(spec, prompts, sps) == want
+    st = spec.engine.get_stats()
+    assert spec.engine.num_guessed_accepted > 40  # most of the outputs came from drafts
+    assert st.spec_num_accepted_tokens < st.spec_num_draft_tokens  # spoiled drafts rejected
+    assert_pool_whole(spec)
+
+
+def test_async_scheduling_with_a_draft_model(family_dirs):
+    kw = dict(num_gpu_blocks=30, max_num_seqs=6, preemption_mode="recompute",
+              enable_prefix_caching=True)
+    plain = _draft_llm(family_dirs, None, async_scheduling=False, **kw)
+    spec = _draft_llm(family_dirs, "llama3", async_scheduling=True, **kw)
+    prompts = _prompts(128, 6, seed=10)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    assert _generate(spec, prompts, sp) == _generate(plain, prompts, sp)
+    st = spec.engine.get_stats()
+    # The draft equals the target: every draft is accepted, the guessed ones included.
+    assert _pending_drafts(spec) > 0
+    assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens > 0
+    assert_pool_whole(spec)
+    _assert_draft_pool_whole(spec)

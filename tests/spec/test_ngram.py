@@ -65,7 +65,7 @@ def test_config_forms_and_exclusions():
     want = SpeculativeConfig(num_speculative_tokens=5)
     assert EngineConfig(speculative_config={"num_speculative_tokens": 5}).speculative_config == want
     assert EngineConfig(speculative_config='{"num_speculative_tokens": 5}').speculative_config == want
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(speculative_config={}, async_scheduling=True)
+    # Composes with async scheduling (tests/engine/test_speculative.py::test_async_*).
+    assert EngineConfig(speculative_config={}, async_scheduling=True).async_scheduling
     with pytest.raises(ValueError, match="kv_policy"):
         EngineConfig(speculative_config={}, kv_policy="contiguous-max")
