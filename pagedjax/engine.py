@@ -65,6 +65,7 @@ from pagedjax.sampler import (
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 from pagedjax.spec import NgramProposer, accepted_prefix
 from pagedjax.spec.draft import DraftModelProposer
+from pagedjax.structured.manager import StructuredOutputs
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner
@@ -185,6 +186,7 @@ class LLMEngine:
         self.inputs = InputProcessor(tokenizer, config.vocab_size, self.max_model_len,
                                      ec.max_num_seqs, ec.enable_prefix_caching, self.block_manager)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
+        self.structured = StructuredOutputs(tokenizer, config.vocab_size)
         self.beams = BeamSearcher(self.scheduler, self.outputs, self._new_seq_id)
         # Persistent per-sequence step state (block tables by deltas); rows of sequences that
         # end are released after each step, and rows it never hears about are swept.
@@ -322,17 +324,19 @@ class LLMEngine:
         if self.spec_config is not None and r.params.use_beam_search:
             raise ValueError("use_beam_search: not supported with speculative decoding "
                              "(speculative_config is set on this engine)")
+        p = r.params
+        grammar = self.structured.compile(p.guided_decoding) if p.guided_decoding else None
         seq = Sequence(self._new_seq_id(), r.prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        p = r.params
         stops = TokenStops(frozenset() if p.ignore_eos else frozenset(self.eos_token_ids),
                            frozenset(p.stop_token_ids or ()), p.min_tokens)
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=p.max_tokens,
                               n=r.num_samples, model_id=self.model_id, stops=stops)
+        group.speculate = grammar is None
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,
-                           final_only=output_kind == "final_only")
+                           final_only=output_kind == "final_only", grammar=grammar)
         req.register(seq, 0)
         self._requests[request_id] = req
 
@@ -516,6 +520,10 @@ class LLMEngine:
             self.input_batch.release(s.seq_id for g in done for s in g.seqs)
             if self.draft is not None:
                 self.draft.release(s.seq_id for g in done for s in g.seqs)
+        if len(self.structured):  # finished, aborted or failed sequences' matchers
+            self.structured.retain({s.seq_id for req in self._requests.values()
+                                    if req.grammar is not None for s in req.group.seqs
+                                    if not s.is_finished()})
         for rid in touched:
             req = self._requests.get(rid)
             if req is None:
@@ -628,11 +636,13 @@ class LLMEngine:
         # Speculative steps score up to 1 + k rows per sequence.
         return max(self.runner.shape_plan.seq_cap, pow2_at_least(num_rows))
 
-    def _sampling_metadata(self, rows: list[tuple], pad_to: int) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: list[tuple], pad_to: int,
+                           masks: dict[int, np.ndarray] | None = None) -> SamplingMetadata:
         meta = SamplingMetadata.from_params(
             rows, pad_to=pad_to, vocab_size=self.model_config.vocab_size,
             eos_token_ids=sorted(self.eos_token_ids), engine_seed=self.engine_config.seed,
-            history_width=self.max_model_len, ban_width=self._ban_width)
+            history_width=self.max_model_len, ban_width=self._ban_width, masks=masks,
+            mask_width=self.structured.mask_width)
         want = any(p.logprobs for p, _ in rows)
         return meta.replace(want_topk=np.bool_(want))
 
@@ -679,7 +689,15 @@ class LLMEngine:
                 for j in range(1, len(drafts) + 1):
                     rows[r0 + j] = (params, st._replace(num_pending=0, output_token_ids=(
                         np.concatenate(head + [np.asarray(drafts[:j], np.int32)]))))
-        meta = self._sampling_metadata(rows, b_pad)
+        masks = None
+        for r, (req, seq, _index, _fan_out) in enumerate(row_info):
+            if req.grammar is not None:  # structured outputs: the next token's mask
+                if masks is None:
+                    masks = {}
+                    fl.needs_sync = True  # the next mask follows this step's token
+                masks[r] = row = np.empty(self.structured.mask_width, np.int32)
+                self.structured.fill(seq.seq_id, req.grammar, row)
+        meta = self._sampling_metadata(rows, b_pad, masks)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
         out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
@@ -839,6 +857,14 @@ class LLMEngine:
                 if a.forked:
                     req, r = token_rows[a.index]
                     req.register(a.seq, row_info[r][2])
+                    if req.grammar is not None:  # before the parent takes this step's token
+                        self.structured.fork(tokens[a.index].seq.seq_id, a.seq.seq_id,
+                                             req.grammar)
+            for a in applied:
+                req = token_rows[a.index][0]
+                if req.grammar is not None and not a.seq.is_finished() and \
+                        self.structured.advance(a.seq.seq_id, req.grammar, tokens[a.index].token_id):
+                    self.scheduler.stop_seq(a.seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
             for req, seq in self.outputs.process(applied, token_rows, out):
                 self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if beams is not None:

@@ -57,6 +57,7 @@ class RequestState:
     # Prompt logprobs by position p (the distribution that predicted prompt token p + 1).
     prompt_lp: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
     beam_pending: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    grammar: str | None = None  # structured outputs: the compiled grammar (`pagedjax.structured`)
 
     @property
     def is_beam(self) -> bool:

@@ -111,6 +111,9 @@ class SamplingMetadata:
     output_token_ids: jax.Array  # [B, Lo] i32, Lo: 0, a fixed width, or a power-of-two bucket
     prompt_token_ids: jax.Array  # [B, Lp] i32 (repetition penalty only)
     banned_token_ids: jax.Array  # [B, S] i32, ids masked to -inf (min_tokens)
+    # Structured outputs: allowed tokens as bits (bit t % 32 of word t // 32), -1 words for
+    # unconstrained rows; width 0 when absent (static, by shape, like the histories).
+    allowed_bitmask: jax.Array  # [B, W] i32
     # Batch-wide switches, as data: flipping one never recompiles.
     all_greedy: jax.Array = True  # [] bool
     do_top_k_top_p: jax.Array = False  # [] bool
@@ -134,6 +137,8 @@ class SamplingMetadata:
         engine_seed: int = 0,
         history_width: int | None = None,
         ban_width: int | None = None,
+        masks: dict[int, np.ndarray] | None = None,
+        mask_width: int | None = None,
     ) -> SamplingMetadata:
         """Build the host-side (numpy) metadata for one step.
 
@@ -145,6 +150,8 @@ class SamplingMetadata:
         widths of the penalty histories and ban lists when any row needs them (the engine
         passes ``max_model_len`` and the longest possible ban list, so shapes never depend
         on requests); by default they are power-of-two buckets of what this batch holds.
+        ``masks`` (row -> packed allowed-token bits, structured outputs) are present at
+        ``mask_width`` words whenever the histories are (default: the masks' own width).
         """
         b, v = pad_to, vocab_size
         if len(rows) > b:
@@ -193,7 +200,7 @@ class SamplingMetadata:
 
         # With fixed widths the histories and ban lists are all present (at those widths)
         # iff any row is penalised or banned: two variants per batch size, not eight.
-        full = bool(penalised or banned)
+        full = bool(penalised or banned or masks)
         prompt_lists = {i: rows[i][1].prompt_token_ids for i in penalised if repetition[i] != 1.0}
         out_lists = {i: rows[i][1].output_token_ids for i in penalised}
 
@@ -210,6 +217,11 @@ class SamplingMetadata:
                 out[i, : len(ids)] = np.asarray(ids, np.int32)
             return out
 
+        if mask_width is None:
+            mask_width = next((len(m) for m in (masks or {}).values()), 0)
+        bitmask = np.full((b, mask_width if full else 0), -1, np.int32)
+        for i, m in (masks or {}).items():
+            bitmask[i] = m
         out_hist = pack(out_lists, history_width)
         prompt_hist = pack(prompt_lists, history_width)
         return cls(
@@ -229,6 +241,7 @@ class SamplingMetadata:
             output_token_ids=out_hist,
             prompt_token_ids=prompt_hist,
             banned_token_ids=pack(banned, ban_width),
+            allowed_bitmask=bitmask,
             all_greedy=np.bool_(all_greedy),
             do_top_k_top_p=np.bool_((top_k < v).any() or (top_p < 1.0).any()),
             do_min_p=np.bool_((min_p > 0.0).any()),
@@ -290,6 +303,16 @@ def ban_tokens(logits: jax.Array, banned_token_ids: jax.Array) -> jax.Array:
     """Set the listed ids of each row to -inf (-1 entries are padding)."""
     rows, idx = _row_index(banned_token_ids, logits.shape[-1])
     return logits.at[rows, idx].set(_NEG_INF, mode="drop")
+
+
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Set tokens whose bit is clear to -inf: token t's bit is t % 32 of word t // 32
+    (llguidance's layout). Unpacked on the device: the host sends V / 32 words per row."""
+    v = logits.shape[-1]
+    t = jnp.arange(v, dtype=jnp.int32)
+    words = bitmask[:, t >> 5]
+    allowed = ((words >> (t & 31)) & 1) != 0
+    return jnp.where(allowed, logits, _NEG_INF)
 
 
 # Candidates from which top-k / top-p thresholds are read when they suffice (see
@@ -544,6 +567,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
                             meta.repetition_penalty)
     if meta.banned_token_ids.shape[-1]:
         x = ban_tokens(x, meta.banned_token_ids)
+    if meta.allowed_bitmask.shape[-1]:
+        x = apply_bitmask(x, meta.allowed_bitmask)
     greedy_tokens = first_argmax(x).astype(jnp.int32)
 
     greedy = meta.temperature < _GREEDY_EPS

@@ -73,6 +73,8 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
     include_stop_str_in_output: bool = False
+    # Structured outputs (`pagedjax.structured`): a GuidedDecodingParams or its dict form.
+    guided_decoding: Any = None
     # Normalised copies (not constructor arguments).
     _stop_list: list[str] = field(init=False, default_factory=list)
 
@@ -93,6 +95,9 @@ class SamplingParams:
             self.top_k = -1
         if self.best_of is None:
             self.best_of = self.n
+        from pagedjax.structured.params import GuidedDecodingParams
+
+        self.guided_decoding = GuidedDecodingParams.coerce(self.guided_decoding)
         self._validate()
 
     # ------------------------------------------------------------------ checks
@@ -141,6 +146,8 @@ class SamplingParams:
         need(self.early_stopping in (True, False, "never"), "early_stopping",
              "must be True, False or 'never'")
         if self.use_beam_search:
+            need(self.guided_decoding is None, "guided_decoding",
+                 "is not supported with use_beam_search=True")
             need(self.best_of > 1, "best_of", "must be > 1 when using beam search")
             need(self.temperature < _GREEDY_EPS, "temperature",
                  "must be 0 when using beam search")

@@ -366,6 +366,13 @@ class AsyncEngine:
         nor half-runs. At most `max_sequences_per_request` sequences (prompts x n/best_of)."""
         try:
             sp = to_params(params)
+            if sp.guided_decoding is not None:
+                # Compiled and validated here, on the caller's thread (the engine thread's
+                # compile of the same grammar is then a cache hit); a bad schema is a 400.
+                try:
+                    self.engine.structured.compile(sp.guided_decoding)
+                except ValueError as exc:
+                    raise from_value_error(exc) from None
             samples = sp.best_of or sp.n
             cap = self.max_sequences_per_request
             if cap is not None and len(items) * samples > cap:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID
 
@@ -53,6 +53,27 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Base):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    """OpenAI's ``response_format``: plain text, any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None
+                                           or self.json_schema.schema_ is None):
+            raise ValueError("json_schema.schema is required when type is 'json_schema'")
+        return self
+
+
 class _Sampling(_Base):
     """Fields shared by completions and chat, including vLLM's extra sampling options."""
 
@@ -83,6 +104,12 @@ class _Sampling(_Base):
     early_stopping: bool | Literal["never"] | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = _bounds(**_LOGPROBS)
+    # Structured outputs: OpenAI's response_format and vLLM's guided_* extras.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Labels the response only (engine ids are the server's own): bounded, one printable line.
     request_id: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
 
@@ -91,7 +118,36 @@ class _Sampling(_Base):
                 "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens", "use_beam_search", "length_penalty",
                 "early_stopping", "include_stop_str_in_output", "prompt_logprobs")
-        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        d = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+        guide = self.guided_decoding()
+        if guide is not None:
+            d["guided_decoding"] = guide
+        return d
+
+    def guided_decoding(self) -> dict[str, Any] | None:
+        """`GuidedDecodingParams` fields from response_format / guided_*; more than one
+        constraint is refused (by `GuidedDecodingParams`, naming them)."""
+        guide = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                   ("choice", self.guided_choice),
+                                   ("grammar", self.guided_grammar)) if v is not None}
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            guide["json_object"] = True
+        elif rf is not None and rf.type == "json_schema":
+            guide["response_format"] = rf.json_schema.schema_
+        if len(guide) > 1:
+            names = ["response_format" if k in ("json_object", "response_format")
+                     else f"guided_{k}" for k in guide]
+            raise ValueError(f"at most one of response_format and guided_* may constrain the "
+                             f"output; got {', '.join(names)}")
+        if "response_format" in guide:
+            guide["json"] = guide.pop("response_format")
+        return guide or None
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _Sampling:
+        self.guided_decoding()
+        return self
 
 
 class CompletionRequest(_Sampling):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import httpx
@@ -183,3 +184,44 @@ def test_disconnect_while_waiting_for_non_streaming_response_frees_blocks(server
         httpx.post(url, json=body, timeout=httpx.Timeout(10.0, read=3.0))
     wait_blocks_free(client, timeout=10.0)
     assert client.stats().num_in_flight == 0
+
+
+def test_structured_outputs(oai, model):
+    """Structured outputs through the official client: `chat.completions.parse` with a
+    Pydantic model (response_format json_schema, strict), json_object, vLLM's guided_*
+    extras, and 400s naming the field for a bad schema or two constraints."""
+    import json
+
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+        is_capital: bool
+
+    parse = oai.beta.chat.completions.parse if hasattr(oai.beta, "chat") else \
+        oai.chat.completions.parse
+    msgs = [{"role": "user", "content": "Tell me about Paris as JSON."}]
+    got = parse(model=model, messages=msgs, response_format=City, max_tokens=80, temperature=0)
+    city = got.choices[0].message.parsed
+    assert isinstance(city, City) and got.choices[0].finish_reason == "stop"
+    obj = oai.chat.completions.create(model=model, messages=msgs, max_tokens=80, temperature=0,
+                                      response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    pick = oai.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=1.0,
+                                  n=3, seed=4, extra_body={"guided_choice": ["blue", "grey"]})
+    assert {c.text for c in pick.choices} <= {"blue", "grey"}
+    stream = oai.completions.create(model=model, prompt="Code:", max_tokens=12, stream=True,
+                                    temperature=0, extra_body={"guided_regex": "[A-Z]{3}-[0-9]{3}"})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert re.fullmatch("[A-Z]{3}-[0-9]{3}", text), text
+    with pytest.raises(openai.BadRequestError, match=r"guided_decoding\.json"):
+        oai.completions.create(model=model, prompt="x", max_tokens=4,
+                               extra_body={"guided_json": {"type": "objectx"}})
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        oai.completions.create(model=model, prompt="x", max_tokens=4,
+                               extra_body={"guided_regex": "a", "guided_choice": ["b"]})
+    with pytest.raises(openai.BadRequestError, match="json_schema"):
+        oai.chat.completions.create(model=model, messages=msgs, max_tokens=4,
+                                    response_format={"type": "json_schema"})

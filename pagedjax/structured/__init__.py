@@ -1,0 +1,9 @@
+"""Structured outputs: JSON schema, regex, choice and grammar constraints on sampling.
+
+`params` (what a request asks for, pure Python), `backend` (the grammar library:
+llguidance), `manager` (the engine's per-sequence matchers and the sampler's token bitmask).
+"""
+
+from pagedjax.structured.params import GuidedDecodingParams
+
+__all__ = ["GuidedDecodingParams"]
