@@ -62,7 +62,13 @@ from pagedjax.sampler import (
     prompt_logprobs,
     sample,
 )
-from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
+from pagedjax.sampling_params import (
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from pagedjax.spec import NgramProposer, accepted_prefix
 from pagedjax.spec.draft import DraftModelProposer
 from pagedjax.structured.manager import StructuredOutputs
@@ -182,7 +188,11 @@ class LLMEngine:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         # Fixed widths of the sampler's ban lists and penalty histories (see sampler.py):
         # every request fits, so their shapes never depend on requests.
-        self._ban_width = pow2_at_least(MAX_STOP_TOKEN_IDS + len(self.eos_token_ids))
+        # Ban lists hold min_tokens' stop ids and EOS, and a bad word's last token (two
+        # tokenizations each).
+        self._ban_width = pow2_at_least(MAX_STOP_TOKEN_IDS + len(self.eos_token_ids)
+                                        + 2 * MAX_BAD_WORDS)
+        self._bias_width = pow2_at_least(MAX_LOGIT_BIAS)
         self.inputs = InputProcessor(tokenizer, config.vocab_size, self.max_model_len,
                                      ec.max_num_seqs, ec.enable_prefix_caching, self.block_manager)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
@@ -326,19 +336,50 @@ class LLMEngine:
                              "(speculative_config is set on this engine)")
         p = r.params
         grammar = self.structured.compile(p.guided_decoding) if p.guided_decoding else None
+        allowed, bad_words = self._token_rules(p)
         seq = Sequence(self._new_seq_id(), r.prompt_token_ids)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         stops = TokenStops(frozenset() if p.ignore_eos else frozenset(self.eos_token_ids),
                            frozenset(p.stop_token_ids or ()), p.min_tokens)
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=p.max_tokens,
                               n=r.num_samples, model_id=self.model_id, stops=stops)
-        group.speculate = grammar is None
+        # Masks and bans that follow each token: no drafts for these (see `_launch`).
+        group.speculate = grammar is None and not bad_words
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,
-                           final_only=output_kind == "final_only", grammar=grammar)
+                           final_only=output_kind == "final_only", grammar=grammar,
+                           allowed_mask=allowed, bad_words=bad_words)
         req.register(seq, 0)
         self._requests[request_id] = req
+
+    def _token_rules(self, p: SamplingParams) -> tuple[np.ndarray | None, list[list[int]]]:
+        """`allowed_token_ids` as a packed bitmask, and `bad_words` as token sequences (each
+        word alone and after a space, as vLLM tokenizes them); token ids checked against
+        the vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", p.logit_bias or ()), ("allowed_token_ids",
+                                                               p.allowed_token_ids or ())):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"{name}: token ids {bad[:5]} are not below the vocabulary "
+                                 f"size {vocab}")
+        allowed = None
+        if p.allowed_token_ids:
+            bits = np.zeros(self.structured.mask_width * 32, np.uint8)
+            bits[p.allowed_token_ids] = 1
+            allowed = np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little") \
+                .view("<u4").ravel().view(np.int32)
+        words: list[list[int]] = []
+        if p.bad_words:
+            if self.tokenizer is None:
+                raise ValueError("bad_words: this engine has no tokenizer")
+            for w in p.bad_words:
+                for text in (w.lstrip(), " " + w.lstrip()):
+                    ids = self.tokenizer.encode(text, add_special_tokens=False)
+                    if ids and ids not in words:
+                        words.append(ids)
+        return allowed, words
 
     # Checks the front doors run before queueing (see `InputProcessor`).
     @property
@@ -471,6 +512,7 @@ class LLMEngine:
             req = self._requests.get(s.request_id)
             if req is not None and req.num_cached_tokens is None:
                 req.num_cached_tokens = s.start_pos
+                req.first_scheduled_time = time.monotonic()
                 self.prompt_tokens_total += len(req.prompt_token_ids)
         return launched
 
@@ -637,12 +679,14 @@ class LLMEngine:
         return max(self.runner.shape_plan.seq_cap, pow2_at_least(num_rows))
 
     def _sampling_metadata(self, rows: list[tuple], pad_to: int,
-                           masks: dict[int, np.ndarray] | None = None) -> SamplingMetadata:
+                           masks: dict[int, np.ndarray] | None = None,
+                           bans: dict[int, list[int]] | None = None) -> SamplingMetadata:
         meta = SamplingMetadata.from_params(
             rows, pad_to=pad_to, vocab_size=self.model_config.vocab_size,
             eos_token_ids=sorted(self.eos_token_ids), engine_seed=self.engine_config.seed,
             history_width=self.max_model_len, ban_width=self._ban_width, masks=masks,
-            mask_width=self.structured.mask_width)
+            mask_width=self.structured.mask_width, bias_width=self._bias_width,
+            extra_bans=bans)
         want = any(p.logprobs for p, _ in rows)
         return meta.replace(want_topk=np.bool_(want))
 
@@ -689,15 +733,8 @@ class LLMEngine:
                 for j in range(1, len(drafts) + 1):
                     rows[r0 + j] = (params, st._replace(num_pending=0, output_token_ids=(
                         np.concatenate(head + [np.asarray(drafts[:j], np.int32)]))))
-        masks = None
-        for r, (req, seq, _index, _fan_out) in enumerate(row_info):
-            if req.grammar is not None:  # structured outputs: the next token's mask
-                if masks is None:
-                    masks = {}
-                    fl.needs_sync = True  # the next mask follows this step's token
-                masks[r] = row = np.empty(self.structured.mask_width, np.int32)
-                self.structured.fill(seq.seq_id, req.grammar, row)
-        meta = self._sampling_metadata(rows, b_pad, masks)
+        masks, bans = self._token_masks(row_info, rows, fl)
+        meta = self._sampling_metadata(rows, b_pad, masks, bans)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
         out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
@@ -728,6 +765,36 @@ class LLMEngine:
             seq.num_pending += 1
             fl.pending_rows[seq.seq_id] = r
         return fl
+
+    def _token_masks(self, row_info, rows, fl: _InFlight
+                     ) -> tuple[dict[int, np.ndarray] | None, dict[int, list[int]] | None]:
+        """Per sampled row: the allowed-token bitmask (a grammar's next tokens, and/or
+        `allowed_token_ids`) and the banned last tokens of bad words the output is about to
+        complete. Both follow the tokens sampled so far, so a step with such rows is awaited
+        before the next is scheduled (async scheduling)."""
+        masks: dict[int, np.ndarray] | None = None
+        bans: dict[int, list[int]] | None = None
+        for r, (req, seq, _index, _fan_out) in enumerate(row_info):
+            if req.grammar is not None or req.allowed_mask is not None:
+                masks = masks if masks is not None else {}
+                if req.grammar is None:
+                    masks[r] = req.allowed_mask  # fixed: it does not follow the tokens
+                else:
+                    masks[r] = row = np.empty(self.structured.mask_width, np.int32)
+                    self.structured.fill(seq.seq_id, req.grammar, row)
+                    if req.allowed_mask is not None:
+                        row &= req.allowed_mask
+                    fl.needs_sync = True
+            if req.bad_words:
+                out = rows[r][1].output_token_ids
+                ids = [w[-1] for w in req.bad_words
+                       if len(w) == 1 or (len(out) >= len(w) - 1
+                                          and list(out[len(out) - len(w) + 1:]) == w[:-1])]
+                if ids:
+                    bans = bans if bans is not None else {}
+                    bans[r] = ids
+                fl.needs_sync = True
+        return masks, bans
 
     def _draft_proposer(self, sc, config: ModelConfig, dtype) -> DraftModelProposer:
         """The draft model's runner: its own cache (as many blocks as the target's, of its

@@ -57,7 +57,10 @@ class RequestState:
     # Prompt logprobs by position p (the distribution that predicted prompt token p + 1).
     prompt_lp: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)
     beam_pending: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+    first_scheduled_time: float | None = None  # monotonic; the end of its queue time
     grammar: str | None = None  # structured outputs: the compiled grammar (`pagedjax.structured`)
+    allowed_mask: np.ndarray | None = None  # allowed_token_ids, packed as the sampler's bitmask
+    bad_words: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences
 
     @property
     def is_beam(self) -> bool:
@@ -177,7 +180,8 @@ class OutputProcessor:
         if req.is_beam:
             return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                                  self.beam_completions(req), finished=final,
-                                 num_cached_tokens=req.num_cached_tokens or 0)
+                                 num_cached_tokens=req.num_cached_tokens or 0,
+                                 first_scheduled_time=req.first_scheduled_time)
         seqs = sorted(req.group.seqs, key=lambda s: req.seq_index[s.seq_id])
         if final and req.params.best_of and req.params.best_of > req.params.n:
             seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
@@ -186,7 +190,8 @@ class OutputProcessor:
             comps = [self.completion(req, s, req.seq_index[s.seq_id]) for s in seqs]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished=final,
                              num_cached_tokens=req.num_cached_tokens or 0,
-                             prompt_logprobs=self.prompt_logprobs_out(req))
+                             prompt_logprobs=self.prompt_logprobs_out(req),
+                             first_scheduled_time=req.first_scheduled_time)
 
     @staticmethod
     def prompt_logprobs_out(req: RequestState) -> list[dict[int, float] | None] | None:

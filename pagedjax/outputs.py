@@ -31,3 +31,5 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    # time.monotonic() when the request was first scheduled (its queue time ends), if it was.
+    first_scheduled_time: float | None = None

@@ -114,6 +114,9 @@ class SamplingMetadata:
     # Structured outputs: allowed tokens as bits (bit t % 32 of word t // 32), -1 words for
     # unconstrained rows; width 0 when absent (static, by shape, like the histories).
     allowed_bitmask: jax.Array  # [B, W] i32
+    # logit_bias as (id, value) lists, -1 ids padding; width 0 when absent (full variant only).
+    bias_token_ids: jax.Array  # [B, Wb] i32
+    bias_values: jax.Array  # [B, Wb] f32
     # Batch-wide switches, as data: flipping one never recompiles.
     all_greedy: jax.Array = True  # [] bool
     do_top_k_top_p: jax.Array = False  # [] bool
@@ -139,6 +142,8 @@ class SamplingMetadata:
         ban_width: int | None = None,
         masks: dict[int, np.ndarray] | None = None,
         mask_width: int | None = None,
+        bias_width: int | None = None,
+        extra_bans: dict[int, list[int]] | None = None,
     ) -> SamplingMetadata:
         """Build the host-side (numpy) metadata for one step.
 
@@ -151,7 +156,9 @@ class SamplingMetadata:
         passes ``max_model_len`` and the longest possible ban list, so shapes never depend
         on requests); by default they are power-of-two buckets of what this batch holds.
         ``masks`` (row -> packed allowed-token bits, structured outputs) are present at
-        ``mask_width`` words whenever the histories are (default: the masks' own width).
+        ``mask_width`` words whenever the histories are (default: the masks' own width); so
+        are the rows' ``logit_bias`` lists, at ``bias_width``. ``extra_bans`` (row -> ids)
+        join the min_tokens bans (bad words).
         """
         b, v = pad_to, vocab_size
         if len(rows) > b:
@@ -169,6 +176,7 @@ class SamplingMetadata:
         frequency = np.zeros(b, np.float32)
         repetition = np.ones(b, np.float32)
         penalised: list[int] = []
+        biased: list[int] = []
         banned: dict[int, list[int]] = {}
         all_greedy = True
         for i, (p, s) in enumerate(rows):
@@ -197,10 +205,14 @@ class SamplingMetadata:
                     ids += [e for e in (eos_token_id, *eos_token_ids) if e is not None]
                 if ids:
                     banned[i] = ids
+            if extra_bans and extra_bans.get(i):
+                banned[i] = banned.get(i, []) + list(extra_bans[i])
+            if p.logit_bias:
+                biased.append(i)
 
         # With fixed widths the histories and ban lists are all present (at those widths)
         # iff any row is penalised or banned: two variants per batch size, not eight.
-        full = bool(penalised or banned or masks)
+        full = bool(penalised or banned or masks or biased)
         prompt_lists = {i: rows[i][1].prompt_token_ids for i in penalised if repetition[i] != 1.0}
         out_lists = {i: rows[i][1].output_token_ids for i in penalised}
 
@@ -222,6 +234,11 @@ class SamplingMetadata:
         bitmask = np.full((b, mask_width if full else 0), -1, np.int32)
         for i, m in (masks or {}).items():
             bitmask[i] = m
+        bias_lists = {i: list(rows[i][0].logit_bias) for i in biased}
+        bias_ids = pack(bias_lists, bias_width)
+        bias_vals = np.zeros(bias_ids.shape, np.float32)
+        for i in biased:
+            bias_vals[i, : len(bias_lists[i])] = list(rows[i][0].logit_bias.values())
         out_hist = pack(out_lists, history_width)
         prompt_hist = pack(prompt_lists, history_width)
         return cls(
@@ -242,6 +259,8 @@ class SamplingMetadata:
             prompt_token_ids=prompt_hist,
             banned_token_ids=pack(banned, ban_width),
             allowed_bitmask=bitmask,
+            bias_token_ids=bias_ids,
+            bias_values=bias_vals,
             all_greedy=np.bool_(all_greedy),
             do_top_k_top_p=np.bool_((top_k < v).any() or (top_p < 1.0).any()),
             do_min_p=np.bool_((min_p > 0.0).any()),
@@ -565,6 +584,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
         x = apply_penalties(x, meta.prompt_token_ids, meta.output_token_ids,
                             meta.presence_penalty, meta.frequency_penalty,
                             meta.repetition_penalty)
+    if meta.bias_token_ids.shape[-1]:
+        rows_b, idx = _row_index(meta.bias_token_ids, x.shape[-1])
+        x = x.at[rows_b, idx].add(meta.bias_values, mode="drop")
     if meta.banned_token_ids.shape[-1]:
         x = ban_tokens(x, meta.banned_token_ids)
     if meta.allowed_bitmask.shape[-1]:

@@ -34,6 +34,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # Token ids travel to the device as int32 (the sampler's ban lists): a larger id would fail the
 # whole engine step (every request in the batch), not just this one.
 MAX_TOKEN_ID = 2**31 - 1
+# logit_bias entries per request (OpenAI's limit); the sampler carries them at a fixed width.
+MAX_LOGIT_BIAS = 300
+MAX_BAD_WORDS = 64
 
 
 class SamplingType(enum.IntEnum):
@@ -75,6 +78,13 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Structured outputs (`pagedjax.structured`): a GuidedDecodingParams or its dict form.
     guided_decoding: Any = None
+    # Added to the logits of these token ids (OpenAI's logit_bias: values in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    # Only these token ids may be sampled.
+    allowed_token_ids: list[int] | None = None
+    # Words never generated: the last token of each is banned where the output ends with the
+    # tokens before it (vLLM's rule; the engine tokenizes them with and without a leading space).
+    bad_words: list[str] | None = None
     # Normalised copies (not constructor arguments).
     _stop_list: list[str] = field(init=False, default_factory=list)
 
@@ -91,6 +101,20 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
             raise ValueError(f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r}.")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got "
+                                 f"{self.logit_bias!r}.")
+            try:  # OpenAI's JSON keys are strings
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias keys must be token ids (integers).") from None
+        for name in ("allowed_token_ids", "bad_words"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, list | tuple):
+                raise ValueError(f"{name} must be a list, got {v!r}.")
+            if v is not None:
+                setattr(self, name, list(v))
         if self.top_k == 0:  # OpenAI clients send 0 for "disabled".
             self.top_k = -1
         if self.best_of is None:
@@ -136,6 +160,24 @@ class SamplingParams:
              f"must have at most {MAX_STOP_TOKEN_IDS} ids")
         need(all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids), "stop_token_ids",
              f"must be ints in [0, {MAX_TOKEN_ID}]")
+        if self.logit_bias:
+            need(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+                 f"must have at most {MAX_LOGIT_BIAS} entries")
+            need(all(0 <= t <= MAX_TOKEN_ID for t in self.logit_bias), "logit_bias",
+                 f"keys must be token ids in [0, {MAX_TOKEN_ID}]")
+            need(all(isinstance(b, int | float) and not isinstance(b, bool) and math.isfinite(b)
+                     and -100 <= b <= 100 for b in self.logit_bias.values()), "logit_bias",
+                 "values must be numbers in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            need(len(self.allowed_token_ids) > 0, "allowed_token_ids", "must not be empty")
+            need(all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.allowed_token_ids),
+                 "allowed_token_ids", f"must be ints in [0, {MAX_TOKEN_ID}]")
+        if self.bad_words is not None:
+            need(len(self.bad_words) <= MAX_BAD_WORDS, "bad_words",
+                 f"must have at most {MAX_BAD_WORDS} words")
+            need(all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_STRING_CHARS
+                     for w in self.bad_words), "bad_words",
+                 f"must be non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
         need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
         need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         need(self.repetition_penalty > 0.0, "repetition_penalty", "must be > 0")

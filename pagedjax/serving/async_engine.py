@@ -54,6 +54,11 @@ class RequestMetrics:
     finished: float | None = None
     finish_reason: str | None = None  # stop | length | abort | error
     itls: list[float] = dataclasses.field(default_factory=list)
+    scheduled: float | None = None  # first scheduled by the engine
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled is None else max(0.0, self.scheduled - self.arrival)
 
     @property
     def ttft(self) -> float | None:
@@ -366,11 +371,12 @@ class AsyncEngine:
         nor half-runs. At most `max_sequences_per_request` sequences (prompts x n/best_of)."""
         try:
             sp = to_params(params)
-            if sp.guided_decoding is not None:
+            structured = getattr(self.engine, "structured", None)
+            if sp.guided_decoding is not None and structured is not None:
                 # Compiled and validated here, on the caller's thread (the engine thread's
                 # compile of the same grammar is then a cache hit); a bad schema is a 400.
                 try:
-                    self.engine.structured.compile(sp.guided_decoding)
+                    structured.compile(sp.guided_decoding)
                 except ValueError as exc:
                     raise from_value_error(exc) from None
             samples = sp.best_of or sp.n
@@ -535,6 +541,8 @@ class AsyncEngine:
         m = live.metrics
         m.prompt_tokens = len(out.prompt_token_ids)
         m.cached_tokens = out.num_cached_tokens
+        if m.scheduled is None and out.first_scheduled_time is not None:
+            m.scheduled = out.first_scheduled_time
         total = sum(len(c.token_ids) for c in out.outputs)
         if total > live.completion_tokens:
             if m.first_token is None:

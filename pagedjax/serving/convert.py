@@ -29,7 +29,31 @@ def params_from_proto(msg: pb.SamplingParams) -> dict:
             raise InvalidRequestError(f"early_stopping must be 'true', 'false' or 'never', got {v!r}",
                                       "early_stopping")
         d["early_stopping"] = _EARLY[v]
+    if msg.HasField("guided_decoding"):
+        d["guided_decoding"] = _guide_from_proto(msg.guided_decoding)
     return d
+
+
+def _guide_from_proto(g: pb.GuidedDecoding) -> dict:
+    kind = g.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("guided_decoding: set one of json, regex, choice, grammar, "
+                                  "json_object", "guided_decoding")
+    if kind == "choice":
+        return {"choice": list(g.choice.values)}
+    return {kind: getattr(g, kind)}
+
+
+def _guide_to_proto(guide) -> pb.GuidedDecoding:
+    from pagedjax.structured import GuidedDecodingParams
+
+    g = GuidedDecodingParams.coerce(guide)
+    kind = g.kind
+    if kind == "choice":
+        return pb.GuidedDecoding(choice=pb.Choices(values=list(g.choice)))
+    if kind == "json":
+        return pb.GuidedDecoding(json=g.source()[1])
+    return pb.GuidedDecoding(**{kind: getattr(g, kind)})
 
 
 def params_to_proto(params: SamplingParams | dict | None) -> pb.SamplingParams:
@@ -42,7 +66,10 @@ def params_to_proto(params: SamplingParams | dict | None) -> pb.SamplingParams:
     stop = d.pop("stop", None)
     stop_ids = d.pop("stop_token_ids", None)
     early = d.pop("early_stopping", None)
+    guide = d.pop("guided_decoding", None)
     msg = pb.SamplingParams(**{k: v for k, v in d.items() if v is not None})
+    if guide is not None:
+        msg.guided_decoding.CopyFrom(_guide_to_proto(guide))
     if stop:
         msg.stop.extend([stop] if isinstance(stop, str) else stop)
     if stop_ids:

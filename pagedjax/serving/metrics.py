@@ -13,12 +13,13 @@ from pagedjax.serving.http_limits import BoundServer, HttpLimits
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
 class ServingMetrics:
     """Request counters and latency histograms plus engine gauges, all prefixed `pagedjax_`."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str | None = None):
         self.registry = r = registry or CollectorRegistry()
         self.requests = Counter("pagedjax_requests", "Finished requests by finish reason",
                                 ["finish_reason"], registry=r)
@@ -59,7 +60,13 @@ class ServingMetrics:
                                        "Draft tokens accepted at each position of a proposal",
                                        ["position"], registry=r)
 
-    def attach(self, engine: AsyncEngine) -> ServingMetrics:
+        self.vllm = VllmMetrics(r, model_name) if model_name is not None else None
+
+    def attach(self, engine: AsyncEngine, model_name: str | None = None) -> ServingMetrics:
+        """Feed the metrics from ``engine``; the vLLM-named ones are labelled ``model_name``
+        (default: the engine's model id)."""
+        if self.vllm is None:
+            self.vllm = VllmMetrics(self.registry, model_name or engine.engine.model_name)
         engine.on_request_done(self.observe_request)
         engine.on_stats(self.observe_stats)
         engine.on_refused(lambda err: self.refused.labels(err.kind).inc())
@@ -67,6 +74,8 @@ class ServingMetrics:
         return self
 
     def observe_request(self, m: RequestMetrics) -> None:
+        if self.vllm is not None:
+            self.vllm.observe_request(m)
         self.requests.labels(m.finish_reason or "unknown").inc()
         self.prompt_tokens.inc(m.prompt_tokens)
         self.generation_tokens.inc(m.completion_tokens)
@@ -78,6 +87,8 @@ class ServingMetrics:
             self.e2e.observe(m.e2e)
 
     def observe_stats(self, s) -> None:
+        if self.vllm is not None:
+            self.vllm.observe_stats(s)
         self.running.set(s.num_running)
         self.waiting.set(s.num_waiting)
         self.swapped.set(s.num_swapped)
@@ -106,3 +117,92 @@ class ServingMetrics:
         server = getattr(self, "_server", None)
         if server is not None:
             await server.stop()
+
+
+class VllmMetrics:
+    """The same measurements under vLLM's metric names and meanings (`vllm:*`, labelled
+    `model_name`), so dashboards and routers written for vLLM read this server unchanged.
+    Mapping and differences: docs/serving-parity.md."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str):
+        lab = ["model_name"]
+        self.model_name = model_name
+
+        def gauge(name, doc):
+            return Gauge(name, doc, lab, registry=r).labels(model_name)
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, lab + list(extra), registry=r)
+
+        def hist(name, doc, buckets):
+            return Histogram(name, doc, lab, buckets=buckets, registry=r).labels(model_name)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting (swapped out "
+                             "included)")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 1 = full")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions").labels(model_name)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests") \
+            .labels(model_name)
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens") \
+            .labels(model_name)
+        self.success = counter("vllm:request_success", "Finished requests by finish reason",
+                               ["finished_reason"])
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up "
+                                      "in the prefix cache").labels(model_name)
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the "
+                                   "prefix cache").labels(model_name)
+        self.ttft = hist("vllm:time_to_first_token_seconds", "Time to first token",
+                         _LATENCY_BUCKETS)
+        self.itl = hist("vllm:inter_token_latency_seconds", "Time between two output tokens "
+                        "of a request", _TOKEN_BUCKETS)
+        self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency",
+                        _LATENCY_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Time from arrival to first "
+                          "scheduled", _LATENCY_BUCKETS)
+        self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per request",
+                               _COUNT_BUCKETS)
+        self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per request",
+                            _COUNT_BUCKETS)
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative proposals") \
+            .labels(model_name)
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
+                                         "Draft tokens proposed").labels(model_name)
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens",
+                                     "Draft tokens accepted").labels(model_name)
+        self.spec_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                "Draft tokens accepted per position", ["position"])
+        self._last: dict[str, float] = {}  # engine totals seen, for the counters' increments
+
+    def _delta(self, key: str, total: float) -> float:
+        d = total - self._last.get(key, 0)
+        self._last[key] = total
+        return max(d, 0)
+
+    def observe_stats(self, s) -> None:
+        self.running.set(s.num_running)
+        self.waiting.set(s.num_waiting + s.num_swapped)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.preemptions.inc(self._delta("preempt", s.num_preemptions_total))
+        self.spec_drafts.inc(self._delta("drafts", getattr(s, "spec_num_drafts", 0)))
+        self.spec_draft_tokens.inc(self._delta("dtok", getattr(s, "spec_num_draft_tokens", 0)))
+        self.spec_accepted.inc(self._delta("acc", getattr(s, "spec_num_accepted_tokens", 0)))
+        for pos, n in enumerate(getattr(s, "spec_accepted_per_position", ())):
+            self.spec_pos.labels(self.model_name, str(pos)).inc(self._delta(f"pos{pos}", n))
+
+    def observe_request(self, m: RequestMetrics) -> None:
+        self.success.labels(self.model_name, m.finish_reason or "abort").inc()
+        self.prompt_tokens.inc(m.prompt_tokens)
+        self.generation_tokens.inc(m.completion_tokens)
+        self.prefix_queries.inc(m.prompt_tokens)
+        self.prefix_hits.inc(m.cached_tokens)
+        self.req_prompt.observe(m.prompt_tokens)
+        self.req_gen.observe(m.completion_tokens)
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        for gap in m.itls:
+            self.itl.observe(gap)
+        if m.e2e is not None:
+            self.e2e.observe(m.e2e)
+        if m.queue_time is not None:
+            self.queue.observe(m.queue_time)

@@ -1,8 +1,8 @@
 """Pydantic schemas of the OpenAI-compatible API (the subset we serve) and their sampling params.
 
-Unknown fields are ignored (as OpenAI-compatible servers commonly do) so clients that send extra
-options keep working; every value we do use is validated by `SamplingParams`, whose errors name
-the field.
+Nothing is silently dropped: a field this server does not know is a 400 naming it, and the few
+that are accepted without effect are listed in `IGNORED_FIELDS` (and documented in the API
+schema). Every value that is used is validated by `SamplingParams`, whose errors name the field.
 """
 
 from __future__ import annotations
@@ -46,7 +46,13 @@ _LOGPROBS = dict(minimum=0, maximum=MAX_LOGPROBS)
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
+
+
+# Accepted and ignored: bookkeeping fields of OpenAI's API that change nothing about the
+# generated text.
+IGNORED_FIELDS = ("user", "service_tier", "store", "metadata", "parallel_tool_calls")
+_IGNORED = Field(default=None, description="accepted and ignored (no effect on generation)")
 
 
 class StreamOptions(_Base):
@@ -88,7 +94,14 @@ class _Sampling(_Base):
     frequency_penalty: float | None = _bounds(minimum=-2, maximum=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = _IGNORED
+    service_tier: str | None = _IGNORED
+    store: bool | None = _IGNORED
+    metadata: dict[str, str] | None = _IGNORED
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras: token-level rules
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM extras
     top_k: int | None = _bounds(minimum=-1)
     min_p: float | None = _bounds(minimum=0, maximum=1)
@@ -117,7 +130,8 @@ class _Sampling(_Base):
         keys = ("n", "best_of", "temperature", "top_p", "seed", "stop", "presence_penalty",
                 "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                 "stop_token_ids", "skip_special_tokens", "use_beam_search", "length_penalty",
-                "early_stopping", "include_stop_str_in_output", "prompt_logprobs")
+                "early_stopping", "include_stop_str_in_output", "prompt_logprobs",
+                "logit_bias", "allowed_token_ids", "bad_words")
         d = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
         guide = self.guided_decoding()
         if guide is not None:
@@ -175,6 +189,17 @@ class ChatMessage(_Base):
 
     _content_text = field_validator("content")(check_unicode)
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for i, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError(f"part {i}: only text parts are supported (got "
+                                     f"{kind!r}); this server serves text-only models")
+        return content
+
     @field_validator("role")
     @classmethod
     def _known_role(cls, role: str) -> str:
@@ -185,6 +210,24 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
+    # Tool calling is not served yet: refused by name rather than dropped (tool_choice "none"
+    # without tools, and parallel_tool_calls, change nothing and are accepted).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = _IGNORED
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _no_tools(self) -> ChatCompletionRequest:
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise ValueError(f"{name}: tool calling is not supported by this server")
+        for name in ("tool_choice", "function_call"):
+            v = getattr(self, name)
+            if v is not None and v != "none":
+                raise ValueError(f"{name}: tool calling is not supported by this server")
+        return self
     max_tokens: int | None = _bounds(minimum=1)
     max_completion_tokens: int | None = _bounds(minimum=1)
     logprobs: bool = False

@@ -114,6 +114,10 @@ BAD = [
     ("hi", {"use_beam_search": True, "best_of": 1, "temperature": 0.0}, grpc.StatusCode.INVALID_ARGUMENT,
      "best_of"),
     ("hi", {"prompt_logprobs": 1}, grpc.StatusCode.UNIMPLEMENTED, "prompt_logprobs"),
+    ("hi", {"guided_decoding": {"json": {"type": "objectx"}}}, grpc.StatusCode.INVALID_ARGUMENT,
+     "guided_decoding.json"),
+    ("hi", {"guided_decoding": {"regex": "[a"}}, grpc.StatusCode.INVALID_ARGUMENT,
+     "guided_decoding.regex"),
 ]
 
 
@@ -167,6 +171,21 @@ def test_metrics_consistent_with_requests(server):
               "pagedjax_time_per_output_token_seconds"):
         assert d(f"{h}_count") == 3 and d(f"{h}_sum") > 0
     assert after["pagedjax_num_requests_running"] == 0 and after["pagedjax_kv_cache_usage_ratio"] == 0
+    # The same under vLLM's names, labelled with the served model's name.
+    m = f"[{client.model_info().model}]"
+    assert d(f"vllm:request_success_total[length]{m}") == 3
+    assert d(f"vllm:generation_tokens_total{m}") == 15
+    assert d(f"vllm:prompt_tokens_total{m}") == sum(r.prompt_tokens for r in sent)
+    assert d(f"vllm:prefix_cache_queries_total{m}") == sum(r.prompt_tokens for r in sent)
+    assert d(f"vllm:prefix_cache_hits_total{m}") == sum(r.cached_tokens for r in sent)
+    for h in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+              "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens",
+              "vllm:request_generation_tokens"):
+        assert d(f"{h}_count{m}") == 3, h
+    assert d(f"vllm:request_generation_tokens_sum{m}") == 15
+    assert d(f"vllm:inter_token_latency_seconds_count{m}") == 2 + 4 + 6  # every gap
+    assert after[f"vllm:num_requests_running{m}"] == 0
+    assert after[f"vllm:kv_cache_usage_perc{m}"] == 0
 
 
 def test_model_info_and_reflection(server):
@@ -187,3 +206,22 @@ def test_beam_search_matches_offline(server, offline):
     want = offline.generate(PROMPTS[0], sp, use_tqdm=False)[0]
     got = server.client.generate(PROMPTS[0], sp)
     assert [(c.text, c.token_ids) for c in got.outputs] == [(o.text, o.token_ids) for o in want.outputs]
+
+
+def test_structured_outputs_over_grpc(server):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                               "year": {"type": "integer", "minimum": 1000,
+                                                        "maximum": 2100}},
+              "required": ["city", "year"], "additionalProperties": False}
+    res = server.client.generate("Facts as JSON:", {"max_tokens": 40, "temperature": 0.8,
+                                                    "seed": 2, "n": 2,
+                                                    "guided_decoding": {"json": schema}})
+    for o in res.outputs:
+        value = json.loads(o.text)
+        assert set(value) == {"city", "year"} and value["city"] in ("Paris", "Rome")
+    res = server.client.generate("Pick:", {"max_tokens": 8, "temperature": 1.0, "n": 3,
+                                           "guided_decoding": {"choice": ["left", "right"]}})
+    assert {o.text for o in res.outputs} <= {"left", "right"}
+    wait_blocks_free(server.client)

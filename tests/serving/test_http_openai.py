@@ -225,3 +225,31 @@ def test_structured_outputs(oai, model):
     with pytest.raises(openai.BadRequestError, match="json_schema"):
         oai.chat.completions.create(model=model, messages=msgs, max_tokens=4,
                                     response_format={"type": "json_schema"})
+
+
+def test_nothing_is_silently_dropped(oai, model, server):
+    """Unknown fields, image parts and tools are 400s naming them; documented bookkeeping
+    fields are accepted; logit_bias, allowed_token_ids and bad_words take effect."""
+    url = f"http://127.0.0.1:{server.ports['http_port']}/v1"
+    msgs = [{"role": "user", "content": "Hi"}]
+    for body, field in [({"model": model, "prompt": "x", "max_tokens": 2, "frobnicate": 1},
+                         "frobnicate"),
+                        ({"model": model, "messages": msgs, "max_tokens": 2,
+                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                        ({"model": model, "max_tokens": 2, "messages": [
+                            {"role": "user", "content": [{"type": "image_url",
+                                                          "image_url": {"url": "x"}}]}]},
+                         "image_url")]:
+        route = "/completions" if "prompt" in body else "/chat/completions"
+        r = httpx.post(url + route, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert field in r.json()["error"]["message"], r.text
+    ok = oai.chat.completions.create(model=model, messages=msgs, max_tokens=3, temperature=0,
+                                     user="u1", store=False, metadata={"k": "v"},
+                                     tool_choice="none")
+    assert ok.choices[0].message.content is not None
+    forced = oai.completions.create(model=model, prompt="The sky is", max_tokens=4,
+                                    temperature=0, logit_bias={"1234": 100})
+    assert forced.choices[0].text == oai.completions.create(
+        model=model, prompt="The sky is", max_tokens=4, temperature=0,
+        extra_body={"allowed_token_ids": [1234]}).choices[0].text
