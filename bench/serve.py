@@ -147,8 +147,8 @@ def engine_kwargs(args) -> dict:
 
 def start_server(args, tmp: Path) -> tuple[subprocess.Popen, dict]:
     port_file = tmp / "ports.json"
-    cmd = [sys.executable, "-m", "pagedjax.cli", "serve", "--model", args.model, "--port", "0",
-           "--http-port", "0", "--port-file", str(port_file)]
+    cmd = [sys.executable, "-m", "pagedjax", "serve", args.model, "--port", "0",
+           "--grpc-port", "0", "--port-file", str(port_file)]
     for k, v in engine_kwargs(args).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     log = open(tmp / "server.log", "w")

@@ -103,8 +103,17 @@ def serve_options(args):
     limits = {k: v for k, v in (("header_timeout", args.http_header_timeout),
                                 ("body_timeout", args.http_body_timeout),
                                 ("max_body_bytes", args.http_max_body_bytes)) if v is not None}
-    return ServerOptions(model=args.model, dtype=args.dtype, host=args.host, port=args.port,
-                         metrics_port=args.metrics_port, http_port=args.http_port,
+    model = args.model_tag or args.model
+    if "max_model_len" not in engine_kwargs:
+        # As `vllm serve`: the model's own context length, not the Python API's 4096 cap.
+        from models.loader import read_config
+
+        engine_kwargs["max_model_len"] = read_config(model).max_position_embeddings
+    return ServerOptions(model=model, dtype=args.dtype, host=args.host, port=args.grpc_port,
+                         metrics_port=args.metrics_port, http_port=args.port,
+                         served_model_name=args.served_model_name, tokenizer=args.tokenizer,
+                         chat_template=args.chat_template,
+                         generation_config=args.generation_config,
                          max_waiting_requests=args.max_waiting_requests or None, grace_s=args.grace,
                          max_sequences_per_request=args.max_sequences_per_request or None,
                          port_file=args.port_file, api_key=resolve_api_key(args.api_key),
@@ -141,12 +150,28 @@ def cmd_client(args) -> int:
 
 
 def add_serving_parsers(sub) -> None:
-    s = sub.add_parser("serve", help="serve the model over gRPC (and optionally OpenAI HTTP)")
+    s = sub.add_parser("serve", help="serve the model over OpenAI-compatible HTTP (as `vllm "
+                                     "serve`), and gRPC with --grpc-port")
+    s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model to serve, as `vllm serve MODEL` (same as --model)")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=50051, help="gRPC port (0: ephemeral)")
-    s.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (0: ephemeral)")
-    s.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (0: ephemeral)")
+    s.add_argument("--port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port, with /metrics (0: ephemeral)")
+    s.add_argument("--http-port", dest="port", type=int, help=argparse.SUPPRESS)  # former name
+    s.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve gRPC on this port (0: ephemeral; default: no gRPC)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics on a port of its own (0: ephemeral)")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name in the API and metrics (default: MODEL)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer folder or file (default: the "
+                                                     "model's)")
+    s.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    s.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for requests that leave them unset: 'auto' (the "
+                        "model folder's generation_config.json), 'vllm' (none), or a folder")
     s.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests waiting for their first token before new ones are refused "
                         "(429 / RESOURCE_EXHAUSTED); 0: unlimited")

@@ -31,6 +31,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -213,6 +214,9 @@ class LLMEngine:
         self._request_counter = itertools.count()
         self._weights_version = 0
         self.num_steps = 0
+        # Sampling defaults servers apply to requests that leave a field unset (`serve
+        # --generation-config`); the Python API uses `SamplingParams`' own.
+        self.default_sampling: dict = {}
         self.num_cache_rebuilds = 0
         self.num_step_failures = 0  # steps (or scheduling of a group) that raised
         self._cache_broken = False
@@ -242,7 +246,14 @@ class LLMEngine:
             self.beams.scheduler = scheduler
 
     @classmethod
-    def from_model(cls, model: str = "smollm2", dtype=None, **kwargs) -> LLMEngine:
+    def from_model(cls, model: str = "smollm2", dtype=None, *, tokenizer: str | None = None,
+                   chat_template: str | None = None, served_model_name: str | None = None,
+                   **kwargs) -> LLMEngine:
+        """Load ``model`` (GGUF file, HF folder, converted checkpoint or packaged name);
+        ``tokenizer``: a tokenizer folder or file to use instead of the model's;
+        ``chat_template``: a Jinja template (or a file holding one) replacing the tokenizer's;
+        ``served_model_name``: the name clients address it by (default: ``model``); the other
+        keywords are `EngineConfig` fields."""
         from models.loader import load_model, read_config, resolve_dtype
         from models.tokenizer import load_tokenizer
 
@@ -254,7 +265,12 @@ class LLMEngine:
             validate_tp(read_config(model), tp,
                         expert_parallel=engine_config.enable_expert_parallel)
         config, params, path = load_model(model, dtype, tensor_parallel_size=tp)
-        return cls(config, params, load_tokenizer(path), engine_config, resolve_dtype(dtype), str(model))
+        tok = load_tokenizer(tokenizer or path)
+        if chat_template is not None:
+            p = Path(chat_template)
+            tok.chat_template = p.read_text() if p.is_file() else chat_template
+        return cls(config, params, tok, engine_config, resolve_dtype(dtype),
+                   served_model_name or str(model))
 
     # ---- warm-up -----------------------------------------------------------
     def warmup(self) -> int:

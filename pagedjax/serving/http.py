@@ -28,7 +28,13 @@ from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, RequestStre
 from pagedjax.serving.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from pagedjax.serving.errors import InvalidRequestError, NotReadyError, ServingError
 from pagedjax.serving.http_limits import BoundServer, HttpLimits
-from pagedjax.serving.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedjax.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    conversation,
+)
 
 logger = logging.getLogger("pagedjax.serving.http")
 
@@ -62,15 +68,17 @@ class _Job:
 
 
 class _ApiKeyMiddleware:
-    """`--api-key` on /v1 routes (/health and /metrics stay open for probes and scrapers, as in
-    vLLM). Plain ASGI rather than `@app.middleware`: Starlette's BaseHTTPMiddleware wraps
-    `receive`, which hides client disconnects from the endpoints that poll for them."""
+    """`--api-key` on /v1 routes and /tokenize, /detokenize (/health, /metrics and /version
+    stay open for probes and scrapers, as in vLLM). Plain ASGI rather than `@app.middleware`:
+    Starlette's BaseHTTPMiddleware wraps `receive`, which hides client disconnects from the
+    endpoints that poll for them."""
 
     def __init__(self, app, key: str):
         self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1")
+                                        or scope["path"] in ("/tokenize", "/detokenize")):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not bearer_ok(auth, self.key):
                 resp = error_response(401, UNAUTHENTICATED_MESSAGE, "authentication_error")
@@ -120,6 +128,46 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(front.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version():
+        from pagedjax import __version__
+
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        front.check_model(body.model)
+        eng = front.engine()
+        tok = eng.tokenizer
+
+        def run() -> list[int]:  # off the event loop
+            if body.messages is not None:
+                conv = conversation(body.messages)
+                front.check_text("".join(m["content"] for m in conv) or " ", "messages")
+                try:
+                    text = tok.apply_chat_template(
+                        conv, tokenize=False, add_generation_prompt=body.add_generation_prompt)
+                except Exception as exc:
+                    raise InvalidRequestError(f"messages: cannot apply the chat template: {exc}",
+                                              "messages") from None
+                return tok(text, add_special_tokens=False).input_ids
+            front.check_text(body.prompt, "prompt")
+            return tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+
+        ids = await asyncio.to_thread(run)
+        return {"count": len(ids), "max_model_len": eng.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        front.check_model(body.model)
+        eng = front.engine()
+        vocab = eng.model_config.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"tokens: ids {bad[:5]} are not in [0, {vocab})", "tokens")
+        text = await asyncio.to_thread(eng.tokenizer.decode, body.tokens)
+        return {"prompt": text}
 
     @app.get("/v1/models")
     async def models():
@@ -235,7 +283,8 @@ class HttpFrontDoor:
                   request: Request | None = None):
         if self.aengine is None:
             raise NotReadyError("model is loading")
-        sp = to_params(params)
+        # `serve --generation-config` defaults for what the request leaves unset.
+        sp = to_params({**getattr(self.engine(), "default_sampling", {}), **params})
         base = body.request_id or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         # The client's id only labels the response: engine ids are the server's own, so no
         # client can collide with, probe or abort another's requests (gRPC included).

@@ -243,10 +243,39 @@ class ChatCompletionRequest(_Sampling):
         return d
 
     def conversation(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            content = m.content
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-            out.append({"role": m.role, "content": content or ""})
-        return out
+        return conversation(self.messages)
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (text parts joined)."""
+    out = []
+    for m in messages:
+        content = m.content
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
+        out.append({"role": m.role, "content": content or ""})
+    return out
+
+
+class TokenizeRequest(_Base):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    _prompt_text = field_validator("prompt")(check_unicode)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(_Base):
+    model: str | None = None
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0,
+                                                            "maximum": MAX_TOKEN_ID}})

@@ -65,9 +65,15 @@ class ServerOptions:
     model: str = "smollm2"
     dtype: str | None = None
     host: str = "127.0.0.1"
-    port: int = 50051
-    metrics_port: int | None = None  # None: no metrics endpoint; 0: ephemeral
-    http_port: int | None = None  # OpenAI front door (issue 9); None: off
+    port: int | None = 50051  # gRPC (`serve --grpc-port`); None: off
+    metrics_port: int | None = None  # a separate metrics port; None: /metrics on HTTP only
+    http_port: int | None = None  # OpenAI front door (`serve --port`); None: off
+    served_model_name: str | None = None  # the name clients use (default: the model argument)
+    tokenizer: str | None = None  # a tokenizer other than the model's
+    chat_template: str | None = None  # a Jinja chat template, or a file holding one
+    # Default sampling parameters of requests that leave them unset: "auto" (the model's
+    # generation_config.json), "vllm" (none: vLLM's own defaults), or a folder holding one.
+    generation_config: str = "auto"
     # Requests accepted but without a first token yet; more get RESOURCE_EXHAUSTED / HTTP 429
     # instead of an unbounded queue (None: unlimited).
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
@@ -153,7 +159,8 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
         stream = None
         try:
             try:
-                sp = to_params(params_from_proto(request.params))
+                sp = to_params({**getattr(aeng.engine, "default_sampling", {}),
+                                **params_from_proto(request.params)})
                 if ids is None:  # sized and checked first, then tokenized off the event loop
                     ids = await asyncio.to_thread(_checked_ids, aeng.engine, prompt)
                 stream = await aeng.add_request_async(rid, prompt, sp, ids)
@@ -235,12 +242,43 @@ def load_engine(opts: ServerOptions):
     from pagedjax.engine import LLMEngine
     from pagedjax.sampling_params import SamplingParams
 
-    eng = LLMEngine.from_model(opts.model, opts.dtype, **opts.engine_kwargs)
+    eng = LLMEngine.from_model(opts.model, opts.dtype, tokenizer=opts.tokenizer,
+                               chat_template=opts.chat_template,
+                               served_model_name=opts.served_model_name, **opts.engine_kwargs)
+    eng.default_sampling = generation_defaults(opts.generation_config, opts.model)
+    if eng.default_sampling:
+        logger.info("default sampling parameters from generation_config.json: %s",
+                    eng.default_sampling)
     eng.add_request("warmup", "Hello", SamplingParams(max_tokens=2, temperature=0.0))
     while eng.has_unfinished_requests():
         eng.step()
     eng.freeze_gc()  # loaded and warm: what is alive now lives as long as the server
     return eng
+
+
+# generation_config.json keys that are sampling defaults, and their `SamplingParams` names.
+_GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                    "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+
+
+def generation_defaults(choice: str, model: str) -> dict:
+    """Sampling defaults as vLLM's `--generation-config` takes them: "auto" reads the model
+    folder's generation_config.json (nothing for GGUF files and packaged names), "vllm" uses
+    none, any other value is a folder holding the file. Only the sampling keys vLLM honours
+    (temperature, top_p, top_k, min_p, repetition_penalty) are kept, and only
+    when the file samples (`do_sample` not false)."""
+    if choice == "vllm":
+        return {}
+    folder = Path(model) if choice == "auto" else Path(choice)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if choice != "auto":
+            raise ValueError(f"generation_config: no generation_config.json in {choice!r}")
+        return {}
+    cfg = json.loads(path.read_text())
+    if cfg.get("do_sample") is False:
+        return {}
+    return {ours: cfg[key] for key, ours in _GENERATION_KEYS.items() if cfg.get(key) is not None}
 
 
 async def _set_health(health: HealthServicer, serving: bool) -> None:
@@ -261,11 +299,14 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection([SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"]
                                          .full_name, reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+    ports = {}
+    port = None
+    if opts.port is not None:
+        port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+        ports["port"] = ports["grpc_port"] = port
     await _set_health(health, False)
     await server.start()
     metrics = ServingMetrics()
-    ports = {"port": port}
     if opts.metrics_port is not None:
         ports["metrics_port"] = await metrics.serve(opts.metrics_port, opts.host, opts.http_limits)
     if stop is None:
@@ -284,7 +325,7 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
         tmp = Path(f"{opts.port_file}.tmp")
         tmp.write_text(json.dumps(ports))
         tmp.replace(opts.port_file)
-    logger.info("listening on %s:%d (%s); loading %s", opts.host, port, ports, opts.model)
+    logger.info("listening on %s (%s); loading %s", opts.host, ports, opts.model)
     try:
         eng = engine if engine is not None else await loop.run_in_executor(None, load_engine, opts)
     except Exception:

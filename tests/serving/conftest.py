@@ -25,8 +25,11 @@ class ServerProcess:
         self.port_file = tmp / "ports.json"
         self.log_path = tmp / "server.log"
         self._log = open(self.log_path, "w")
-        cmd = [sys.executable, "-m", "pagedjax.cli", "serve", "--model", str(model), "--port", "0",
-               "--metrics-port", "0", "--port-file", str(self.port_file), *ENGINE_ARGS, *extra]
+        # `vllm serve`'s shape: the model positional, --port for HTTP; gRPC and a separate
+        # metrics port on request.
+        cmd = [sys.executable, "-m", "pagedjax", "serve", str(model), "--port", "0",
+               "--grpc-port", "0", "--metrics-port", "0", "--port-file", str(self.port_file),
+               *ENGINE_ARGS, *extra]
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         self._client: Client | None = None
@@ -75,7 +78,7 @@ def engine_kwargs() -> dict:
 @pytest.fixture(scope="session")
 def server(demo_gguf, tmp_path_factory):
     """One server (gRPC + HTTP over one engine) shared by the e2e modules: startup is the slow part."""
-    srv = ServerProcess(demo_gguf, tmp_path_factory.mktemp("server"), "--http-port", "0")
+    srv = ServerProcess(demo_gguf, tmp_path_factory.mktemp("server"))
     yield srv
     assert srv.terminate() == 0, srv.log()
 
