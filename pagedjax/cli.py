@@ -104,6 +104,8 @@ def serve_options(args):
                                 ("body_timeout", args.http_body_timeout),
                                 ("max_body_bytes", args.http_max_body_bytes)) if v is not None}
     model = args.model_tag or args.model
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser")
     if "max_model_len" not in engine_kwargs:
         # As `vllm serve`: the model's own context length, not the Python API's 4096 cap.
         from models.loader import read_config
@@ -114,6 +116,8 @@ def serve_options(args):
                          served_model_name=args.served_model_name, tokenizer=args.tokenizer,
                          chat_template=args.chat_template,
                          generation_config=args.generation_config,
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
+                         else None,
                          max_waiting_requests=args.max_waiting_requests or None, grace_s=args.grace,
                          max_sequences_per_request=args.max_sequences_per_request or None,
                          port_file=args.port_file, api_key=resolve_api_key(args.api_key),
@@ -169,6 +173,11 @@ def add_serving_parsers(sub) -> None:
                                                      "model's)")
     s.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice 'auto'); needs "
+                        "--tool-call-parser")
+    s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="the model family's tool-call format, for tool_choice 'auto'")
     s.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that leave them unset: 'auto' (the "
                         "model folder's generation_config.json), 'vllm' (none), or a folder")

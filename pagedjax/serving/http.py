@@ -35,6 +35,7 @@ from pagedjax.serving.openai_protocol import (
     TokenizeRequest,
     conversation,
 )
+from pagedjax.serving.tools import ToolCall, calls_from_constrained, guided_for, template_tools
 
 logger = logging.getLogger("pagedjax.serving.http")
 
@@ -199,10 +200,17 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
         conversation = body.conversation()
         front.check_text("".join(m["content"] for m in conversation) or " ", "messages")
 
+        funcs, mode = body.tool_mode()
+        if mode == "auto" and front.tool_parser is None:
+            raise InvalidRequestError(
+                "tool_choice: 'auto' needs the server started with --enable-auto-tool-choice "
+                "and --tool-call-parser (or name a function, or use 'required')", "tool_choice")
+        extra = {"tools": template_tools(funcs)} if mode is not None else {}
+
         def template() -> tuple[str, list[int]]:  # run off the event loop
             try:
                 text = tok.apply_chat_template(conversation, tokenize=False,
-                                               add_generation_prompt=True)
+                                               add_generation_prompt=True, **extra)
             except Exception as exc:
                 msg = f"messages: cannot apply the chat template: {exc}"
                 raise InvalidRequestError(msg, "messages") from None
@@ -214,7 +222,15 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
             samples = params.get("best_of") or params.get("n") or 1
             fit = front.engine().max_output_tokens(len(ids), samples) if isinstance(samples, int) else 1
             params["max_tokens"] = max(1, fit)
-        return await front.run(body, [(text, ids)], params, chat=True, request=request)
+        tools = None
+        if mode is not None:
+            guide = guided_for(funcs, mode, parallel=body.parallel_tool_calls is not False)
+            if guide is not None:  # a required or named call: valid by construction
+                params["guided_decoding"] = guide
+            tools = (mode, front.tool_parser if mode == "auto" else None,
+                     body.parallel_tool_calls is not False)
+        return await front.run(body, [(text, ids)], params, chat=True, request=request,
+                               tools=tools)
 
     return app
 
@@ -232,8 +248,10 @@ class HttpFrontDoor:
     connections; see `http_limits.py`)."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
-                 api_key: str | None = None, limits: HttpLimits | None = None):
+                 api_key: str | None = None, limits: HttpLimits | None = None,
+                 tool_parser=None):
         self.registry = registry
+        self.tool_parser = tool_parser  # `tool_choice: "auto"` (serve --enable-auto-tool-choice)
         self.api_key = api_key
         self.host, self.port = host, port
         self.limits = limits or HttpLimits()
@@ -280,7 +298,8 @@ class HttpFrontDoor:
             raise InvalidRequestError(str(e), field) from None
 
     async def run(self, body, prompts: list[tuple[str | None, list[int] | None]], params: dict, chat: bool,
-                  request: Request | None = None):
+                  request: Request | None = None, tools: tuple | None = None):
+        """``tools``: (mode, parser) of a chat request that may call tools (`tools.py`)."""
         if self.aengine is None:
             raise NotReadyError("model is loading")
         # `serve --generation-config` defaults for what the request leaves unset.
@@ -297,7 +316,7 @@ class HttpFrontDoor:
         meta = {"id": base, "created": int(time.time()), "model": self.engine().model_name}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
-            return StreamingResponse(self._sse(jobs, meta, chat, sp, include_usage),
+            return StreamingResponse(self._sse(jobs, meta, chat, sp, include_usage, tools),
                                      media_type="text/event-stream")
         try:
             finals = await self._finals_unless_disconnected(jobs, request)
@@ -305,7 +324,7 @@ class HttpFrontDoor:
             self._abort(jobs)  # a disconnected client's requests free their blocks
         if finals is None:  # nobody reads this; 499 is nginx's "client closed request"
             return Response(status_code=499)
-        return self._full_response(jobs, finals, meta, chat, sp)
+        return self._full_response(jobs, finals, meta, chat, sp, tools)
 
     async def _finals_unless_disconnected(self, jobs: list[_Job], request: Request | None):
         """Final outputs of a non-streaming call; gives up as soon as the client goes away
@@ -333,7 +352,7 @@ class HttpFrontDoor:
             last = out
         return last
 
-    def _full_response(self, jobs, finals, meta, chat: bool, sp) -> dict:
+    def _full_response(self, jobs, finals, meta, chat: bool, sp, tools=None) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for job, out in zip(jobs, finals):
             prompt_tokens += len(out.prompt_token_ids)
@@ -343,8 +362,9 @@ class HttpFrontDoor:
                 lp = (self._logprobs(c.token_ids, c.logprobs, chat, sp.logprobs)
                       if sp.logprobs is not None else None)
                 if chat:
-                    choices.append({"index": idx, "message": {"role": "assistant", "content": c.text},
-                                    "logprobs": lp, "finish_reason": c.finish_reason})
+                    message, finish = _assistant_message(c.text, c.finish_reason, tools)
+                    choices.append({"index": idx, "message": message, "logprobs": lp,
+                                    "finish_reason": finish})
                 else:
                     choices.append({"index": idx, "text": c.text, "logprobs": lp,
                                     "finish_reason": c.finish_reason})
@@ -353,8 +373,8 @@ class HttpFrontDoor:
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
-    async def _sse(self, jobs: list[_Job], meta: dict, chat: bool, sp, include_usage: bool
-                   ) -> AsyncIterator[str]:
+    async def _sse(self, jobs: list[_Job], meta: dict, chat: bool, sp, include_usage: bool,
+                   tools=None) -> AsyncIterator[str]:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(job: _Job) -> None:
@@ -369,6 +389,7 @@ class HttpFrontDoor:
         obj = "chat.completion.chunk" if chat else "text_completion"
         tasks = [asyncio.create_task(pump(j)) for j in jobs]
         started: set[int] = set()
+        calls: dict[int, _ToolStream] = {}  # choice index -> its tool-call stream
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         counted: set[str] = set()
         done = 0
@@ -391,15 +412,20 @@ class HttpFrontDoor:
                     idx = job.offset + d.index
                     lp = (self._logprobs(d.token_ids, d.logprobs, chat, sp.logprobs)
                           if sp.logprobs is not None and d.logprobs is not None else None)
+                    finish = d.finish_reason
                     if chat:
-                        delta: dict[str, Any] = {"content": d.text}
+                        if tools is not None:
+                            ts = calls.setdefault(idx, _ToolStream(*tools))
+                            delta, finish = ts.delta(d.text, d.finish_reason)
+                        else:
+                            delta = {"content": d.text}
                         if idx not in started:
                             started.add(idx)
                             delta["role"] = "assistant"
                         choice = {"index": idx, "delta": delta}
                     else:
                         choice = {"index": idx, "text": d.text}
-                    choice.update(logprobs=lp, finish_reason=d.finish_reason)
+                    choice.update(logprobs=lp, finish_reason=finish)
                     yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
             if include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -426,3 +452,70 @@ class HttpFrontDoor:
         return {"tokens": tokens, "token_logprobs": [e.get(t, 0.0) for t, e in zip(token_ids, entries)],
                 "top_logprobs": [{dec(a): v for a, v in top} for top in tops], "text_offset": offsets}
 
+
+
+def _assistant_message(text: str, finish: str | None, tools) -> tuple[dict, str | None]:
+    """The chat message of a finished output, with the tool calls it makes (if any)."""
+    if tools is None:
+        return {"role": "assistant", "content": text}, finish
+    mode, parser, parallel = tools
+    if parser is not None:
+        content, calls = parser.parse(text)
+        calls = calls if parallel else calls[:1]
+    else:
+        content, calls = None, calls_from_constrained(text, mode)
+        if not calls:
+            content = text
+    if not calls:
+        return {"role": "assistant", "content": content}, finish
+    message = {"role": "assistant", "content": content,
+               "tool_calls": [c.to_openai() for c in calls]}
+    # A named call ends as OpenAI's do ("stop"); calls the model chose end "tool_calls".
+    return message, finish if mode not in ("auto", "required") or finish != "stop" \
+        else "tool_calls"
+
+
+class _ToolStream:
+    """Streams one choice of a request that may call tools. A named call streams its arguments
+    as they are generated; "required" holds the text back and sends the calls at the end;
+    "auto" streams content up to where the parser's marker may begin and, at the end, sends
+    either the calls or the held-back text."""
+
+    def __init__(self, mode: str, parser, parallel: bool = True) -> None:
+        self.mode, self.parser, self.parallel = mode, parser, parallel
+        self.text, self.sent = "", 0
+        self.call: ToolCall | None = None
+
+    def delta(self, piece: str, finish: str | None) -> tuple[dict, str | None]:
+        self.text += piece
+        mode = self.mode
+        if mode not in ("auto", "required"):  # named: the arguments, as they come
+            if self.call is None:
+                self.call = ToolCall(mode, "")
+                head = self.call.to_openai(index=0)
+                head["function"]["arguments"] = piece
+                return {"tool_calls": [head]}, finish
+            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}, finish
+        delta: dict[str, Any] = {}
+        if mode == "auto":
+            cut = self.parser.split(self.text) if finish is None else len(self.text)
+            if finish is not None:
+                content, calls = self.parser.parse(self.text)
+                calls = calls if self.parallel else calls[:1]
+                if calls:
+                    head = self.text[self.sent:self.parser.split(self.text)]
+                    if head.strip():
+                        delta["content"] = head
+                    delta["tool_calls"] = [c.to_openai(index=i) for i, c in enumerate(calls)]
+                    return delta, "tool_calls" if finish == "stop" else finish
+            if cut > self.sent:
+                delta["content"] = self.text[self.sent:cut]
+                self.sent = cut
+            return delta, finish
+        if finish is None:  # required: all at the end
+            return delta, None
+        calls = calls_from_constrained(self.text, mode)
+        if calls:
+            delta["tool_calls"] = [c.to_openai(index=i) for i, c in enumerate(calls)]
+            return delta, "tool_calls" if finish == "stop" else finish
+        return {"content": self.text}, finish

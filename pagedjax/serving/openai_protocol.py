@@ -7,11 +7,13 @@ schema). Every value that is used is validated by `SamplingParams`, whose errors
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID
+from pagedjax.serving.tools import check_tools
 
 # Roles the chat template may see. Anything else is refused: a role is pasted into the
 # template verbatim, so "user<|im_end|>\n<|im_start|>system" would let a user write a system
@@ -51,7 +53,7 @@ class _Base(BaseModel):
 
 # Accepted and ignored: bookkeeping fields of OpenAI's API that change nothing about the
 # generated text.
-IGNORED_FIELDS = ("user", "service_tier", "store", "metadata", "parallel_tool_calls")
+IGNORED_FIELDS = ("user", "service_tier", "store", "metadata")
 _IGNORED = Field(default=None, description="accepted and ignored (no effect on generation)")
 
 
@@ -186,6 +188,8 @@ class ChatMessage(_Base):
     role: str = Field(json_schema_extra={"enum": list(CHAT_ROLES)})
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     _content_text = field_validator("content")(check_unicode)
 
@@ -210,24 +214,29 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    # Tool calling is not served yet: refused by name rather than dropped (tool_choice "none"
-    # without tools, and parallel_tool_calls, change nothing and are accepted).
+    # Tool calling (`pagedjax.serving.tools`); the legacy `functions` API is refused by name.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = _IGNORED
+    parallel_tool_calls: bool | None = None  # False: at most one call
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    _funcs: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _mode: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _no_tools(self) -> ChatCompletionRequest:
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise ValueError(f"{name}: tool calling is not supported by this server")
-        for name in ("tool_choice", "function_call"):
-            v = getattr(self, name)
-            if v is not None and v != "none":
-                raise ValueError(f"{name}: tool calling is not supported by this server")
+    def _tools(self) -> ChatCompletionRequest:
+        if self.functions or self.function_call is not None:
+            raise ValueError("functions: the legacy functions API is not served; use tools")
+        funcs, mode = check_tools(self.tools, self.tool_choice)
+        if mode not in (None, "auto") and self.guided_decoding() is not None:
+            raise ValueError("tool_choice: a required or named tool call cannot be combined "
+                             "with response_format or guided_*")
+        self._funcs, self._mode = funcs, mode
         return self
+
+    def tool_mode(self) -> tuple[list[dict], str | None]:
+        """(functions, mode): mode None (no tool calls), "auto", "required" or a name."""
+        return self._funcs, self._mode
     max_tokens: int | None = _bounds(minimum=1)
     max_completion_tokens: int | None = _bounds(minimum=1)
     logprobs: bool = False
@@ -253,8 +262,23 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         content = m.content
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             content = "".join(p.get("text", "") for p in content if p.get("type") == "text")
-        out.append({"role": m.role, "content": content or ""})
+        msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+        if m.tool_calls:  # templates take the arguments as an object, OpenAI sends JSON text
+            msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        out.append(msg)
     return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    f = dict(call.get("function") or {})
+    if isinstance(f.get("arguments"), str):
+        try:
+            f["arguments"] = json.loads(f["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": f}
 
 
 class TokenizeRequest(_Base):

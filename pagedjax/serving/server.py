@@ -74,6 +74,9 @@ class ServerOptions:
     # Default sampling parameters of requests that leave them unset: "auto" (the model's
     # generation_config.json), "vllm" (none: vLLM's own defaults), or a folder holding one.
     generation_config: str = "auto"
+    # tool_choice "auto": parse tool calls out of chat outputs with this family's parser
+    # (`pagedjax.serving.tools.TOOL_PARSERS`); None: "auto" is refused with a 400.
+    tool_call_parser: str | None = None
     # Requests accepted but without a first token yet; more get RESOURCE_EXHAUSTED / HTTP 429
     # instead of an unbounded queue (None: unlimited).
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
@@ -316,9 +319,11 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     http = None
     if opts.http_port is not None:
         from pagedjax.serving.http import HttpFrontDoor
+        from pagedjax.serving.tools import make_parser
 
         http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port, api_key=opts.api_key,
-                             limits=opts.http_limits)
+                             limits=opts.http_limits,
+                             tool_parser=make_parser(opts.tool_call_parser))
         ports["http_port"] = await http.start()
     if opts.port_file:
         # Atomically: a reader polling for the file never sees it empty or half-written.
