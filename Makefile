@@ -13,7 +13,7 @@ TARGETS ?= h100,a100,b200
 # make gpu-suite STAGE=kernels|bench|e2e|paper|all [DRY_RUN=1] (docs/gpu.md)
 STAGE ?= all
 
-.PHONY: venv aot-venv demo test lint bench clean aot-report gpu-suite
+.PHONY: venv aot-venv aiperf-venv demo test lint bench clean aot-report gpu-suite serve-aiperf
 
 $(PYTHON):
 	"$$(tools/find_python.sh)" -m venv $(VENV)
@@ -61,3 +61,17 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) $(AOT_VENV) .pytest_cache .ruff_cache
+
+# NVIDIA's aiperf (a third-party OpenAI-API benchmark client) in a venv of its own, for
+# `bench/serve.py --protocols http,aiperf` (its dependencies stay out of the engine's venv).
+AIPERF_VENV := .venv-aiperf
+$(AIPERF_VENV)/bin/aiperf:
+	"$$(tools/find_python.sh)" -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install --quiet aiperf==0.13.0
+
+aiperf-venv: $(AIPERF_VENV)/bin/aiperf
+
+# Our load generator and aiperf against one `pagedjax serve`, same arrivals, interleaved.
+serve-aiperf: venv aiperf-venv
+	$(PYTHON) bench/serve.py --protocols http,aiperf --rates 0.5,1,2 --num-requests 24 \
+		--reps 2 --scale 0.5 --tag aiperf

@@ -105,6 +105,56 @@ async def run_http(base_url: str, reqs: list[Request]) -> tuple[list[Record], fl
         return await _drive(reqs, one)
 
 
+AIPERF = Path(__file__).resolve().parents[1] / ".venv-aiperf" / "bin" / "aiperf"
+
+
+def run_aiperf(base_url: str, reqs: list[Request], tok_dir: Path, model: str, tmp: Path,
+               aiperf: Path = AIPERF) -> dict:
+    """The same arrivals and lengths driven by NVIDIA's `aiperf` (a client no test here
+    wrote): a mooncake-style trace (timestamp, input and output length per request) replayed
+    on its fixed schedule against /v1/completions, streamed, EOS ignored. aiperf makes its own
+    prompts of those lengths from the tokenizer, so token ids differ from ours; lengths and
+    arrival times are the same. Returns its metrics in this script's units (seconds)."""
+    tag = uuid.uuid4().hex[:8]
+    trace = tmp / f"trace-{tag}.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": int(round(r.arrival * 1000)),
+                                         "input_length": len(r.prompt_token_ids),
+                                         "output_length": r.output_len}) + "\n" for r in reqs))
+    art = tmp / f"aiperf-{tag}"
+    cmd = [str(aiperf), "profile", "--model", model, "--url", base_url,
+           "--endpoint-type", "completions", "--streaming", "--tokenizer", str(tok_dir),
+           "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
+           "--fixed-schedule", "--extra-inputs", "ignore_eos:true",
+           "--extra-inputs", "temperature:0", "--use-legacy-max-tokens",
+           "--artifact-dir", str(art), "--ui-type", "none"]
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({done.returncode}):\n{done.stdout[-3000:]}\n"
+                           f"{done.stderr[-3000:]}")
+    export = next(art.rglob("profile_export_aiperf.json"))
+    return {"raw": json.loads(export.read_text()), "wall_s_with_startup": wall,
+            "command": " ".join(cmd)}
+
+
+def aiperf_summary(raw: dict) -> dict:
+    """aiperf's export in `summarize`'s shape (ms -> s)."""
+    def pct(key: str) -> dict:
+        m = raw.get(key) or {}
+        scale = 1e-3 if m.get("unit", "ms") == "ms" else 1.0
+        return {k: (m[src] * scale if m.get(src) is not None else None)
+                for k, src in (("mean", "avg"), ("p50", "p50"), ("p90", "p90"), ("p99", "p99"))}
+
+    def val(key: str) -> float | None:
+        m = raw.get(key) or {}
+        return m.get("avg")
+
+    return {"completed": val("request_count"), "throughput_req_s": val("request_throughput"),
+            "throughput_tok_s": val("output_token_throughput"), "ttft_s": pct("time_to_first_token"),
+            "itl_s": pct("inter_token_latency"), "e2e_s": pct("request_latency")}
+
+
 async def run_inprocess(aeng, reqs: list[Request]) -> tuple[list[Record], float]:
     async def one(r: Request, rec: Record) -> None:
         stream = await aeng.add_request_async(f"b-{uuid.uuid4().hex}", None, _params(r), r.prompt_token_ids)
@@ -174,22 +224,28 @@ def _remote_compiles(ports: dict) -> int:
 
 
 def plot(result: dict, path: Path) -> None:
+    """TTFT and inter-token latency (p50, with p90 dashed) and throughput per protocol."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    rates = [p["rate"] for p in result["points"]]
     for j, proto in enumerate(result["protocols"]):
-        rates = [p["rate"] for p in result["points"]]
-        for stat, style in (("mean", "-o"), ("p90", "--x")):
-            ys = [p[proto]["normalized_latency_s_per_tok"][stat] for p in result["points"]]
-            ax.plot(rates, ys, style, color=f"C{j}", label=f"{proto} {stat}")
-    ax.set_xlabel("request rate (req/s)")
-    ax.set_ylabel("normalized latency (s/token)")
-    ax.set_title(f"{result['workload']} on {result['device']} ({result['model']})", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        for ax, key in zip(axes[:2], ("ttft_s", "itl_s")):
+            for stat, style in (("p50", "-o"), ("p90", "--x")):
+                ys = [p[proto][key][stat] for p in result["points"]]
+                ax.plot(rates, ys, style, color=f"C{j}", label=f"{proto} {stat}")
+        axes[2].plot(rates, [p[proto]["throughput_tok_s"] for p in result["points"]], "-o",
+                     color=f"C{j}", label=proto)
+    for ax, label in zip(axes, ("time to first token (s)", "inter-token latency (s)",
+                                "output tokens/s")):
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{result['workload']} on {result['device']} ({result['model']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -211,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-passes", type=int, default=0,
                     help="run each rate's requests this many times untimed before measuring")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--protocols", default="grpc,inprocess", help="any of grpc, http, inprocess")
+    ap.add_argument("--protocols", default="grpc,inprocess",
+                    help="any of grpc, http, inprocess, aiperf (NVIDIA's aiperf over HTTP, from "
+                         ".venv-aiperf: `make aiperf-venv`)")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repeat each rate's protocols this many times, rotating their order "
+                         "(A,B,A,B): every rep is kept in the JSON")
     ap.add_argument("--tag", default=None, help="results file suffix (default: workload)")
     args = ap.parse_args(argv)
 
@@ -227,13 +288,17 @@ def main(argv: list[str] | None = None) -> int:
     vocab = eng.model_config.vocab_size
     aeng = AsyncEngine(eng).start() if "inprocess" in protocols else None
     tmp = Path(tempfile.mkdtemp(prefix="pagedjax-bench-"))
-    remote = {"grpc", "http"} & set(protocols)
+    remote = {"grpc", "http", "aiperf"} & set(protocols)
     proc, ports = start_server(args, tmp) if remote else (None, {})
     runners = {"grpc": lambda reqs: run_grpc(f"127.0.0.1:{ports['port']}", reqs),
                "http": lambda reqs: run_http(f"http://127.0.0.1:{ports.get('http_port')}", reqs),
                "inprocess": lambda reqs: run_inprocess(aeng, reqs)}
     compiles = {"grpc": lambda: _remote_compiles(ports), "http": lambda: _remote_compiles(ports),
+                "aiperf": lambda: _remote_compiles(ports),
                 "inprocess": lambda: eng.get_stats().num_compiles}
+    tok_dir = tmp / "tokenizer"
+    if "aiperf" in protocols:  # aiperf builds its prompts with the model's tokenizer
+        eng.tokenizer.save_pretrained(tok_dir)
     points = []
     try:
         warm = make_requests(args.workload, args.warmup, math.inf, vocab_size=vocab,
@@ -246,21 +311,48 @@ def main(argv: list[str] | None = None) -> int:
             if args.duration is not None:
                 reqs = [r for r in reqs if r.arrival <= args.duration] or reqs[:1]
             point = {"rate": rate, "workload_stats": describe(reqs)}
-            order = protocols[k % len(protocols):] + protocols[: k % len(protocols)]  # rotate: no fixed bias
-            for proto in order:
-                for _ in range(args.warmup_passes):  # same requests, untimed: compile their shapes
-                    asyncio.run(runners[proto](reqs))
-                c0 = compiles[proto]()
-                point[proto] = summarize(*asyncio.run(runners[proto](reqs)))
-                point[proto]["num_compiles_during_run"] = compiles[proto]() - c0
-                point[proto]["load_avg_1m_after"] = os.getloadavg()[0]  # other jobs on the host skew CPU runs
-                nl = point[proto]["normalized_latency_s_per_tok"]["mean"]
-                print(f"rate {rate:g} {proto}: {point[proto]['completed']} done, "
-                      f"{point[proto]['throughput_tok_s']:.1f} tok/s, norm latency {nl}", flush=True)
+            point["reps"] = []
+            for rep in range(args.reps):
+                j = k + rep  # rotate the order every rep and rate: no fixed bias (A,B / B,A)
+                order = protocols[j % len(protocols):] + protocols[: j % len(protocols)]
+                runs = {}
+                for proto in order:
+                    for _ in range(args.warmup_passes):  # same requests, untimed: compile shapes
+                        asyncio.run(runners[proto if proto != "aiperf" else "http"](reqs))
+                    c0 = compiles[proto]()
+                    load0 = os.getloadavg()[0]
+                    if proto == "aiperf":
+                        got = run_aiperf(f"http://127.0.0.1:{ports['http_port']}", reqs, tok_dir,
+                                         args.model, tmp)
+                        runs[proto] = {**aiperf_summary(got["raw"]), "command": got["command"]}
+                    else:
+                        runs[proto] = summarize(*asyncio.run(runners[proto](reqs)))
+                    runs[proto]["num_compiles_during_run"] = compiles[proto]() - c0
+                    # Other jobs on the host skew CPU runs: the load before and after.
+                    runs[proto]["load_avg_1m_before"] = load0
+                    runs[proto]["load_avg_1m_after"] = os.getloadavg()[0]
+                    print(f"rate {rate:g} rep {rep} {proto}: {runs[proto]['completed']} done, "
+                          f"{runs[proto]['throughput_tok_s']:.1f} tok/s, TTFT p50 "
+                          f"{runs[proto]['ttft_s']['p50']}, ITL p50 {runs[proto]['itl_s']['p50']}",
+                          flush=True)
+                point["reps"].append(runs)
+            for proto in protocols:  # the headline: the median rep by throughput
+                ranked = sorted(point["reps"], key=lambda r, p=proto: r[p]["throughput_tok_s"] or 0)
+                point[proto] = ranked[len(ranked) // 2][proto]
             base = point.get("inprocess", {}).get("normalized_latency_s_per_tok", {}).get("mean")
-            for proto in remote:
+            for proto in remote - {"aiperf"}:
                 g = point[proto]["normalized_latency_s_per_tok"]["mean"]
                 point[f"{proto}_overhead_pct"] = None if not g or not base else 100.0 * (g / base - 1.0)
+            if {"aiperf", "http"} <= set(protocols):  # two clients, one server: do they agree?
+                point["aiperf_vs_http"] = {
+                    m: [r["aiperf"][key]["p50"] / r["http"][key]["p50"]
+                        if r["aiperf"][key]["p50"] and r["http"][key]["p50"] else None
+                        for r in point["reps"]]
+                    for m, key in (("ttft_p50_ratio", "ttft_s"), ("itl_p50_ratio", "itl_s"),
+                                   ("e2e_p50_ratio", "e2e_s"))}
+                point["aiperf_vs_http"]["throughput_ratio"] = [
+                    r["aiperf"]["throughput_tok_s"] / r["http"]["throughput_tok_s"]
+                    for r in point["reps"] if r["http"]["throughput_tok_s"]]
             points.append(point)
     finally:
         if proc is not None:

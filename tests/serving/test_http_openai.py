@@ -228,14 +228,14 @@ def test_structured_outputs(oai, model):
 
 
 def test_nothing_is_silently_dropped(oai, model, server):
-    """Unknown fields, image parts and tools are 400s naming them; documented bookkeeping
-    fields are accepted; logit_bias, allowed_token_ids and bad_words take effect."""
+    """Unknown fields, image parts and a tool choice without tools are 400s naming them;
+    documented bookkeeping fields are accepted; logit_bias and allowed_token_ids take effect."""
     url = f"http://127.0.0.1:{server.ports['http_port']}/v1"
     msgs = [{"role": "user", "content": "Hi"}]
     for body, field in [({"model": model, "prompt": "x", "max_tokens": 2, "frobnicate": 1},
                          "frobnicate"),
                         ({"model": model, "messages": msgs, "max_tokens": 2,
-                          "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                          "tool_choice": "required"}, "tool_choice"),
                         ({"model": model, "max_tokens": 2, "messages": [
                             {"role": "user", "content": [{"type": "image_url",
                                                           "image_url": {"url": "x"}}]}]},
