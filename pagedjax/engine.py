@@ -359,8 +359,6 @@ class LLMEngine:
                            frozenset(p.stop_token_ids or ()), p.min_tokens)
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=p.max_tokens,
                               n=r.num_samples, model_id=self.model_id, stops=stops)
-        # Masks and bans that follow each token: no drafts for these (see `_launch`).
-        group.speculate = grammar is None and not bad_words
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,
@@ -790,16 +788,24 @@ class LLMEngine:
         before the next is scheduled (async scheduling)."""
         masks: dict[int, np.ndarray] | None = None
         bans: dict[int, list[int]] | None = None
+        width = self.structured.mask_width
         for r, (req, seq, _index, _fan_out) in enumerate(row_info):
             if req.grammar is not None or req.allowed_mask is not None:
                 masks = masks if masks is not None else {}
                 if req.grammar is None:
                     masks[r] = req.allowed_mask  # fixed: it does not follow the tokens
-                else:
-                    masks[r] = row = np.empty(self.structured.mask_width, np.int32)
-                    self.structured.fill(seq.seq_id, req.grammar, row)
-                    if req.allowed_mask is not None:
-                        row &= req.allowed_mask
+                elif r not in masks:  # a drafted sequence's rows are all filled at its first
+                    spec = fl.spec_rows.get(seq.seq_id)
+                    drafts = spec[1] if spec is not None else ()
+                    block = [np.empty(width, np.int32) for _ in range(1 + len(drafts))]
+                    if drafts:
+                        self.structured.fill_drafts(seq.seq_id, req.grammar, drafts, block)
+                    else:
+                        self.structured.fill(seq.seq_id, req.grammar, block[0])
+                    for j, row in enumerate(block):
+                        if req.allowed_mask is not None:
+                            row &= req.allowed_mask
+                        masks[r + j] = row
                     fl.needs_sync = True
             if req.bad_words:
                 out = rows[r][1].output_token_ids

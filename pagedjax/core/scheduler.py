@@ -444,7 +444,7 @@ class Scheduler:
         again, since every step it is scheduled in leaves it a pending token."""
         seq.spec_token_ids = []
         p = seq.num_pending
-        if p > 1 or not (seq.output_token_ids or p) or not g.speculate:
+        if p > 1 or not (seq.output_token_ids or p):
             return 0  # prompt steps and fan-outs sample one row
         k = min(room, self.proposer.k, self.config.max_model_len - seq.num_total_tokens - p - 1)
         if g.max_tokens is not None:

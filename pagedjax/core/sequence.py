@@ -193,9 +193,6 @@ class SequenceGroup:
         self.cache_salt = cache_salt
         self.model_id = model_id
         self.stops = stops or TokenStops()
-        # Speculative decoding may draft for its sequences (not under structured outputs,
-        # whose masks follow each accepted token).
-        self.speculate = True
         # (arrival_time, admission counter), set by the scheduler; smaller = higher priority.
         self.priority: tuple[float, int] = (arrival_time, 0)
 

@@ -6,7 +6,8 @@ A matcher follows its sequence's output tokens only, so preemption (recompute or
 needs nothing; a fan-out child copies its parent's matcher before the parent's token of
 that step is consumed; a sequence whose grammar is complete stops ("stop"). Masks depend on
 the last token, so a step with constrained rows is awaited before the next is scheduled
-under async scheduling, and constrained sequences get no speculative drafts.
+under async scheduling. Speculative drafts are scored under the masks their prefixes give
+(`fill_drafts`), so a draft the grammar refuses is always rejected.
 """
 
 from __future__ import annotations
@@ -49,6 +50,28 @@ class StructuredOutputs:
         if m is None:
             m = self._matchers[seq_id] = self.backend.matcher(grammar)
         self.backend.fill(m, row)
+
+    def fill_drafts(self, seq_id: int, grammar: str, drafts, rows: list[np.ndarray]) -> None:
+        """Masks of a drafted sequence's rows (speculative decoding): row 0 from the current
+        state, row j after drafts[:j], consumed and rolled back. Rows after a draft the
+        grammar refuses allow everything: that draft is rejected (the row before it cannot
+        sample it), so they are never used."""
+        m = self._matchers.get(seq_id)
+        if m is None:
+            m = self._matchers[seq_id] = self.backend.matcher(grammar)
+        self.backend.fill(m, rows[0])
+        # Only drafts known valid are consumed: a refused token puts a matcher in an error
+        # state that rollback does not undo.
+        valid = m.validate_tokens(list(drafts))
+        taken = 0
+        for j, row in enumerate(rows[1:]):
+            if j < valid and not m.is_stopped() and m.consume_token(drafts[j]):
+                taken += 1
+                self.backend.fill(m, row)
+            else:
+                row.fill(-1)
+        if taken:
+            m.rollback(taken)
 
     def fork(self, parent_id: int, child_id: int, grammar: str) -> None:
         m = self._matchers.get(parent_id)

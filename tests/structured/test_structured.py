@@ -1,7 +1,7 @@
 """Structured outputs (`pagedjax.structured`) through the engine on the demo model and its
 real tokenizer: every output parses and validates against its schema (checked with the
 independent `jsonschema` package), regex and choice outputs match, under n > 1, preemption,
-prefix caching, async scheduling and a speculative engine; bad schemas are refused naming
+prefix caching, async scheduling and speculative decoding; bad schemas are refused naming
 the field; the sampler's bitmask against a numpy reference; matchers and blocks released."""
 
 from __future__ import annotations
@@ -128,16 +128,31 @@ def test_unconstrained_neighbours_unchanged(llm_factory):
     jsonschema.validate(json.loads(mixed[2].outputs[0].text), SCHEMAS[2])
 
 
-def test_speculative_engine_serves_constrained_requests(llm_factory):
-    """Constrained sequences take no drafts (their masks follow each token); others in the
-    same speculative engine still draft."""
-    llm = llm_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-    sps = [SamplingParams(temperature=0, max_tokens=120, guided_decoding={"json": s})
-           for s in SCHEMAS[:3]] + [SamplingParams(temperature=0, max_tokens=60)]
-    outs = _chat(llm, sps)
-    assert _check_all(outs[:3], SCHEMAS[:3]) == 3
-    assert llm.engine.get_stats().spec_num_draft_tokens > 0
-    assert_pool_whole(llm)
+def test_speculative_decoding_under_constraints(llm_factory):
+    """n-gram drafts for constrained sequences are scored under the masks of their prefixes
+    (a draft the grammar refuses is rejected): greedy outputs equal the unspeculated
+    engine's, every output validates, and drafts were accepted."""
+    kw = dict(num_gpu_blocks=32, block_size=8, max_num_seqs=8)
+    spec = llm_factory(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                           "prompt_lookup_min": 1}, **kw)
+    plain = llm_factory(**kw)
+    sps = [SamplingParams(temperature=0, max_tokens=100, guided_decoding={"json": s})
+           for s in SCHEMAS]
+    got, want = _chat(spec, sps), _chat(plain, sps)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert _check_all(got, SCHEMAS) == 4
+    st = spec.engine.get_stats()
+    assert st.spec_num_accepted_tokens > 0
+    assert st.spec_num_draft_tokens > st.spec_num_accepted_tokens  # some refused or missed
+    # Seeded sampling, n = 2, with drafts: the unspeculated engine's tokens, all valid.
+    sampled = [SamplingParams(temperature=0.7, top_p=0.95, seed=i, n=2, max_tokens=100,
+                              guided_decoding={"json": s}) for i, s in enumerate(SCHEMAS)]
+    got, want = _chat(spec, sampled), _chat(plain, sampled)
+    assert [[c.token_ids for c in o.outputs] for o in got] == \
+        [[c.token_ids for c in o.outputs] for o in want]
+    assert _check_all(got, SCHEMAS) == 8
+    assert len(spec.engine.structured) == 0
+    assert_pool_whole(spec)
 
 
 def test_bad_constraints_are_refused_naming_the_field(llm_factory):
