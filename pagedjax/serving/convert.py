@@ -29,6 +29,12 @@ def params_from_proto(msg: pb.SamplingParams) -> dict:
             raise InvalidRequestError(f"early_stopping must be 'true', 'false' or 'never', got {v!r}",
                                       "early_stopping")
         d["early_stopping"] = _EARLY[v]
+    if msg.logit_bias:
+        d["logit_bias"] = dict(msg.logit_bias)
+    if msg.allowed_token_ids:
+        d["allowed_token_ids"] = list(msg.allowed_token_ids)
+    if msg.bad_words:
+        d["bad_words"] = list(msg.bad_words)
     if msg.HasField("guided_decoding"):
         d["guided_decoding"] = _guide_from_proto(msg.guided_decoding)
     return d
@@ -67,7 +73,17 @@ def params_to_proto(params: SamplingParams | dict | None) -> pb.SamplingParams:
     stop_ids = d.pop("stop_token_ids", None)
     early = d.pop("early_stopping", None)
     guide = d.pop("guided_decoding", None)
+    bias = d.pop("logit_bias", None)
+    allowed = d.pop("allowed_token_ids", None)
+    bad = d.pop("bad_words", None)
     msg = pb.SamplingParams(**{k: v for k, v in d.items() if v is not None})
+    if bias:
+        for t, v in bias.items():
+            msg.logit_bias[int(t)] = v
+    if allowed:
+        msg.allowed_token_ids.extend(allowed)
+    if bad:
+        msg.bad_words.extend(bad)
     if guide is not None:
         msg.guided_decoding.CopyFrom(_guide_to_proto(guide))
     if stop:

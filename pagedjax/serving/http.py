@@ -205,7 +205,7 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
             raise InvalidRequestError(
                 "tool_choice: 'auto' needs the server started with --enable-auto-tool-choice "
                 "and --tool-call-parser (or name a function, or use 'required')", "tool_choice")
-        extra = {"tools": template_tools(funcs)} if mode is not None else {}
+        extra = {"tools": template_tools(funcs)} if funcs else {}  # shown even with "none", as vLLM
 
         def template() -> tuple[str, list[int]]:  # run off the event loop
             try:

@@ -80,21 +80,35 @@ def _message(draw, descriptor):
         oneof = _real_oneof(field)
         if oneof is not None and chosen[oneof.name] is not field:
             continue  # another member of the oneof, or none at all (an empty oneof)
-        if field.is_repeated:
-            values = draw(st.lists(_value(field), max_size=4))
-            target = getattr(msg, field.name)
-            if field.type == F.TYPE_MESSAGE:
-                for v in values:
-                    target.add().CopyFrom(v)
-            else:
-                target.extend(values)
-        elif field.has_presence and oneof is None and not draw(st.booleans()):
+        if field.has_presence and not field.is_repeated and oneof is None \
+                and not draw(st.booleans()):
             continue  # unset optional field / message
-        elif field.type == F.TYPE_MESSAGE:
-            getattr(msg, field.name).CopyFrom(draw(_value(field)))
-        else:
-            setattr(msg, field.name, draw(_value(field)))
+        _fill(draw, msg, field)
     return msg
+
+
+def _is_map(field) -> bool:
+    return field.type == F.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
+def _fill(draw, msg, field) -> None:
+    """Set `field` of `msg` to a drawn value: scalars, messages, repeated fields and maps."""
+    target = getattr(msg, field.name)
+    if _is_map(field):
+        key, value = (field.message_type.fields_by_name[n] for n in ("key", "value"))
+        for k, v in draw(st.lists(st.tuples(_value(key), _value(value)), max_size=4)):
+            target[k] = v
+    elif field.is_repeated:
+        values = draw(st.lists(_value(field), max_size=4))
+        if field.type == F.TYPE_MESSAGE:
+            for v in values:
+                target.add().CopyFrom(v)
+        else:
+            target.extend(values)
+    elif field.type == F.TYPE_MESSAGE:
+        target.CopyFrom(draw(_value(field)))
+    else:
+        setattr(msg, field.name, draw(_value(field)))
 
 
 def messages(descriptor) -> st.SearchStrategy:
@@ -115,10 +129,7 @@ def _mostly_sane_generate(draw):
     if draw(st.booleans()):
         field = draw(st.sampled_from(list(pb.SamplingParams.DESCRIPTOR.fields)))
         msg.params.ClearField(field.name)
-        if field.is_repeated:
-            getattr(msg.params, field.name).extend(draw(st.lists(_value(field), max_size=4)))
-        else:
-            setattr(msg.params, field.name, draw(_value(field)))
+        _fill(draw, msg.params, field)
     return msg
 
 

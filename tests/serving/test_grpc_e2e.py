@@ -118,6 +118,10 @@ BAD = [
      "guided_decoding.json"),
     ("hi", {"guided_decoding": {"regex": "[a"}}, grpc.StatusCode.INVALID_ARGUMENT,
      "guided_decoding.regex"),
+    ("hi", {"logit_bias": {10**6: 1.0}}, grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
+    ("hi", {"logit_bias": {5: 200.0}}, grpc.StatusCode.INVALID_ARGUMENT, "logit_bias"),
+    ("hi", {"allowed_token_ids": [10**6]}, grpc.StatusCode.INVALID_ARGUMENT,
+     "allowed_token_ids"),
 ]
 
 
@@ -224,4 +228,10 @@ def test_structured_outputs_over_grpc(server):
     res = server.client.generate("Pick:", {"max_tokens": 8, "temperature": 1.0, "n": 3,
                                            "guided_decoding": {"choice": ["left", "right"]}})
     assert {o.text for o in res.outputs} <= {"left", "right"}
+    res = server.client.generate("The sky is", {"max_tokens": 4, "temperature": 0.0,
+                                                "logit_bias": {1234: 100.0}})
+    assert res.outputs[0].token_ids == [1234] * 4
+    res = server.client.generate("The sky is", {"max_tokens": 6, "temperature": 1.0, "seed": 1,
+                                                "allowed_token_ids": [11, 12, 13]})
+    assert set(res.outputs[0].token_ids) <= {11, 12, 13}
     wait_blocks_free(server.client)
