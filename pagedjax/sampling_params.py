@@ -34,7 +34,8 @@ MAX_STOP_TOKEN_IDS = 1024
 # Token ids travel to the device as int32 (the sampler's ban lists): a larger id would fail the
 # whole engine step (every request in the batch), not just this one.
 MAX_TOKEN_ID = 2**31 - 1
-# logit_bias entries per request (OpenAI's limit); the sampler carries them at a fixed width.
+# logit_bias entries per request: bounded like the stop lists, since the sampler carries them
+# at a fixed width in every batch that has any.
 MAX_LOGIT_BIAS = 300
 MAX_BAD_WORDS = 64
 

@@ -18,6 +18,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from models.config import ModelConfig
@@ -191,14 +192,18 @@ def compile_swap(model: str, target: str, dtype=jnp.bfloat16, block_size: int = 
 @functools.cache
 def _sampler_report(logit_rows: int, rows: int, vocab: int, max_model_len: int, device) -> dict:
     """Compile the engine's `sample` variant with penalty histories and bans (the larger
-    one): greedy, top-k/top-p/min-p, penalties, min_tokens, top-20 logprobs."""
-    params = [SamplingParams(temperature=0.0, min_tokens=2),
+    one): greedy, top-k/top-p/min-p, penalties, min_tokens, logit_bias, a structured-output
+    token bitmask, top-20 logprobs (the widths `LLMEngine._sampling_metadata` uses)."""
+    params = [SamplingParams(temperature=0.0, min_tokens=2, logit_bias={5: 1.0}),
               SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05,
                              presence_penalty=0.5, repetition_penalty=1.1)]
     states = [SeqSamplingState([1, 2, 3], [4, 5], 0, 0), SeqSamplingState([1], [2], 1, 0)]
+    words = -(-vocab // 32)
     meta = SamplingMetadata.from_params(list(zip(params, states))[:rows], pad_to=rows,
                                         vocab_size=vocab, eos_token_ids=[2],
-                                        history_width=max_model_len, ban_width=2048)
+                                        history_width=max_model_len, ban_width=2048,
+                                        masks={0: np.full(words, -1, np.int32)},
+                                        mask_width=words, bias_width=512)
     sh = SingleDeviceSharding(device)
     abstract = jax.tree.map(lambda x: _abstract(jnp.asarray(x), sh), meta)
     logits = jax.ShapeDtypeStruct((logit_rows, vocab), jnp.float32, sharding=sh)

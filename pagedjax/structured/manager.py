@@ -12,11 +12,14 @@ under async scheduling. Speculative drafts are scored under the masks their pref
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
 
 from pagedjax.structured.params import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
 
 
 class StructuredOutputs:
@@ -85,6 +88,8 @@ class StructuredOutputs:
         if m is None:
             m = self._matchers[seq_id] = self.backend.matcher(grammar)
         if not m.consume_token(token_id):
+            logger.warning("sequence %d: token %d refused by its grammar (%s); stopping it",
+                           seq_id, token_id, m.get_error())
             return True
         return m.is_stopped()
 
