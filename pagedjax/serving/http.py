@@ -146,13 +146,7 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
             if body.messages is not None:
                 conv = conversation(body.messages)
                 front.check_text("".join(m["content"] for m in conv) or " ", "messages")
-                try:
-                    text = tok.apply_chat_template(
-                        conv, tokenize=False, add_generation_prompt=body.add_generation_prompt)
-                except Exception as exc:
-                    raise InvalidRequestError(f"messages: cannot apply the chat template: {exc}",
-                                              "messages") from None
-                return tok(text, add_special_tokens=False).input_ids
+                return _render_chat(tok, conv, body.add_generation_prompt)[1]
             front.check_text(body.prompt, "prompt")
             return tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
 
@@ -207,16 +201,7 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
                 "and --tool-call-parser (or name a function, or use 'required')", "tool_choice")
         extra = {"tools": template_tools(funcs)} if funcs else {}  # shown even with "none", as vLLM
 
-        def template() -> tuple[str, list[int]]:  # run off the event loop
-            try:
-                text = tok.apply_chat_template(conversation, tokenize=False,
-                                               add_generation_prompt=True, **extra)
-            except Exception as exc:
-                msg = f"messages: cannot apply the chat template: {exc}"
-                raise InvalidRequestError(msg, "messages") from None
-            return text, tok(text, add_special_tokens=False).input_ids  # BOS is in the template
-
-        text, ids = await asyncio.to_thread(template)
+        text, ids = await asyncio.to_thread(_render_chat, tok, conversation, True, **extra)
         params = body.sampling_params()
         if "max_tokens" not in params:  # as long as the context and the KV cache allow
             samples = params.get("best_of") or params.get("n") or 1
@@ -454,6 +439,19 @@ class HttpFrontDoor:
 
 
 
+def _render_chat(tok, conversation: list[dict], add_generation_prompt: bool,
+                 **extra) -> tuple[str, list[int]]:
+    """The chat template's text and its token ids (BOS is in the template); a template that
+    fails is a 400 naming `messages`. Run off the event loop."""
+    try:
+        text = tok.apply_chat_template(conversation, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt, **extra)
+    except Exception as exc:
+        raise InvalidRequestError(f"messages: cannot apply the chat template: {exc}",
+                                  "messages") from None
+    return text, tok(text, add_special_tokens=False).input_ids
+
+
 def _assistant_message(text: str, finish: str | None, tools) -> tuple[dict, str | None]:
     """The chat message of a finished output, with the tool calls it makes (if any)."""
     if tools is None:
@@ -500,7 +498,7 @@ class _ToolStream:
         if mode == "auto":
             cut = self.parser.split(self.text) if finish is None else len(self.text)
             if finish is not None:
-                content, calls = self.parser.parse(self.text)
+                _, calls = self.parser.parse(self.text)
                 calls = calls if self.parallel else calls[:1]
                 if calls:
                     head = self.text[self.sent:self.parser.split(self.text)]

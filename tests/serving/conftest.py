@@ -89,3 +89,14 @@ def offline(server, demo_gguf):
     from pagedjax.llm import LLM
 
     return LLM(str(demo_gguf), **engine_kwargs())
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    """The official `openai` client on the shared server's HTTP port."""
+    import openai
+
+    server.client  # noqa: B018 - waits until SERVING
+    base = f"http://127.0.0.1:{server.ports['http_port']}/v1"
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300) as client:
+        yield client

@@ -14,14 +14,6 @@ from tests.serving.test_grpc_e2e import PROMPTS, wait_blocks_free
 
 
 @pytest.fixture(scope="module")
-def oai(server):
-    server.client  # noqa: B018 - waits until SERVING
-    base = f"http://127.0.0.1:{server.ports['http_port']}/v1"
-    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def model(oai) -> str:
     return oai.models.list().data[0].id
 

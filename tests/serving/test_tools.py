@@ -91,14 +91,6 @@ def test_request_checks():
         jsonschema.validate([{"name": "get_time", "parameters": {"city": "Rome"}}], schema)
 
 
-@pytest.fixture(scope="module")
-def oai(server):
-    server.client  # noqa: B018 - waits until SERVING
-    base = f"http://127.0.0.1:{server.ports['http_port']}/v1"
-    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300) as client:
-        yield client
-
-
 def test_named_and_required_calls_round_trip(oai):
     model = oai.models.list().data[0].id
     msgs = [{"role": "user", "content": "What is the weather in Rome for the next days?"}]
