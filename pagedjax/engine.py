@@ -107,10 +107,19 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_num_drafts: int = 0  # steps of a sequence that carried drafts
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Drafts proposed at each position (index j: steps whose proposal had a (j + 1)-th token).
+    # n-gram proposals can be shorter than num_speculative_tokens, so the acceptance rate at
+    # position j is accepted[j] / drafted[j], not accepted[j] / spec_num_drafts.
+    spec_drafted_per_position: tuple[int, ...] = ()
 
     @property
     def spec_acceptance_rate(self) -> float:
         return self.spec_num_accepted_tokens / max(1, self.spec_num_draft_tokens)
+
+    @property
+    def spec_acceptance_rate_per_position(self) -> tuple[float, ...]:
+        return tuple(a / max(1, d) for a, d in zip(self.spec_accepted_per_position,
+                                                   self.spec_drafted_per_position))
 
     @property
     def spec_mean_accepted_length(self) -> float:
@@ -184,6 +193,7 @@ class LLMEngine:
         self.num_guessed_accepted = 0  # accepted drafts that followed a guessed pending token
         self._spec_by_pos = [0] * (self.spec_config.num_speculative_tokens
                                    if self.spec_config else 0)
+        self._spec_drafted_by_pos = [0] * len(self._spec_by_pos)
         self.eos_token_ids = set(config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
@@ -974,6 +984,8 @@ class LLMEngine:
         self._spec_accepted += a
         for j in range(a):
             self._spec_by_pos[j] += 1
+        for j in range(len(drafts)):
+            self._spec_drafted_by_pos[j] += 1
         return a
 
     def _new_seq_id(self) -> int:
@@ -1019,4 +1031,5 @@ class LLMEngine:
             num_cache_rebuilds=self.num_cache_rebuilds, num_step_failures=self.num_step_failures,
             healthy=self.healthy, spec_num_draft_tokens=self._spec_drafted,
             spec_num_accepted_tokens=self._spec_accepted, spec_num_drafts=self._spec_steps,
-            spec_accepted_per_position=tuple(self._spec_by_pos))
+            spec_accepted_per_position=tuple(self._spec_by_pos),
+            spec_drafted_per_position=tuple(self._spec_drafted_by_pos))

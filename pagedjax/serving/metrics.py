@@ -59,6 +59,10 @@ class ServingMetrics:
         self.spec_accepted_pos = Gauge("pagedjax_spec_decode_num_accepted_tokens_per_pos",
                                        "Draft tokens accepted at each position of a proposal",
                                        ["position"], registry=r)
+        self.spec_drafted_pos = Gauge("pagedjax_spec_decode_num_draft_tokens_per_pos",
+                                      "Proposals with a draft token at each position (n-gram "
+                                      "proposals may be shorter than num_speculative_tokens)",
+                                      ["position"], registry=r)
 
         self.vllm = VllmMetrics(r, model_name) if model_name is not None else None
 
@@ -102,6 +106,8 @@ class ServingMetrics:
         self.spec_accepted.set(getattr(s, "spec_num_accepted_tokens", 0))
         for pos, n in enumerate(getattr(s, "spec_accepted_per_position", ())):
             self.spec_accepted_pos.labels(str(pos)).set(n)
+        for pos, n in enumerate(getattr(s, "spec_drafted_per_position", ())):
+            self.spec_drafted_pos.labels(str(pos)).set(n)
 
     async def serve(self, port: int, host: str = "127.0.0.1", limits: HttpLimits | None = None) -> int:
         """Expose `/metrics` on the running event loop; returns the bound port (0 → ephemeral).

@@ -223,7 +223,8 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                         spec_num_draft_tokens=getattr(s, "spec_num_draft_tokens", 0),
                         spec_num_accepted_tokens=getattr(s, "spec_num_accepted_tokens", 0),
                         spec_num_drafts=getattr(s, "spec_num_drafts", 0),
-                        spec_accepted_per_position=list(getattr(s, "spec_accepted_per_position", ())))
+                        spec_accepted_per_position=list(getattr(s, "spec_accepted_per_position", ())),
+                        spec_drafted_per_position=list(getattr(s, "spec_drafted_per_position", ())))
 
 
 def _checked_ids(engine, prompt: str) -> list[int]:

@@ -11,6 +11,7 @@ whole after every run, including aborts mid-speculation.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -171,6 +172,57 @@ def test_abort_mid_speculation_returns_every_block(tiny):
     assert_pool_whole(llm)
 
 
+def _poison_all_but_computed(llm: LLM, value: float = 1e3) -> int:
+    """Overwrite every KV slot except positions < num_computed_tokens of live sequences'
+    tables: rolled-back drafts' slots, trimmed blocks and free blocks. Returns how many
+    slots past a live sequence's computed length were poisoned (rolled-back drafts)."""
+    eng = llm.engine
+    r, bm, bs = eng.runner, eng.block_manager, eng.runner.block_size
+    keep = np.zeros((r.num_gpu_blocks, bs), bool)
+    past = 0
+    for g in eng.scheduler.running:
+        for s in g.seqs:
+            if s.is_finished() or bm.is_swapped(s):
+                continue
+            table = bm.get_block_table(s)
+            n = s.num_computed_tokens
+            for pos in range(n):
+                keep[table[pos // bs], pos % bs] = True
+            past += len(table) * bs - n
+    m = jnp.asarray(keep)[None, None, :, :, None]
+    r.k_cache = jnp.where(m, r.k_cache, value).astype(r.k_cache.dtype)
+    r.v_cache = jnp.where(m, r.v_cache, -value).astype(r.v_cache.dtype)
+    return past
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_rolled_back_slots_are_never_read(tiny, mode):
+    """After every step, everything but the KV of computed positions is poisoned (the slots
+    of rejected drafts, trimmed and free blocks): the tokens still equal plain decoding, so
+    no step reads a rolled-back draft's KV."""
+    config, params = tiny
+    prompts = _prompts(config.vocab_size, 6, seed=11)
+    sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+    kw = dict(num_gpu_blocks=20, block_size=8, max_num_seqs=4, max_model_len=128,
+              preemption_mode=mode)
+    want = _generate(LLM.from_params(config, params, NoTokenizer(), **kw), prompts, sp)
+    spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
+    eng = spec.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), None, sp, prompt_token_ids=p)
+    got, poisoned = {}, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                got[o.request_id] = [o.outputs[0].token_ids]
+        poisoned += _poison_all_but_computed(spec)
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    st = eng.get_stats()
+    assert st.spec_num_draft_tokens > st.spec_num_accepted_tokens > 0  # rejections happened
+    assert st.num_preemptions_total > 0 and poisoned > 0
+    assert_pool_whole(spec)
+
+
 def test_stops_inside_accepted_drafts(tiny):
     """max_tokens and stop ids cut a step's accepted tokens where plain decoding stops."""
     config, params = tiny
@@ -214,6 +266,15 @@ def test_metrics_reach_prometheus_grpc_and_the_cli(tiny):
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     st = llm.engine.get_stats()
     assert st.spec_num_accepted_tokens == sum(st.spec_accepted_per_position) > 0
+    # Drafted per position: position 0 of every proposal, fewer further out (n-gram
+    # proposals stop where the match does); the rate per position is accepted / drafted.
+    assert st.spec_drafted_per_position[0] == st.spec_num_drafts
+    assert sum(st.spec_drafted_per_position) == st.spec_num_draft_tokens
+    assert list(st.spec_drafted_per_position) == sorted(st.spec_drafted_per_position, reverse=True)
+    assert all(0 <= a <= d for a, d in zip(st.spec_accepted_per_position,
+                                           st.spec_drafted_per_position, strict=True))
+    assert st.spec_acceptance_rate_per_position[0] == pytest.approx(
+        st.spec_accepted_per_position[0] / st.spec_drafted_per_position[0])
     m = ServingMetrics()
     m.observe_stats(st)
     text = generate_latest(m.registry).decode()
@@ -221,6 +282,8 @@ def test_metrics_reach_prometheus_grpc_and_the_cli(tiny):
     assert f"pagedjax_spec_decode_num_accepted_tokens {float(st.spec_num_accepted_tokens)}" in text
     assert 'pagedjax_spec_decode_num_accepted_tokens_per_pos{position="0"} ' \
            f"{float(st.spec_accepted_per_position[0])}" in text
+    assert 'pagedjax_spec_decode_num_draft_tokens_per_pos{position="0"} ' \
+           f"{float(st.spec_drafted_per_position[0])}" in text
     msg = pb.Stats(spec_num_draft_tokens=st.spec_num_draft_tokens,
                    spec_accepted_per_position=list(st.spec_accepted_per_position))
     assert pb.Stats.FromString(msg.SerializeToString()).spec_accepted_per_position == \
@@ -231,6 +294,58 @@ def test_metrics_reach_prometheus_grpc_and_the_cli(tiny):
 
     ec = EngineConfig(**serve_options(args).engine_kwargs)
     assert ec.speculative_config.num_speculative_tokens == 2
+
+
+def test_a_speculative_server_reports_its_counters(tiny, tmp_path):
+    """`pagedjax serve --speculative-config ...` end to end: requests over gRPC, then the
+    server's own gRPC Stats and `/metrics` (pagedjax_* and vllm:* names) carry the engine's
+    speculative counters."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pagedjax.serving.client import Client
+    from tests.serving.fuzz_support import ToyTokenizer
+    from tests.serving.inproc import InProcessServer
+
+    config, params = tiny
+    llm = LLM.from_params(config, params, ToyTokenizer(config.vocab_size), model_name="tiny",
+                          num_gpu_blocks=40, block_size=8, max_model_len=128,
+                          speculative_config=SPEC)
+    srv = InProcessServer(llm.engine, tmp_path, http_port=0).start()
+    try:
+        greedy = {"temperature": 0.0, "max_tokens": 30, "ignore_eos": True}
+        with Client(srv.target, timeout=60) as c:
+            c.wait_ready(60)
+            for p in _prompts(config.vocab_size, 3, seed=12):
+                c.generate(p, greedy)
+            pb_stats = c.stats()
+        st = llm.engine.get_stats()
+        assert st.spec_num_accepted_tokens > 0
+        assert pb_stats.spec_num_draft_tokens == st.spec_num_draft_tokens
+        assert pb_stats.spec_num_accepted_tokens == st.spec_num_accepted_tokens
+        assert pb_stats.spec_num_drafts == st.spec_num_drafts
+        assert list(pb_stats.spec_accepted_per_position) == list(st.spec_accepted_per_position)
+        assert list(pb_stats.spec_drafted_per_position) == list(st.spec_drafted_per_position)
+        samples = {}
+        for port in (srv.ports["metrics_port"], srv.ports["http_port"]):
+            url = f"http://127.0.0.1:{port}/metrics"
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            for fam in text_string_to_metric_families(text):
+                for s in fam.samples:
+                    samples[(s.name, s.labels.get("position"))] = s.value
+        assert samples[("pagedjax_spec_decode_num_draft_tokens", None)] == st.spec_num_draft_tokens
+        assert samples[("vllm:spec_decode_num_draft_tokens_total", None)] == st.spec_num_draft_tokens
+        assert samples[("vllm:spec_decode_num_accepted_tokens_total", None)] == \
+            st.spec_num_accepted_tokens
+        assert samples[("vllm:spec_decode_num_drafts_total", None)] == st.spec_num_drafts
+        for j, a in enumerate(st.spec_accepted_per_position):
+            assert samples[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(j))] == a
+            assert samples[("pagedjax_spec_decode_num_draft_tokens_per_pos", str(j))] == \
+                st.spec_drafted_per_position[j]
+    finally:
+        assert srv.close() == 0
+    assert_pool_whole(llm)
 
 
 # -- draft-model proposer ------------------------------------------------------------------
@@ -307,8 +422,10 @@ def test_draft_model_seeded_and_unseeded_sampling(family_dirs):
     def samples(draft, seed):
         llm = _draft_llm(family_dirs, draft, num_gpu_blocks=200, max_num_seqs=16, seed=seed)
         outs = llm.generate([{"prompt_token_ids": prompts[0]}] * 75, sp)
-        if draft:
-            assert llm.engine.get_stats().spec_num_draft_tokens > 1000
+        if draft:  # both paths of the rule run: accepted and rejected drafts
+            st = llm.engine.get_stats()
+            assert st.spec_num_draft_tokens > 1000
+            assert 0.02 < st.spec_acceptance_rate < 0.6, st.spec_acceptance_rate
         return np.array([o.token_ids for r in outs for o in r.outputs])
 
     a, b = samples(None, 1), samples("mistral", 2)
