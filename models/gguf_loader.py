@@ -6,10 +6,18 @@ converter permutes the rows of Q and K of Llama-architecture files so that its r
 can rotate adjacent pairs; our model (like HF) rotates halves, so those rows are permuted back
 here. Other architectures are stored unpermuted (llama.cpp rotates them NeoX-style). Gemma's
 norm weights are stored as ``1 + w``, which is what the model keeps.
+
+Families llama.cpp writes under another name: Mistral and Mixtral are ``llama`` files (with
+``llama.attention.sliding_window`` / ``llama.expert_count``); Phi-3 keeps its fused
+``attn_qkv`` and ``ffn_up`` (gate rows first) tensors and its LongRoPE factors as the tensors
+``rope_factors_long/short.weight``; MoE files stack the experts of a layer in one tensor
+(``ffn_{gate,up,down}_exps``, numpy shape ``[experts, out, in]``), which is served here one
+expert at a time under the per-expert HF names.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +33,15 @@ from models.weights import WeightError, assemble_params
 SUPPORTED_QUANT_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K",
                          "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 # general.architecture -> HF model_type
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+# (``llama`` files are Mistral with a sliding window and Mixtral with experts.)
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                      "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma2": "gemma2",
                       "gemma3": "gemma3_text"}
+# Architectures whose every layer is MoE; their expert metadata is required.
+MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
+# llama.cpp's router weights: Llama (Mixtral) and Qwen3-MoE renormalise the top-k weights,
+# Qwen2-MoE does not (unless {arch}.expert_weights_norm says so).
+MOE_NORM_TOPK_DEFAULT = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 GGUF_TO_HF_LAYER = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -50,6 +65,21 @@ GGUF_TO_HF_GEMMA = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+# Phi-3's fused projections, under HF Phi-3's names (split by `canonical_getter`).
+GGUF_TO_HF_PHI3 = {
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+}
+GGUF_TO_HF_MOE = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+# Stacked experts [E, out, in] -> the per-expert HF projection they hold.
+GGUF_EXPERTS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                "ffn_down_exps.weight": "down_proj"}
 GGUF_TO_HF_GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -63,7 +93,13 @@ def gguf_name_to_hf(name: str, arch: str = "llama") -> str | None:
     parts = name.split(".", 2)
     if len(parts) != 3 or parts[0] != "blk":
         return None
-    table = {**GGUF_TO_HF_LAYER, **GGUF_TO_HF_GEMMA} if arch.startswith("gemma") else GGUF_TO_HF_LAYER
+    table = {**GGUF_TO_HF_LAYER, **GGUF_TO_HF_MOE}
+    if arch.startswith("gemma"):
+        table.update(GGUF_TO_HF_GEMMA)
+    elif arch == "phi3":
+        table.update(GGUF_TO_HF_PHI3)
+    if parts[2] in GGUF_EXPERTS:  # a stacked tensor: {e} is filled in per expert
+        return f"model.layers.{parts[1]}.mlp.experts.{{e}}.{GGUF_EXPERTS[parts[2]]}.weight"
     return f"model.layers.{parts[1]}.{table[parts[2]]}" if parts[2] in table else None
 
 
@@ -99,12 +135,28 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
         vocab = len(tokens.data)
     names = {t.name for t in reader.tensors}
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    head_dim = int(meta("attention.key_length") or meta("rope.dimension_count") or hidden // num_heads)
+    rope_dims = meta("rope.dimension_count")
+    if arch == "phi3":  # no key_length; rope.dimension_count is the rotated part of a head
+        head_dim = int(meta("attention.key_length") or hidden // num_heads)
+    else:
+        head_dim = int(meta("attention.key_length") or rope_dims or hidden // num_heads)
+    experts = meta("expert_count")
+    if arch in MOE_ARCHITECTURES or (experts is None and "blk.0.ffn_gate_inp.weight" in names):
+        experts = need("expert_count")
+    moe = bool(experts)
+    model_type = GGUF_ARCHITECTURES[arch]
+    window = meta("attention.sliding_window")
+    if arch == "llama" and moe:
+        model_type = "mixtral"
+    elif arch == "llama" and window:
+        model_type = "mistral"
     hf: dict[str, Any] = {
-        "model_type": GGUF_ARCHITECTURES[arch],
+        "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
+        "intermediate_size": int(need("feed_forward_length") if arch not in MOE_ARCHITECTURES
+                                 else meta("feed_forward_length")
+                                 or need("expert_feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(meta("attention.head_count_kv") or num_heads),
@@ -116,6 +168,17 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
         "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": int(eos) if eos is not None else None,
     }
+    if moe:
+        hf.update(_moe_config(arch, meta, need, int(experts),
+                              shared="blk.0.ffn_gate_shexp.weight" in names))
+    if arch in ("llama", "phi3") and window:  # Mistral, Mixtral, Phi-3: every layer
+        hf["sliding_window"] = int(window)  # (llama.cpp writes 0 for Phi-4: no window)
+    if arch == "phi3":
+        if rope_dims and int(rope_dims) != head_dim:
+            hf["partial_rotary_factor"] = int(rope_dims) / head_dim
+        longrope = _phi3_longrope(reader, meta, need)
+        if longrope:
+            hf["rope_scaling"] = longrope
     if arch == "llama" and (meta("rope.scaling.type") == "llama3" or "rope_freqs.weight" in names):
         factor = meta("rope.scaling.factor")
         if factor is None:
@@ -144,6 +207,52 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
         if isinstance(pattern, int):
             hf["sliding_window_pattern"] = pattern
     return hf
+
+
+def _moe_config(arch: str, meta, need, experts: int, shared: bool) -> dict[str, Any]:
+    """The HF expert fields: Mixtral's names for ``llama`` files, Qwen-MoE's for the others."""
+    gating = meta("expert_gating_func")
+    if gating is not None and int(gating) != int(gguf.ExpertGatingFuncType.SOFTMAX):
+        raise ModelConfigError(f"{arch}.expert_gating_func={gating} is not supported (softmax only)")
+    scale = meta("expert_weights_scale")
+    if scale is not None and float(scale) != 1.0:
+        raise ModelConfigError(f"{arch}.expert_weights_scale={scale} is not supported")
+    norm = meta("expert_weights_norm")
+    norm = MOE_NORM_TOPK_DEFAULT[arch] if norm is None else bool(norm)
+    used = int(need("expert_used_count"))
+    if arch == "llama":  # Mixtral: the experts' width is feed_forward_length; always renormalised
+        if not norm:
+            raise ModelConfigError("llama.expert_weights_norm=false is not supported (Mixtral "
+                                   "renormalises its top-k router weights)")
+        return {"num_local_experts": experts, "num_experts_per_tok": used}
+    out = {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": norm,
+           "moe_intermediate_size": int(need("expert_feed_forward_length"))}
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(  # llama.cpp's default: feed_forward_length
+            meta("expert_shared_feed_forward_length") or need("feed_forward_length")
+            if shared else 0)
+    return out
+
+
+def _phi3_longrope(reader: gguf.GGUFReader, meta, need) -> dict[str, Any] | None:
+    """HF's longrope rope_scaling from llama.cpp's factor tensors and metadata (None: plain)."""
+    factors = {t.name: t for t in reader.tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if not factors:
+        return None
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name not in factors:
+            raise ModelConfigError(f"GGUF has LongRoPE factors but no {name} tensor")
+    out: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": dequantize(factors["rope_factors_long.weight"]).reshape(-1).tolist(),
+        "short_factor": dequantize(factors["rope_factors_short.weight"]).reshape(-1).tolist(),
+        "original_max_position_embeddings": int(need("rope.scaling.original_context_length")),
+    }
+    attn = meta("rope.scaling.attn_factor")
+    if attn is not None:  # llama.cpp's converter stores HF's own sqrt(1 + ln s / ln L) here
+        out["attention_factor"] = float(attn)
+    return out
 
 
 def metadata_config(reader: gguf.GGUFReader) -> ModelConfig:
@@ -176,14 +285,27 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
     reader = gguf.GGUFReader(str(path))
     config = metadata_config(reader)
     arch = field_value(reader, "general.architecture")
-    permuted = arch == "llama"
+    permuted = arch == "llama"  # Mistral and Mixtral too
     by_hf = {}
     for t in reader.tensors:
         hf = gguf_name_to_hf(t.name, arch)
         if hf is not None:
             by_hf[hf] = t
 
+    @functools.lru_cache(maxsize=2)  # a stacked expert tensor serves its experts in a row
+    def stacked(name: str) -> np.ndarray:
+        arr = dequantize(by_hf[name])
+        if arr.ndim != 3 or arr.shape[0] != config.num_experts:
+            raise WeightError(f"tensor {by_hf[name].name!r} has shape {arr.shape}, expected "
+                              f"{config.num_experts} stacked experts")
+        return arr
+
     def get(name: str) -> np.ndarray | None:
+        prefix, _, rest = name.partition(".mlp.experts.")
+        parts = rest.split(".")
+        if len(parts) == 3 and parts[0].isdigit():  # mlp.experts.{e}.{proj}.weight
+            key = f"{prefix}.mlp.experts.{{e}}.{parts[1]}.weight"
+            return stacked(key)[int(parts[0])] if key in by_hf else None
         t = by_hf.get(name)
         if t is None:
             return None
@@ -192,6 +314,8 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
             arr = unpermute_rotary_rows(arr, config.num_heads)
         elif permuted and name.endswith("self_attn.k_proj.weight"):
             arr = unpermute_rotary_rows(arr, config.num_kv_heads)
+        elif name.endswith("mlp.shared_expert_gate.weight") and arr.ndim == 1:
+            arr = arr[None, :]  # llama.cpp's converter squeezes HF's [1, hidden]
         return arr
 
     return config, assemble_params(config, get, dtype,

@@ -1,8 +1,9 @@
-"""Small random Llama checkpoints written in HF and GGUF formats, for loader tests."""
+"""Small random checkpoints written in HF and GGUF formats, for loader tests."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -65,6 +66,12 @@ HF_TO_GGUF = {
     "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight",
+    # MoE: the router and Qwen2-MoE's shared expert (routed experts are stacked, below)
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 # Gemma's sandwich norms, as llama.cpp names them.
 HF_TO_GGUF_GEMMA = {
@@ -72,53 +79,121 @@ HF_TO_GGUF_GEMMA = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# Phi-3's fused tensors: HF's qkv_proj (q, k, v rows) and gate_up_proj (gate rows first).
+PHI3_FUSED = {"self_attn.q_proj.weight": ("attn_qkv.weight", 0),
+              "self_attn.k_proj.weight": ("attn_qkv.weight", 1),
+              "self_attn.v_proj.weight": ("attn_qkv.weight", 2),
+              "mlp.gate_proj.weight": ("ffn_up.weight", 0), "mlp.up_proj.weight": ("ffn_up.weight", 1)}
+
+
+def _gguf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
+                  arch: str) -> dict[str, np.ndarray]:
+    """Canonical HF tensors -> llama.cpp's tensor names and layouts (numpy [out, in] order)."""
+    names = {**HF_TO_GGUF, **HF_TO_GGUF_GEMMA} if arch.startswith("gemma") else HF_TO_GGUF
+    out: dict[str, np.ndarray] = {}
+    parts: dict[str, dict[int, np.ndarray]] = {}  # fused / stacked tensor -> its pieces
+    for hf_name, arr in tensors.items():
+        if hf_name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            name = {"model.embed_tokens.weight": "token_embd.weight",
+                    "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[hf_name]
+            out[name] = arr + np.float32(1.0) if arch.startswith("gemma") and "norm" in name else arr
+            continue
+        _, _, layer, rest = hf_name.split(".", 3)
+        if rest.startswith("mlp.experts."):  # mlp.experts.{e}.{proj}.weight -> ffn_*_exps
+            _, _, e, proj, _ = rest.split(".")
+            stacked = f"blk.{layer}.ffn_{proj.removesuffix('_proj')}_exps.weight"
+            parts.setdefault(stacked, {})[int(e)] = arr
+            continue
+        if arch == "phi3" and rest in PHI3_FUSED:
+            fused, index = PHI3_FUSED[rest]
+            parts.setdefault(f"blk.{layer}.{fused}", {})[index] = arr
+            continue
+        if rest == "self_attn.q_proj.weight" and arch == "llama":
+            arr = _permute_rotary(arr, config.num_heads)
+        elif rest == "self_attn.k_proj.weight" and arch == "llama":
+            arr = _permute_rotary(arr, config.num_kv_heads)
+        elif rest == "mlp.shared_expert_gate.weight":
+            arr = arr.squeeze()  # the converter squeezes [1, hidden] to [hidden]
+        if arch.startswith("gemma") and "norm" in rest:
+            arr = arr + np.float32(1.0)
+        out[f"blk.{layer}.{names[rest]}"] = arr
+    for name, pieces in parts.items():
+        ordered = [pieces[i] for i in range(len(pieces))]
+        out[name] = np.stack(ordered) if name.endswith("_exps.weight") else np.concatenate(ordered)
+    scaling = dict(config.rope_scaling or ())
+    if arch == "phi3" and scaling.get("rope_type") in ("longrope", "su"):
+        out["rope_factors_long.weight"] = np.asarray(scaling["long_factor"], np.float32)
+        out["rope_factors_short.weight"] = np.asarray(scaling["short_factor"], np.float32)
+    return out
 
 
 def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray],
                quant: str = "F32", arch: str = "llama", skip: str | None = None,
-               extra_kv: dict | None = None) -> Path:
-    """As llama.cpp's converter writes it: Llama's Q/K rows permuted, Gemma's norms + 1."""
+               extra_kv: dict | None = None, skip_kv: tuple[str, ...] = ()) -> Path:
+    """As llama.cpp's converter writes it: Llama's Q/K rows permuted (Mistral's and Mixtral's
+    too: they are ``llama`` files), Gemma's norms + 1, Phi-3's fused ``attn_qkv`` / ``ffn_up``
+    and LongRoPE factor tensors, MoE experts stacked per layer with their counts in metadata.
+    `skip` leaves out a tensor, `skip_kv` metadata keys; `extra_kv` is written last."""
     w = gguf.GGUFWriter(str(path), arch)
+    K, T = gguf.Keys, gguf.GGUFValueType
+
+    def put(template: str, value, vtype) -> None:
+        key = template.format(arch=arch)
+        if key not in skip_kv:
+            w.add_key_value(key, value, vtype)
+
+    if arch != "phi3":  # Phi-3's converter writes no key_length (head_dim = hidden / heads)
+        put(K.Attention.KEY_LENGTH, config.head_dim, T.UINT32)
+    put(K.LLM.BLOCK_COUNT, config.num_layers, T.UINT32)
+    put(K.LLM.CONTEXT_LENGTH, config.max_position_embeddings, T.UINT32)
+    put(K.LLM.EMBEDDING_LENGTH, config.hidden_size, T.UINT32)
+    put(K.LLM.FEED_FORWARD_LENGTH, config.intermediate_size, T.UINT32)
+    put(K.Attention.HEAD_COUNT, config.num_heads, T.UINT32)
+    put(K.Attention.HEAD_COUNT_KV, config.num_kv_heads, T.UINT32)
+    put(K.Rope.FREQ_BASE, config.rope_theta, T.FLOAT32)
+    put(K.Attention.LAYERNORM_RMS_EPS, config.rms_norm_eps, T.FLOAT32)
+    put(K.LLM.VOCAB_SIZE, config.vocab_size, T.UINT32)
+    put(K.Rope.DIMENSION_COUNT, config.rotary_dim, T.UINT32)
+    scaling = dict(config.rope_scaling or ())
+    if scaling.get("rope_type") == "linear":
+        put(K.Rope.SCALING_TYPE, gguf.RopeScalingType.LINEAR.value, T.STRING)
+        put(K.Rope.SCALING_FACTOR, scaling["factor"], T.FLOAT32)
+    if arch == "phi3" and scaling.get("rope_type") in ("longrope", "su"):
+        orig = int(scaling["original_max_position_embeddings"])
+        scale = config.max_position_embeddings / orig
+        put(K.Rope.SCALING_ORIG_CTX_LEN, orig, T.UINT32)
+        put(K.Rope.SCALING_ATTN_FACTOR,
+            math.sqrt(1 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0, T.FLOAT32)
+    if arch == "phi3" or (arch == "llama" and config.layer_windows):
+        put(K.Attention.SLIDING_WINDOW, max(config.windows), T.UINT32)  # Phi-3: 0 = none
+    if config.num_experts:
+        put(K.LLM.EXPERT_COUNT, config.num_experts, T.UINT32)
+        put(K.LLM.EXPERT_USED_COUNT, config.num_experts_per_tok, T.UINT32)
+        if arch != "llama":  # Mixtral's experts are feed_forward_length wide
+            put(K.LLM.EXPERT_FEED_FORWARD_LENGTH, config.moe_intermediate_size, T.UINT32)
+        if config.shared_expert_intermediate_size:
+            put(K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, config.shared_expert_intermediate_size,
+                T.UINT32)
     for key, value in (extra_kv or {}).items():
         w.add_key_value(key, value[0], value[1])
-    names = {**HF_TO_GGUF, **HF_TO_GGUF_GEMMA} if arch.startswith("gemma") else HF_TO_GGUF
-    w.add_key_length(config.head_dim)
-    w.add_block_count(config.num_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_heads)
-    w.add_head_count_kv(config.num_kv_heads)
-    w.add_rope_freq_base(config.rope_theta)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
-    w.add_vocab_size(config.vocab_size)
-    w.add_rope_dimension_count(config.head_dim)
     qtype = gguf.GGMLQuantizationType[quant]
-    for hf_name, arr in tensors.items():
-        if hf_name == "model.embed_tokens.weight":
-            name = "token_embd.weight"
-        elif hf_name == "model.norm.weight":
-            name = "output_norm.weight"
-        elif hf_name == "lm_head.weight":
-            name = "output.weight"
-        else:
-            _, _, layer, rest = hf_name.split(".", 3)
-            name = f"blk.{layer}.{names[rest]}"
-            if rest == "self_attn.q_proj.weight" and arch == "llama":
-                arr = _permute_rotary(arr, config.num_heads)
-            elif rest == "self_attn.k_proj.weight" and arch == "llama":
-                arr = _permute_rotary(arr, config.num_kv_heads)
-        if arch.startswith("gemma") and "norm" in hf_name:
-            arr = arr + np.float32(1.0)
+    for name, arr in _gguf_tensors(config, tensors, arch).items():
         if name == skip:
             continue
-        if arr.ndim == 2 and quant != "F32":
+        if arr.ndim >= 2 and quant != "F32":
+            wtype = qtype
             try:
                 data = gguf.quants.quantize(arr, qtype)
+            except gguf.QuantError:  # rows not a whole number of blocks: F16, as the converter
+                wtype, data = gguf.GGMLQuantizationType.F16, arr.astype(np.float16)
             except NotImplementedError:  # a type gguf cannot write: right-sized zero blocks
                 block, size = gguf.GGML_QUANT_SIZES[qtype]
-                data = np.zeros((arr.shape[0], arr.shape[1] // block * size), np.uint8)
-            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+                data = np.zeros((*arr.shape[:-1], arr.shape[-1] // block * size), np.uint8)
+            if wtype == qtype:
+                w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+            else:
+                w.add_tensor(name, data)
         else:
             w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import gguf
 import jax
@@ -161,38 +162,109 @@ def test_hf_config_llama3_rope(tmp_path):
     assert json.loads(json.dumps(cfg.to_dict()))["rope_scaling"]["rope_type"] == "llama3"
 
 
-@pytest.mark.parametrize("family,arch", [("qwen2", "qwen2"), ("qwen3", "qwen3"),
-                                         ("gemma2", "gemma2"), ("gemma3", "gemma3")])
-def test_gguf_families_match_hf_dir(tmp_path, family, arch):
-    """GGUF files of other architectures (biases, q/k norms, Gemma's sandwich norms stored as
-    1 + w, no Q/K permutation) load to the same params and config as the HF folder."""
-    import gguf
+# (family in tests/model/test_families.py, llama.cpp's general.architecture)
+GGUF_FAMILIES = [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma2", "gemma2"),
+                 ("gemma3", "gemma3"), ("mistral", "llama"), ("phi3", "phi3"),
+                 ("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")]
 
-    from models.config import ModelConfig
+
+def _family_gguf(tmp_path, family, arch, quant="F32", **kw):
+    """The HF folder of a test family and the GGUF llama.cpp's converter would make of it."""
     from models.weights import params_to_hf
     from tests.model.test_families import write_family
 
-    write_family(family, tmp_path)
-    hf_cfg, hf_params = load_hf_dir(tmp_path)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir(exist_ok=True)
+    write_family(family, hf_dir)
+    hf_cfg, hf_params = load_hf_dir(hf_dir)
     tensors = params_to_hf(hf_cfg, hf_params)
     T = gguf.GGUFValueType
-    kv = {}
+    kv = dict(kw.pop("extra_kv", {}))
     if arch.startswith("gemma"):
         window = max(hf_cfg.windows)
         kv[f"{arch}.attention.sliding_window"] = (window, T.UINT32)
         if hf_cfg.attn_softcap:
             kv[f"{arch}.attn_logit_softcapping"] = (hf_cfg.attn_softcap, T.FLOAT32)
             kv[f"{arch}.final_logit_softcapping"] = (hf_cfg.final_softcap, T.FLOAT32)
-    g_cfg, g_params = load_gguf(write_gguf(tmp_path / "m.gguf", hf_cfg, tensors, arch=arch,
-                                           extra_kv=kv))
+    path = write_gguf(tmp_path / f"m-{quant}.gguf", hf_cfg, tensors, quant, arch=arch,
+                      extra_kv=kv, **kw)
+    return hf_cfg, hf_params, path
+
+
+@pytest.mark.parametrize("family,arch", GGUF_FAMILIES)
+def test_gguf_families_match_hf_dir(tmp_path, family, arch):
+    """GGUF files of other architectures (biases, q/k norms, Gemma's sandwich norms stored as
+    1 + w, no Q/K permutation but Mistral's and Mixtral's, Phi-3's fused attn_qkv / ffn_up and
+    LongRoPE factor tensors, stacked experts, routers and Qwen2-MoE's shared expert) load to
+    the same params and config switches as the HF folder."""
+    from models import rope
+
+    hf_cfg, hf_params, path = _family_gguf(tmp_path, family, arch)
+    g_cfg, g_params = load_gguf(path)
     assert jax.tree.structure(g_params) == jax.tree.structure(hf_params)
     assert _max_diff(g_params, hf_params) <= 1e-6
     for field in ("architecture", "qkv_bias", "qk_norm", "sandwich_norm", "embed_scale",
-                  "attn_softcap", "final_softcap", "hidden_act", "tie_word_embeddings"):
+                  "attn_softcap", "final_softcap", "hidden_act", "tie_word_embeddings",
+                  "head_dim", "partial_rotary_factor", "rope_theta", "max_position_embeddings",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "norm_topk_prob", "shared_expert_intermediate_size"):
         assert getattr(g_cfg, field) == getattr(hf_cfg, field), field
-    if arch == "gemma2":
+    if family in ("gemma2", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"):
         assert g_cfg.windows == hf_cfg.windows
+    if family in ("gemma3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"):
+        assert g_cfg.rope_scaling == hf_cfg.rope_scaling  # linear factors, or none
+    if family == "phi3":  # LongRoPE factors went through float32 tensors
+        g, h = dict(g_cfg.rope_scaling), dict(hf_cfg.rope_scaling)
+        assert (g["rope_type"], g["original_max_position_embeddings"]) == (
+            "longrope", h["original_max_position_embeddings"])
+        for key in ("short_factor", "long_factor"):
+            np.testing.assert_allclose(g[key], h[key], rtol=1e-7)
+        assert rope.attention_factor(g_cfg.rope_scaling, g_cfg.max_position_embeddings) == \
+            pytest.approx(rope.attention_factor(hf_cfg.rope_scaling, 256), rel=1e-6)
+        pos = np.arange(0, 200, 37, dtype=np.int32)
+        for a, b in zip(rope.tables(pos, g_cfg.rotary_dim, g_cfg.rope_theta, g_cfg.rope_scaling,
+                                    g_cfg.max_position_embeddings),
+                        rope.tables(pos, hf_cfg.rotary_dim, hf_cfg.rope_theta,
+                                    hf_cfg.rope_scaling, hf_cfg.max_position_embeddings)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     assert isinstance(g_cfg, ModelConfig)
+
+
+@pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])
+def test_gguf_moe_quantized_experts(tmp_path, family, arch):
+    """Stacked expert tensors quantized as llama.cpp ships them (Q8_0) dequantize per expert."""
+    _, hf_params, path = _family_gguf(tmp_path, family, arch, "Q8_0")
+    _, g_params = load_gguf(path)
+    assert jax.tree.structure(g_params) == jax.tree.structure(hf_params)
+    assert 0.0 < _max_diff(g_params, hf_params) <= 4e-3
+
+
+def test_gguf_moe_router_renormalisation_from_metadata(tmp_path):
+    """llama.cpp's defaults: Qwen2-MoE does not renormalise its top-k router weights, unless
+    qwen2moe.expert_weights_norm says so; Qwen3-MoE does."""
+    kv = {"qwen2moe.expert_weights_norm": (True, gguf.GGUFValueType.BOOL)}
+    _, _, path = _family_gguf(tmp_path, "qwen2_moe", "qwen2moe", extra_kv=kv)
+    assert load_gguf(path)[0].norm_topk_prob
+
+
+@pytest.mark.parametrize("family,arch,key", [
+    ("qwen2_moe", "qwen2moe", "qwen2moe.expert_count"),
+    ("qwen3_moe", "qwen3moe", "qwen3moe.expert_used_count"),
+    ("qwen3_moe", "qwen3moe", "qwen3moe.expert_feed_forward_length"),
+    ("mixtral", "llama", "llama.expert_count"),  # its tensors are routed experts
+    ("phi3", "phi3", "phi3.rope.scaling.original_context_length"),
+])
+def test_gguf_missing_family_metadata_named(tmp_path, family, arch, key):
+    _, _, path = _family_gguf(tmp_path, family, arch, skip_kv=(key,))
+    with pytest.raises(ModelConfigError, match=re.escape(key)):
+        load_gguf(path)
+
+
+def test_gguf_unsupported_architecture_named(tmp_path, tiny):
+    config, tensors = tiny
+    path = write_gguf(tmp_path / "f.gguf", config, tensors, "F32", arch="phimoe")
+    with pytest.raises(ModelConfigError, match=r"'phimoe' in GGUF general\.architecture.*qwen3moe"):
+        load_gguf(path)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
