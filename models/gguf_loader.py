@@ -13,6 +13,10 @@ Families llama.cpp writes under another name: Mistral and Mixtral are ``llama`` 
 ``rope_factors_long/short.weight``; MoE files stack the experts of a layer in one tensor
 (``ffn_{gate,up,down}_exps``, numpy shape ``[experts, out, in]``), which is served here one
 expert at a time under the per-expert HF names.
+
+Rotary scaling: ``yarn`` keys become HF's yarn rope_scaling, Llama 3's ``rope_freqs.weight``
+divisors its llama3 parameters. A file's EOS is joined by its end-of-turn tokens (eot/eom ids,
+<|eot_id|>, <|im_end|>, <|end|>, <end_of_turn>), which llama.cpp stops on too.
 """
 
 from __future__ import annotations
@@ -179,7 +183,14 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
         longrope = _phi3_longrope(reader, meta, need)
         if longrope:
             hf["rope_scaling"] = longrope
-    if arch == "llama" and (meta("rope.scaling.type") == "llama3" or "rope_freqs.weight" in names):
+    scaling_type = meta("rope.scaling.type")
+    if scaling_type == "yarn":
+        hf["rope_scaling"] = _yarn(arch, meta, need)
+    elif arch == "llama" and "rope_freqs.weight" in names:
+        llama3 = _llama3_from_freqs(reader, meta, hf["rope_theta"], rope_dims or head_dim)
+        if llama3:
+            hf["rope_scaling"] = llama3
+    elif arch == "llama" and scaling_type == "llama3":
         factor = meta("rope.scaling.factor")
         if factor is None:
             raise ModelConfigError("llama3 rope scaling without llama.rope.scaling.factor")
@@ -189,7 +200,7 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
             "high_freq_factor": float(meta("rope.scaling.high_freq_factor") or 4.0),
             "original_max_position_embeddings": int(
                 meta("rope.scaling.original_context_length") or 8192)}
-    elif meta("rope.scaling.type") == "linear" and meta("rope.scaling.factor"):
+    elif scaling_type == "linear" and meta("rope.scaling.factor"):
         hf["rope_scaling"] = {"rope_type": "linear", "factor": float(meta("rope.scaling.factor"))}
     if arch.startswith("gemma"):
         # llama.cpp scales queries by head_dim ** -0.5 for these files (Gemma 3 27B aside).
@@ -198,15 +209,85 @@ def hf_config_from_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
         hf["attn_logit_softcapping"] = meta("attn_logit_softcapping")
         hf["final_logit_softcapping"] = meta("final_logit_softcapping")
         hf["hidden_activation"] = "gelu_pytorch_tanh"
-        # Chat turns end with <end_of_turn>, which the file does not list as EOS (HF's
-        # generation_config does); llama.cpp stops on it too.
-        tokens = field_value(reader, "tokenizer.ggml.tokens") or []
-        if "<end_of_turn>" in tokens and eos is not None:
-            hf["eos_token_id"] = [int(eos), tokens.index("<end_of_turn>")]
         pattern = meta("attention.sliding_window_pattern")
         if isinstance(pattern, int):
             hf["sliding_window_pattern"] = pattern
+    stops = _end_of_turn_ids(reader)
+    if eos is not None and stops:
+        hf["eos_token_id"] = list(dict.fromkeys([int(eos), *stops]))
     return hf
+
+
+# Tokens that end a chat turn in the supported families' templates. A file often lists only
+# the end-of-text token as EOS (HF keeps the others in generation_config.json); llama.cpp
+# stops on these by their text too.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>")
+
+
+def _end_of_turn_ids(reader: gguf.GGUFReader) -> list[int]:
+    """``tokenizer.ggml.eot_token_id`` / ``eom_token_id`` and the vocabulary's end-of-turn
+    tokens (Llama 3's <|eot_id|>, ChatML's <|im_end|>, Phi-3's <|end|>, Gemma's <end_of_turn>)."""
+    out = [int(v) for key in ("eot_token_id", "eom_token_id")
+           if (v := field_value(reader, f"tokenizer.ggml.{key}")) is not None]
+    tokens = field_value(reader, "tokenizer.ggml.tokens") or []
+    index = {t: i for i, t in enumerate(tokens) if t in END_OF_TURN_TOKENS}
+    return out + [index[t] for t in END_OF_TURN_TOKENS if t in index]
+
+
+def _yarn(arch: str, meta, need) -> dict[str, Any]:
+    """HF's yarn rope_scaling from llama.cpp's keys (its converter renames HF's: attention_factor
+    -> yarn_attn_factor, beta_fast/slow -> yarn_beta_fast/slow). ``yarn_log_multiplier`` is read
+    as llama.cpp reads it: HF's mscale_all_dim, with mscale 1."""
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": float(need("rope.scaling.factor"))}
+    orig = meta("rope.scaling.original_context_length")
+    if orig:
+        out["original_max_position_embeddings"] = int(orig)
+    for key, name in (("yarn_attn_factor", "attention_factor"), ("yarn_beta_fast", "beta_fast"),
+                      ("yarn_beta_slow", "beta_slow")):
+        value = meta(f"rope.scaling.{key}")
+        if value is not None:
+            out[name] = float(value)
+    log_mul = meta("rope.scaling.yarn_log_multiplier")
+    if log_mul:
+        out.update(mscale=1.0, mscale_all_dim=float(log_mul))
+    ext = meta("rope.scaling.yarn_ext_factor")
+    if ext is not None and float(ext) != 1.0:  # HF's YaRN has no such knob (it is 1 there)
+        raise ModelConfigError(f"{arch}.rope.scaling.yarn_ext_factor={ext} is not supported "
+                               "(only 1.0, HF's YaRN ramp)")
+    return out
+
+
+def _llama3_from_freqs(reader: gguf.GGUFReader, meta, theta: float,
+                       dim: int) -> dict[str, Any] | None:
+    """HF's llama3 rope_scaling behind llama.cpp's ``rope_freqs.weight`` (the per-dimension
+    divisors of the inverse frequencies, which its converter writes instead of the parameters).
+    The factor is the largest divisor; low/high_freq_factor come from metadata or Llama 3.1's
+    1 and 4, and the original context is solved from a blended dimension (8192 for Llama 3.x).
+    The result must reproduce the tensor; None when it scales nothing."""
+    from models import rope
+
+    tensor = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    divisors = dequantize(tensor).reshape(-1).astype(np.float64)
+    if divisors.shape != (dim // 2,):
+        raise ModelConfigError(f"rope_freqs.weight has {divisors.size} entries, expected {dim // 2}")
+    factor = float(divisors.max())
+    if np.allclose(divisors, 1.0):
+        return None
+    low = float(meta("rope.scaling.low_freq_factor") or 1.0)
+    high = float(meta("rope.scaling.high_freq_factor") or 4.0)
+    old = float(meta("rope.scaling.original_context_length") or 8192)
+    base = rope._default(dim, theta)
+    blended = np.flatnonzero((divisors > 1 + 1e-4) & (divisors < factor * (1 - 1e-4)))
+    if blended.size:  # 1 / d = (1 - s) / factor + s, s = (old / wavelength - low) / (high - low)
+        i = int(blended[0])
+        smooth = (1 / divisors[i] - 1 / factor) / (1 - 1 / factor)
+        old = 2 * np.pi / base[i] * (low + smooth * (high - low))
+    out = {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+           "high_freq_factor": high, "original_max_position_embeddings": int(round(old))}
+    if not np.allclose(base / rope._llama3(dim, theta, out), divisors, rtol=1e-4):
+        raise ModelConfigError("rope_freqs.weight does not follow Llama 3's rope scaling rule "
+                               f"(factor {factor}, low/high_freq_factor {low}/{high})")
+    return out
 
 
 def _moe_config(arch: str, meta, need, experts: int, shared: bool) -> dict[str, Any]:

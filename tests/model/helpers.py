@@ -122,10 +122,30 @@ def _gguf_tensors(config: ModelConfig, tensors: dict[str, np.ndarray],
         ordered = [pieces[i] for i in range(len(pieces))]
         out[name] = np.stack(ordered) if name.endswith("_exps.weight") else np.concatenate(ordered)
     scaling = dict(config.rope_scaling or ())
+    if arch == "llama" and scaling.get("rope_type") == "llama3":
+        out["rope_freqs.weight"] = _llama3_rope_freqs(config.rotary_dim, config.rope_theta, scaling)
     if arch == "phi3" and scaling.get("rope_type") in ("longrope", "su"):
         out["rope_factors_long.weight"] = np.asarray(scaling["long_factor"], np.float32)
         out["rope_factors_short.weight"] = np.asarray(scaling["short_factor"], np.float32)
     return out
+
+
+def _llama3_rope_freqs(dim: int, theta: float, s: dict) -> np.ndarray:
+    """llama.cpp's converter: Llama 3's scaling as per-dimension divisors of the frequencies
+    (the rope_freqs.weight tensor; no scaling keys are written)."""
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray],
@@ -133,7 +153,8 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray],
                extra_kv: dict | None = None, skip_kv: tuple[str, ...] = ()) -> Path:
     """As llama.cpp's converter writes it: Llama's Q/K rows permuted (Mistral's and Mixtral's
     too: they are ``llama`` files), Gemma's norms + 1, Phi-3's fused ``attn_qkv`` / ``ffn_up``
-    and LongRoPE factor tensors, MoE experts stacked per layer with their counts in metadata.
+    and LongRoPE factor tensors, Llama 3's rope_freqs tensor, YaRN's keys, MoE experts stacked
+    per layer with their counts in metadata.
     `skip` leaves out a tensor, `skip_kv` metadata keys; `extra_kv` is written last."""
     w = gguf.GGUFWriter(str(path), arch)
     K, T = gguf.Keys, gguf.GGUFValueType
@@ -159,6 +180,15 @@ def write_gguf(path: Path, config: ModelConfig, tensors: dict[str, np.ndarray],
     if scaling.get("rope_type") == "linear":
         put(K.Rope.SCALING_TYPE, gguf.RopeScalingType.LINEAR.value, T.STRING)
         put(K.Rope.SCALING_FACTOR, scaling["factor"], T.FLOAT32)
+    if scaling.get("rope_type") == "yarn":  # the converter renames HF's keys
+        put(K.Rope.SCALING_TYPE, gguf.RopeScalingType.YARN.value, T.STRING)
+        put(K.Rope.SCALING_FACTOR, scaling["factor"], T.FLOAT32)
+        put(K.Rope.SCALING_ORIG_CTX_LEN, int(scaling["original_max_position_embeddings"]), T.UINT32)
+        for hf_key, key in (("attention_factor", K.Rope.SCALING_YARN_ATTN_FACTOR),
+                            ("beta_fast", K.Rope.SCALING_YARN_BETA_FAST),
+                            ("beta_slow", K.Rope.SCALING_YARN_BETA_SLOW)):
+            if scaling.get(hf_key) is not None:
+                put(key, scaling[hf_key], T.FLOAT32)
     if arch == "phi3" and scaling.get("rope_type") in ("longrope", "su"):
         orig = int(scaling["original_max_position_embeddings"])
         scale = config.max_position_embeddings / orig

@@ -163,19 +163,23 @@ def test_hf_config_llama3_rope(tmp_path):
 
 
 # (family in tests/model/test_families.py, llama.cpp's general.architecture)
-GGUF_FAMILIES = [("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma2", "gemma2"),
+GGUF_FAMILIES = [("llama3", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("gemma2", "gemma2"),
                  ("gemma3", "gemma3"), ("mistral", "llama"), ("phi3", "phi3"),
                  ("mixtral", "llama"), ("qwen2_moe", "qwen2moe"), ("qwen3_moe", "qwen3moe")]
 
 
-def _family_gguf(tmp_path, family, arch, quant="F32", **kw):
-    """The HF folder of a test family and the GGUF llama.cpp's converter would make of it."""
+def _family_gguf(tmp_path, family, arch, quant="F32", rope_parameters=None, **kw):
+    """The HF folder of a test family and the GGUF llama.cpp's converter would make of it
+    (`rope_parameters` replaces the folder's config.json entry first)."""
     from models.weights import params_to_hf
     from tests.model.test_families import write_family
 
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir(exist_ok=True)
     write_family(family, hf_dir)
+    if rope_parameters is not None:
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**cfg, "rope_parameters": rope_parameters}))
     hf_cfg, hf_params = load_hf_dir(hf_dir)
     tensors = params_to_hf(hf_cfg, hf_params)
     T = gguf.GGUFValueType
@@ -195,8 +199,9 @@ def _family_gguf(tmp_path, family, arch, quant="F32", **kw):
 def test_gguf_families_match_hf_dir(tmp_path, family, arch):
     """GGUF files of other architectures (biases, q/k norms, Gemma's sandwich norms stored as
     1 + w, no Q/K permutation but Mistral's and Mixtral's, Phi-3's fused attn_qkv / ffn_up and
-    LongRoPE factor tensors, stacked experts, routers and Qwen2-MoE's shared expert) load to
-    the same params and config switches as the HF folder."""
+    LongRoPE factor tensors, Llama 3's rope_freqs tensor, Qwen3's YaRN keys, stacked experts,
+    routers and Qwen2-MoE's shared expert) load to the same params, config switches and rotary
+    tables as the HF folder."""
     from models import rope
 
     hf_cfg, hf_params, path = _family_gguf(tmp_path, family, arch)
@@ -211,8 +216,10 @@ def test_gguf_families_match_hf_dir(tmp_path, family, arch):
         assert getattr(g_cfg, field) == getattr(hf_cfg, field), field
     if family in ("gemma2", "mistral", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"):
         assert g_cfg.windows == hf_cfg.windows
-    if family in ("gemma3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"):
-        assert g_cfg.rope_scaling == hf_cfg.rope_scaling  # linear factors, or none
+    if family in ("llama3", "qwen3", "gemma3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe"):
+        assert g_cfg.rope_scaling == hf_cfg.rope_scaling  # llama3, yarn, linear, or none
+    if family != "qwen2":  # (its dynamic NTK scaling has no GGUF form: llama.cpp drops it)
+        _assert_same_rope(g_cfg, hf_cfg)
     if family == "phi3":  # LongRoPE factors went through float32 tensors
         g, h = dict(g_cfg.rope_scaling), dict(hf_cfg.rope_scaling)
         assert (g["rope_type"], g["original_max_position_embeddings"]) == (
@@ -221,13 +228,79 @@ def test_gguf_families_match_hf_dir(tmp_path, family, arch):
             np.testing.assert_allclose(g[key], h[key], rtol=1e-7)
         assert rope.attention_factor(g_cfg.rope_scaling, g_cfg.max_position_embeddings) == \
             pytest.approx(rope.attention_factor(hf_cfg.rope_scaling, 256), rel=1e-6)
-        pos = np.arange(0, 200, 37, dtype=np.int32)
-        for a, b in zip(rope.tables(pos, g_cfg.rotary_dim, g_cfg.rope_theta, g_cfg.rope_scaling,
-                                    g_cfg.max_position_embeddings),
-                        rope.tables(pos, hf_cfg.rotary_dim, hf_cfg.rope_theta,
-                                    hf_cfg.rope_scaling, hf_cfg.max_position_embeddings)):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
     assert isinstance(g_cfg, ModelConfig)
+
+
+def _assert_same_rope(g_cfg: ModelConfig, hf_cfg: ModelConfig) -> None:
+    """Same rotary cos/sin (attention factor included) at positions inside and past the
+    original context of the scaling variants."""
+    from models import rope
+
+    pos = np.arange(0, 256, 37, dtype=np.int32)
+    for a, b in zip(rope.tables(pos, g_cfg.rotary_dim, g_cfg.rope_theta, g_cfg.rope_scaling,
+                                g_cfg.max_position_embeddings),
+                    rope.tables(pos, hf_cfg.rotary_dim, hf_cfg.rope_theta, hf_cfg.rope_scaling,
+                                hf_cfg.max_position_embeddings), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+    np.testing.assert_allclose(g_cfg.rope_inv_freq(), hf_cfg.rope_inv_freq(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family,arch,params,extra", [
+    # every key llama.cpp's converter renames: attention_factor, beta_fast, beta_slow
+    ("qwen3", "qwen3", {"attention_factor": 0.8, "beta_fast": 16.0, "beta_slow": 2.0}, {}),
+    ("mistral", "llama", {"beta_fast": 24.0}, {}),
+    # mscale_all_dim travels as yarn_log_multiplier (mscale 1, as llama.cpp reads it)
+    ("qwen3", "qwen3", {"mscale": 1.0, "mscale_all_dim": 0.5},
+     {"rope.scaling.yarn_log_multiplier": 0.5}),
+])
+def test_gguf_yarn_matches_hf_dir(tmp_path, family, arch, params, extra):
+    """llama.cpp's YaRN metadata ({arch}.rope.scaling.type "yarn", factor,
+    original_context_length, yarn_* keys) is read back as HF's yarn rope_scaling: the same
+    frequencies and attention factor as the HF folder with that scaling."""
+    from models import rope
+
+    scaling = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+               "original_max_position_embeddings": 64, **params}
+    kv = {f"{arch}.{k}": (v, gguf.GGUFValueType.FLOAT32) for k, v in extra.items()}
+    hf_cfg, _, path = _family_gguf(tmp_path, family, arch, rope_parameters=scaling, extra_kv=kv)
+    g_cfg, _ = load_gguf(path)
+    assert dict(hf_cfg.rope_scaling)["rope_type"] == dict(g_cfg.rope_scaling)["rope_type"] == "yarn"
+    _assert_same_rope(g_cfg, hf_cfg)
+    attn = rope.attention_factor(g_cfg.rope_scaling, g_cfg.max_position_embeddings)
+    assert attn == pytest.approx(rope.attention_factor(hf_cfg.rope_scaling, 256), rel=1e-6)
+    default = 0.1 * np.log(4.0) + 1.0  # HF's YaRN attention factor without overrides
+    assert attn != pytest.approx(default) if params.keys() & {"attention_factor", "mscale"} \
+        else attn == pytest.approx(default)
+
+
+def test_gguf_yarn_unsupported_ext_factor_named(tmp_path):
+    kv = {"qwen3.rope.scaling.yarn_ext_factor": (0.5, gguf.GGUFValueType.FLOAT32)}
+    _, _, path = _family_gguf(tmp_path, "qwen3", "qwen3", extra_kv=kv)
+    with pytest.raises(ModelConfigError, match=r"qwen3\.rope\.scaling\.yarn_ext_factor=0\.5"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("family,arch,tokens,kv,want", [
+    # Phi-3: the file's EOS is <|endoftext|>, turns end with <|end|>
+    ("phi3", "phi3", {2: "<|endoftext|>", 7: "<|end|>"}, {}, (2, 7)),
+    # ChatML (Qwen) and Llama 3 with llama.cpp's explicit eot/eom ids
+    ("qwen2", "qwen2", {2: "<|endoftext|>", 4: "<|im_start|>", 5: "<|im_end|>"}, {}, (2, 5)),
+    ("llama3", "llama", {2: "<|end_of_text|>", 9: "<|eot_id|>", 10: "<|eom_id|>"},
+     {"tokenizer.ggml.eot_token_id": 9, "tokenizer.ggml.eom_token_id": 10}, (2, 9, 10)),
+    ("gemma2", "gemma2", {2: "<eos>", 6: "<end_of_turn>"}, {}, (2, 6)),
+    ("mistral", "llama", {2: "</s>", 3: "[INST]"}, {}, (2,)),
+])
+def test_gguf_end_of_turn_tokens_stop(tmp_path, family, arch, tokens, kv, want):
+    """A GGUF file names one EOS; the family's end-of-turn tokens (llama.cpp's eot/eom ids and
+    the vocabulary's <|eot_id|>, <|im_end|>, <|end|>, <end_of_turn>) stop generation too, as
+    HF's generation_config.json list and llama.cpp do."""
+    T = gguf.GGUFValueType
+    vocab = [tokens.get(i, f"<t{i}>") for i in range(128)]
+    extra = {"tokenizer.ggml.tokens": (vocab, T.ARRAY),
+             "tokenizer.ggml.eos_token_id": (2, T.UINT32),
+             **{k: (v, T.UINT32) for k, v in kv.items()}}
+    _, _, path = _family_gguf(tmp_path, family, arch, extra_kv=extra)
+    assert load_gguf(path)[0].eos_token_ids == want
 
 
 @pytest.mark.parametrize("family,arch", [("mixtral", "llama"), ("qwen2_moe", "qwen2moe")])
@@ -253,6 +326,7 @@ def test_gguf_moe_router_renormalisation_from_metadata(tmp_path):
     ("qwen3_moe", "qwen3moe", "qwen3moe.expert_feed_forward_length"),
     ("mixtral", "llama", "llama.expert_count"),  # its tensors are routed experts
     ("phi3", "phi3", "phi3.rope.scaling.original_context_length"),
+    ("qwen3", "qwen3", "qwen3.rope.scaling.factor"),  # a yarn file
 ])
 def test_gguf_missing_family_metadata_named(tmp_path, family, arch, key):
     _, _, path = _family_gguf(tmp_path, family, arch, skip_kv=(key,))
