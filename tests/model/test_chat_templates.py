@@ -243,7 +243,7 @@ def test_openai_server_uses_the_family_template(tmp_path):
               max_model_len=192, max_num_seqs=2)
     tok = llm.tokenizer
     eot, x = tok.convert_tokens_to_ids(fam.end_of_turn), tok.convert_tokens_to_ids("x")
-    srv = InProcessServer(llm.engine, tmp_path, port=None, metrics_port=None, http_port=0).start()
+    srv = InProcessServer(llm.engine, tmp_path, http_port=0).start()
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{srv.ports['http_port']}",
                           timeout=60) as http:
