@@ -55,10 +55,31 @@ class RequestMetrics:
     finish_reason: str | None = None  # stop | length | abort | error
     itls: list[float] = dataclasses.field(default_factory=list)
     scheduled: float | None = None  # first scheduled by the engine
+    max_tokens: int | None = None  # the request's max_tokens (after defaults)
 
     @property
     def queue_time(self) -> float | None:
         return None if self.scheduled is None else max(0.0, self.scheduled - self.arrival)
+
+    # vLLM's phases of a request: prefill (first scheduled -> first token), decode (first ->
+    # last token), inference (first scheduled -> last token = prefill + decode). The last
+    # token is the finish of a request that ends by stop or length.
+    @property
+    def prefill_time(self) -> float | None:
+        if self.scheduled is None or self.first_token is None:
+            return None
+        return max(0.0, self.first_token - self.scheduled)
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token is None or self.last_token is None:
+            return None
+        return self.last_token - self.first_token
+
+    @property
+    def inference_time(self) -> float | None:
+        prefill, decode = self.prefill_time, self.decode_time
+        return None if prefill is None or decode is None else prefill + decode
 
     @property
     def ttft(self) -> float | None:
@@ -388,7 +409,8 @@ class AsyncEngine:
                     f"{field}: {len(items)} prompts x {samples} samples = {len(items) * samples} "
                     f"sequences exceed max_sequences_per_request={cap}", field)
             now = time.monotonic()
-            lives = [_Live(RequestStream(rid, aloop), RequestMetrics(rid, now),
+            lives = [_Live(RequestStream(rid, aloop),
+                           RequestMetrics(rid, now, max_tokens=sp.max_tokens),
                            concurrent.futures.Future()) for rid, _, _ in items]
             with self._lock:
                 if not self.accepting:

@@ -170,6 +170,14 @@ class VllmMetrics:
                                _COUNT_BUCKETS)
         self.req_gen = hist("vllm:request_generation_tokens", "Generated tokens per request",
                             _COUNT_BUCKETS)
+        self.req_max_tokens = hist("vllm:request_params_max_tokens", "The max_tokens of "
+                                   "each request", _COUNT_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Time from first scheduled "
+                            "to first token", _LATENCY_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "Time from first to last "
+                           "token", _LATENCY_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds", "Time from first "
+                              "scheduled to last token (prefill + decode)", _LATENCY_BUCKETS)
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative proposals") \
             .labels(model_name)
         self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens",
@@ -212,3 +220,10 @@ class VllmMetrics:
             self.e2e.observe(m.e2e)
         if m.queue_time is not None:
             self.queue.observe(m.queue_time)
+        if m.max_tokens is not None:
+            self.req_max_tokens.observe(m.max_tokens)
+        # Requests that produced a token and had been scheduled (aborted ones may not).
+        for hist_, value in ((self.prefill, m.prefill_time), (self.decode, m.decode_time),
+                             (self.inference, m.inference_time)):
+            if value is not None:
+                hist_.observe(value)

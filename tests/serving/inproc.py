@@ -12,9 +12,13 @@ from pagedjax.serving.server import ServerOptions, run_server
 
 
 class InProcessServer:
+    """gRPC and a metrics port on ephemeral ports unless ``opts`` say otherwise (``port=None,
+    metrics_port=None, http_port=0``: HTTP alone, as `pagedjax serve MODEL`)."""
+
     def __init__(self, engine, tmp: Path, **opts):
         self.port_file = tmp / "ports.json"
-        self.opts = ServerOptions(port=0, metrics_port=0, port_file=str(self.port_file), grace_s=2.0, **opts)
+        self.opts = ServerOptions(**{"port": 0, "metrics_port": 0, "grace_s": 2.0, **opts,
+                                     "port_file": str(self.port_file)})
         self.engine = engine
         self.loop = asyncio.new_event_loop()
         self.stop = asyncio.Event()
@@ -33,7 +37,7 @@ class InProcessServer:
                 raise TimeoutError("server did not bind")
             time.sleep(0.02)
         self.ports = json.loads(self.port_file.read_text())
-        self.target = f"127.0.0.1:{self.ports['port']}"
+        self.target = f"127.0.0.1:{self.ports['port']}" if "port" in self.ports else None
         return self
 
     def close(self) -> int | None:
