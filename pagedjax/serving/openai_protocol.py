@@ -225,8 +225,9 @@ class ChatCompletionRequest(_Sampling):
 
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
-        if self.functions or self.function_call is not None:
-            raise ValueError("functions: the legacy functions API is not served; use tools")
+        if self.functions is not None or self.function_call is not None:
+            field = "functions" if self.functions is not None else "function_call"
+            raise ValueError(f"{field}: the legacy functions API is not served; use tools")
         funcs, mode = check_tools(self.tools, self.tool_choice)
         if mode not in (None, "auto") and self.guided_decoding() is not None:
             raise ValueError("tool_choice: a required or named tool call cannot be combined "

@@ -9,7 +9,7 @@ import pytest
 
 from pagedjax.serving.auth import bearer_ok, resolve_api_key
 from pagedjax.serving.client import Client
-from tests.serving.fake_engine import FakeEngine
+from tests.serving.fuzz_support import FuzzFakeEngine
 from tests.serving.inproc import InProcessServer
 
 KEY = "s3cret-key"
@@ -17,7 +17,7 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
-    srv = InProcessServer(FakeEngine(step_s=0.002), tmp_path_factory.mktemp("keyed"),
+    srv = InProcessServer(FuzzFakeEngine(step_s=0.002), tmp_path_factory.mktemp("keyed"),
                           http_port=0, api_key=KEY).start()
     yield srv
     assert srv.close() == 0
@@ -54,6 +54,24 @@ def test_http_needs_the_key_on_v1_only(keyed_server):
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "w0 w1 "
     assert httpx.get(f"{base}/health", timeout=30).status_code == 200
     assert httpx.get(f"{base}/metrics", timeout=30).status_code == 200
+
+
+def test_tokenize_and_detokenize_need_the_key(keyed_server):
+    """As vLLM's: /tokenize and /detokenize are API routes behind --api-key (they reveal the
+    chat template and the tokenizer), while /health, /metrics and /version stay open."""
+    base = f"http://127.0.0.1:{keyed_server.ports['http_port']}"
+    calls = [("/tokenize", {"prompt": "hi"}), ("/tokenize", {"messages": [
+        {"role": "user", "content": "hi"}]}), ("/detokenize", {"tokens": [72, 73]})]
+    for route, body in calls:
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEY}):
+            r = httpx.post(base + route, json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (route, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+        ok = httpx.post(base + route, json=body, timeout=30,
+                        headers={"authorization": f"Bearer {KEY}"})
+        assert ok.status_code == 200, (route, ok.text)
+        assert ("tokens" if route == "/tokenize" else "prompt") in ok.json()
+    assert httpx.get(f"{base}/version", timeout=30).status_code == 200
 
 
 def test_key_resolution_and_compare(monkeypatch):

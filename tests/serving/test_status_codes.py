@@ -91,6 +91,40 @@ def test_http_status_codes(fake_server):
     assert r.status_code == 404 and "error" in r.json() and "detail" not in r.json(), r.text
 
 
+_MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("route,body,field", [
+    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "suffix": "and then"}, "suffix"),
+    ("chat/completions", {"messages": _MSGS, "functions": [{"name": "f"}]}, "functions"),
+    ("chat/completions", {"messages": _MSGS, "function_call": "auto"}, "function_call"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "image_url"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}]},
+     "input_audio"),
+], ids=lambda v: v if isinstance(v, str) and "/" not in v and v != "completions" else None)
+def test_fields_documented_as_refused_are_400_naming_them(fake_server, route, body, field):
+    """docs/serving-parity.md lists what is refused rather than ignored: each is a 400 whose
+    message (and `param`, where the field is a top-level one) names it."""
+    import httpx
+
+    _, srv, _ = fake_server
+    url = f"http://127.0.0.1:{srv.ports['http_port']}/v1/{route}"
+    r = httpx.post(url, json={"max_tokens": 2, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and field in err["message"], err
+    if field in ("echo", "suffix"):
+        assert err["param"] == field and err["message"].startswith(field)
+    # Their harmless values are accepted.
+    if route == "completions":
+        ok = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "echo": False,
+                                   "suffix": None}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "w0 w1 "
+
+
 def test_undecodable_protobuf_is_invalid_argument(fake_server):
     """Bytes that do not parse as the method's message are the client's error
     (INVALID_ARGUMENT naming the message), not UNKNOWN; the server keeps serving."""
