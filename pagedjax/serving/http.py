@@ -16,7 +16,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +34,14 @@ from pagedjax.serving.openai_protocol import (
     TokenizeRequest,
     conversation,
 )
-from pagedjax.serving.tools import ToolCall, calls_from_constrained, guided_for, template_tools
+from pagedjax.serving.tools import (
+    ToolDeltas,
+    calls_from_constrained,
+    check_tools,
+    guided_for,
+    openai_call_id,
+    template_tools,
+)
 
 logger = logging.getLogger("pagedjax.serving.http")
 
@@ -141,12 +147,19 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
         front.check_model(body.model)
         eng = front.engine()
         tok = eng.tokenizer
+        try:  # the tools as the chat template sees them (as vLLM's /tokenize takes them)
+            funcs = check_tools(body.tools, "none")[0]
+        except ValueError as e:
+            raise InvalidRequestError(str(e), "tools") from None
+        if funcs and body.messages is None:
+            raise InvalidRequestError("tools: only with messages", "tools")
 
         def run() -> list[int]:  # off the event loop
             if body.messages is not None:
                 conv = conversation(body.messages)
                 front.check_text("".join(m["content"] for m in conv) or " ", "messages")
-                return _render_chat(tok, conv, body.add_generation_prompt)[1]
+                extra = {"tools": template_tools(funcs)} if funcs else {}
+                return _render_chat(tok, conv, body.add_generation_prompt, **extra)[1]
             front.check_text(body.prompt, "prompt")
             return tok(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
 
@@ -209,11 +222,16 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
             params["max_tokens"] = max(1, fit)
         tools = None
         if mode is not None:
+            parser = front.tool_parser
             guide = guided_for(funcs, mode, parallel=body.parallel_tool_calls is not False)
             if guide is not None:  # a required or named call: valid by construction
                 params["guided_decoding"] = guide
-            tools = (mode, front.tool_parser if mode == "auto" else None,
-                     body.parallel_tool_calls is not False)
+            if mode == "auto" and parser.keeps_special_tokens:  # its markers must stay
+                params.setdefault("skip_special_tokens", False)
+            # Ids in the style of the server's parser (Mistral's templates need 9 characters).
+            tools = (mode, parser if mode == "auto" else None,
+                     body.parallel_tool_calls is not False,
+                     parser.call_id if parser is not None else openai_call_id)
         return await front.run(body, [(text, ids)], params, chat=True, request=request,
                                tools=tools)
 
@@ -374,7 +392,7 @@ class HttpFrontDoor:
         obj = "chat.completion.chunk" if chat else "text_completion"
         tasks = [asyncio.create_task(pump(j)) for j in jobs]
         started: set[int] = set()
-        calls: dict[int, _ToolStream] = {}  # choice index -> its tool-call stream
+        calls: dict[int, ToolDeltas] = {}  # choice index -> its tool-call stream
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         counted: set[str] = set()
         done = 0
@@ -398,20 +416,30 @@ class HttpFrontDoor:
                     lp = (self._logprobs(d.token_ids, d.logprobs, chat, sp.logprobs)
                           if sp.logprobs is not None and d.logprobs is not None else None)
                     finish = d.finish_reason
-                    if chat:
-                        if tools is not None:
-                            ts = calls.setdefault(idx, _ToolStream(*tools))
-                            delta, finish = ts.delta(d.text, d.finish_reason)
+                    if not chat:
+                        choices = [{"index": idx, "text": d.text, "logprobs": lp,
+                                    "finish_reason": finish}]
+                    else:
+                        if tools is not None:  # a call's header and fragments: several chunks
+                            ts = calls.setdefault(idx, ToolDeltas(*tools))
+                            deltas, finish = ts.update(d.text, d.finish_reason)
+                            if not deltas:  # text held back: a chunk only if it carries something
+                                if idx in started and finish is None and lp is None:
+                                    continue
+                                deltas = [{}]
                         else:
-                            delta = {"content": d.text}
+                            deltas = [{"content": d.text}]
                         if idx not in started:
                             started.add(idx)
-                            delta["role"] = "assistant"
-                        choice = {"index": idx, "delta": delta}
-                    else:
-                        choice = {"index": idx, "text": d.text}
-                    choice.update(logprobs=lp, finish_reason=finish)
-                    yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [choice]})}\n\n"
+                            deltas[0]["role"] = "assistant"
+                        last = len(deltas) - 1
+                        choices = [{"index": idx, "delta": delta,
+                                    "logprobs": lp if k == 0 else None,
+                                    "finish_reason": finish if k == last else None}
+                                   for k, delta in enumerate(deltas)]
+                    for choice in choices:
+                        chunk = {**meta, "object": obj, "choices": [choice]}
+                        yield f"data: {json.dumps(chunk)}\n\n"
             if include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
@@ -456,7 +484,7 @@ def _assistant_message(text: str, finish: str | None, tools) -> tuple[dict, str 
     """The chat message of a finished output, with the tool calls it makes (if any)."""
     if tools is None:
         return {"role": "assistant", "content": text}, finish
-    mode, parser, parallel = tools
+    mode, parser, parallel, new_id = tools
     if parser is not None:
         content, calls = parser.parse(text)
         calls = calls if parallel else calls[:1]
@@ -467,53 +495,7 @@ def _assistant_message(text: str, finish: str | None, tools) -> tuple[dict, str 
     if not calls:
         return {"role": "assistant", "content": content}, finish
     message = {"role": "assistant", "content": content,
-               "tool_calls": [c.to_openai() for c in calls]}
+               "tool_calls": [c.to_openai(call_id=new_id()) for c in calls]}
     # A named call ends as OpenAI's do ("stop"); calls the model chose end "tool_calls".
     return message, finish if mode not in ("auto", "required") or finish != "stop" \
         else "tool_calls"
-
-
-class _ToolStream:
-    """Streams one choice of a request that may call tools. A named call streams its arguments
-    as they are generated; "required" holds the text back and sends the calls at the end;
-    "auto" streams content up to where the parser's marker may begin and, at the end, sends
-    either the calls or the held-back text."""
-
-    def __init__(self, mode: str, parser, parallel: bool = True) -> None:
-        self.mode, self.parser, self.parallel = mode, parser, parallel
-        self.text, self.sent = "", 0
-        self.call: ToolCall | None = None
-
-    def delta(self, piece: str, finish: str | None) -> tuple[dict, str | None]:
-        self.text += piece
-        mode = self.mode
-        if mode not in ("auto", "required"):  # named: the arguments, as they come
-            if self.call is None:
-                self.call = ToolCall(mode, "")
-                head = self.call.to_openai(index=0)
-                head["function"]["arguments"] = piece
-                return {"tool_calls": [head]}, finish
-            return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}, finish
-        delta: dict[str, Any] = {}
-        if mode == "auto":
-            cut = self.parser.split(self.text) if finish is None else len(self.text)
-            if finish is not None:
-                _, calls = self.parser.parse(self.text)
-                calls = calls if self.parallel else calls[:1]
-                if calls:
-                    head = self.text[self.sent:self.parser.split(self.text)]
-                    if head.strip():
-                        delta["content"] = head
-                    delta["tool_calls"] = [c.to_openai(index=i) for i, c in enumerate(calls)]
-                    return delta, "tool_calls" if finish == "stop" else finish
-            if cut > self.sent:
-                delta["content"] = self.text[self.sent:cut]
-                self.sent = cut
-            return delta, finish
-        if finish is None:  # required: all at the end
-            return delta, None
-        calls = calls_from_constrained(self.text, mode)
-        if calls:
-            delta["tool_calls"] = [c.to_openai(index=i) for i, c in enumerate(calls)]
-            return delta, "tool_calls" if finish == "stop" else finish
-        return {"content": self.text}, finish

@@ -283,11 +283,13 @@ def _template_call(call: dict[str, Any]) -> dict[str, Any]:
 
 
 class TokenizeRequest(_Base):
-    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template (with
+    ``tools`` shown to it, as a chat request would)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
