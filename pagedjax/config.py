@@ -54,6 +54,10 @@ class EngineConfig:
     # Speculative decoding (thesis §4.4.4; `pagedjax.spec`): a `SpeculativeConfig`, a dict of
     # its fields or that dict as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # Structured outputs (vLLM's `structured_outputs_config`, a dict or its JSON):
+    # {"backend": "auto" | "guidance" | "outlines"} (`pagedjax.structured.backend`); "auto"
+    # is llguidance, which serves every kind of constraint.
+    structured_outputs_config: dict | str | None = None
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:
@@ -86,5 +90,30 @@ class EngineConfig:
         need(self.kv_policy == "paged" or not self.enable_prefix_caching, "enable_prefix_caching",
              "requires kv_policy='paged'")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
+        self.structured_outputs_config = _structured_outputs_config(self.structured_outputs_config)
         if self.speculative_config is not None:
             need(self.kv_policy == "paged", "speculative_config", "requires kv_policy='paged'")
+
+
+def _structured_outputs_config(value: dict | str | None) -> dict:
+    import json
+
+    from pagedjax.structured.backend import check_backend_name
+
+    if value is None:
+        value = {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs_config: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError("structured_outputs_config: must be a dict (or its JSON)")
+    unknown = sorted(set(value) - {"backend"})
+    if unknown:
+        raise ValueError(f"structured_outputs_config: unknown field(s) {', '.join(unknown)}")
+    backend = value.get("backend", "auto")
+    if not isinstance(backend, str):
+        raise ValueError("structured_outputs_config.backend: must be a string")
+    check_backend_name(backend)
+    return {"backend": backend}

@@ -207,7 +207,8 @@ class LLMEngine:
         self.inputs = InputProcessor(tokenizer, config.vocab_size, self.max_model_len,
                                      ec.max_num_seqs, ec.enable_prefix_caching, self.block_manager)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
-        self.structured = StructuredOutputs(tokenizer, config.vocab_size)
+        self.structured = StructuredOutputs(tokenizer, config.vocab_size,
+                                            ec.structured_outputs_config["backend"])
         self.beams = BeamSearcher(self.scheduler, self.outputs, self._new_seq_id)
         # Persistent per-sequence step state (block tables by deltas); rows of sequences that
         # end are released after each step, and rows it never hears about are swept.
@@ -798,7 +799,8 @@ class LLMEngine:
         before the next is scheduled (async scheduling)."""
         masks: dict[int, np.ndarray] | None = None
         bans: dict[int, list[int]] | None = None
-        width = self.structured.mask_width
+        wanted: list[tuple[int, object, tuple[int, ...]]] = []  # grammar rows to fill
+        firsts: list[tuple[int, np.ndarray | None]] = []  # (first row, allowed_token_ids)
         for r, (req, seq, _index, _fan_out) in enumerate(row_info):
             if req.grammar is not None or req.allowed_mask is not None:
                 masks = masks if masks is not None else {}
@@ -807,15 +809,10 @@ class LLMEngine:
                 elif r not in masks:  # a drafted sequence's rows are all filled at its first
                     spec = fl.spec_rows.get(seq.seq_id)
                     drafts = spec[1] if spec is not None else ()
-                    block = [np.empty(width, np.int32) for _ in range(1 + len(drafts))]
-                    if drafts:
-                        self.structured.fill_drafts(seq.seq_id, req.grammar, drafts, block)
-                    else:
-                        self.structured.fill(seq.seq_id, req.grammar, block[0])
-                    for j, row in enumerate(block):
-                        if req.allowed_mask is not None:
-                            row &= req.allowed_mask
-                        masks[r + j] = row
+                    wanted.append((seq.seq_id, req.grammar, drafts))
+                    firsts.append((r, req.allowed_mask))
+                    for j in range(1 + len(drafts)):
+                        masks[r + j] = None  # placeholder, filled below
                     fl.needs_sync = True
             if req.bad_words:
                 out = rows[r][1].output_token_ids
@@ -826,6 +823,13 @@ class LLMEngine:
                     bans = bans if bans is not None else {}
                     bans[r] = ids
                 fl.needs_sync = True
+        if wanted:
+            for (r, allowed), block in zip(firsts, self.structured.fill_rows(wanted),
+                                           strict=True):
+                if allowed is not None:
+                    block &= allowed
+                for j, row in enumerate(block):
+                    masks[r + j] = row
         return masks, bans
 
     def _draft_proposer(self, sc, config: ModelConfig, dtype) -> DraftModelProposer:
