@@ -19,7 +19,9 @@ def _poll(fn, want, timeout: float = 30.0):
 def test_health_and_graceful_shutdown(demo_gguf, tmp_path):
     from pagedjax.serving.client import Client
 
-    srv = ServerProcess(demo_gguf, tmp_path, "--grace", "4")
+    # Grace long enough for 10 tokens on a loaded CI worker (at 4 s the short request was once
+    # aborted); the long request outlasts it by far.
+    srv = ServerProcess(demo_gguf, tmp_path, "--grace", "10", "--max-model-len", "4096")
     try:
         srv.wait_bound()
         probe = Client(srv.target, timeout=30)
@@ -40,7 +42,7 @@ def test_health_and_graceful_shutdown(demo_gguf, tmp_path):
 
         short = client.generate_stream("Once upon a time", {"temperature": 0.0, "max_tokens": 10,
                                                             "ignore_eos": True})
-        long = client.generate_stream("The quick brown fox", {"temperature": 0.0, "max_tokens": 230,
+        long = client.generate_stream("The quick brown fox", {"temperature": 0.0, "max_tokens": 3000,
                                                               "ignore_eos": True})
         first_short, first_long = next(short), next(long)
         srv.proc.send_signal(15)
