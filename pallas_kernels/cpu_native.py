@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_quant import is_quantized
+
 logger = logging.getLogger(__name__)
 
 ENV_DISABLE = "PAGEDJAX_NATIVE_CPU"
@@ -120,20 +122,24 @@ def available() -> bool:
 
 
 def supports(q: jax.Array, k_cache: jax.Array) -> bool:
-    return (q.dtype == k_cache.dtype and any(q.dtype == d for d in DTYPES)
-            and k_cache.ndim == 5)
+    """fp32 / bf16 queries over a cache of their dtype, or an int8 / FP8 one (static scales)."""
+    return (any(q.dtype == d for d in DTYPES) and k_cache.ndim == 5
+            and (q.dtype == k_cache.dtype or is_quantized(k_cache.dtype)))
 
 
 def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                kv_lens: jax.Array, block_tables: jax.Array,
                                cu_q_lens: jax.Array, num_seqs: jax.Array, layer: jax.Array,
-                               window: jax.Array | int = 0, *, scale: float,
-                               softcap: float | None = None) -> jax.Array:
-    """Same contract as `ragged_paged_attention_ref` (5-D caches, int32 metadata)."""
+                               window: jax.Array | int = 0, kv_scale: jax.Array | None = None,
+                               *, scale: float, softcap: float | None = None) -> jax.Array:
+    """Same contract as `ragged_paged_attention_ref` (5-D caches, int32 metadata);
+    ``kv_scale [2, Hkv]`` for an int8 / FP8 cache."""
     if not _register():
         raise NativeBuildError("native CPU attention is not available")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    scales = (jnp.zeros((0,), jnp.float32) if kv_scale is None
+              else jnp.asarray(kv_scale, jnp.float32))
     return call(q, k_cache, v_cache, i32(kv_lens), i32(block_tables), i32(cu_q_lens),
                 i32(num_seqs).reshape(()), i32(layer).reshape(()), i32(window).reshape(()),
-                scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+                scales, scale=np.float32(scale), softcap=np.float32(softcap or 0.0))

@@ -51,6 +51,7 @@ from pallas_kernels.backend import (
     resolve_backend,
     triton_params,
 )
+from pallas_kernels.kv_quant import check_kv_scale
 
 # Target number of programs per launch when choosing the split count automatically
 # (about two waves on a 132-SM H100).
@@ -64,10 +65,8 @@ def _decode_kernel(
     q_ref,  # [Gp, D] block
     k_ref,  # [L * Hkv * NB, bs, D] (whole cache, flattened over layer/head/block)
     v_ref,
-    acc_ref,  # [Gp, D] fp32 block
-    m_ref,  # [Gp] fp32 block
-    l_ref,  # [Gp] fp32 block
-    *,
+    *refs,  # quantized: scales_ref [2, Hkv] f32; then acc_ref [Gp, D], m_ref, l_ref [Gp] fp32
+    quantized: bool,
     num_kv_heads: int,
     num_blocks: int,
     chunk_tokens: int,
@@ -80,6 +79,12 @@ def _decode_kernel(
     _, block_size, head_dim = k_ref.shape
     group = q_ref.shape[0]
     exact = q_ref.dtype == jnp.float32
+    if quantized:  # static scales: K's folds into the softmax scale, V's into the output
+        scales_ref, acc_ref, m_ref, l_ref = refs
+        qk_scale = scale * scales_ref[0, head]
+    else:
+        acc_ref, m_ref, l_ref = refs
+        qk_scale = scale
 
     ctx_len = lens_ref[seq]
     base_page = (scalars_ref[0] * num_kv_heads + head) * num_blocks
@@ -99,7 +104,9 @@ def _decode_kernel(
         k, v, tok = load_kv_chunk(k_ref, v_ref, tables_ref, seq, first + c, ctx_len, base_page,
                                   block_size=block_size, chunk_tokens=chunk_tokens,
                                   first_token=lo)
-        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
+        if quantized:
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * qk_scale,
                                softcap)
         seen = tok < ctx_len
         if windowed:
@@ -118,7 +125,7 @@ def _decode_kernel(
         jnp.zeros((group,), jnp.float32),
     )
     acc, m, denom = lax.fori_loop(0, num_chunks, body, init)
-    acc_ref[...] = acc
+    acc_ref[...] = acc * scales_ref[1, head] if quantized else acc
     m_ref[...] = m
     l_ref[...] = denom
 
@@ -156,6 +163,7 @@ def _decode_pallas(
     context_lens: jax.Array,
     layer: jax.Array,
     window: jax.Array,
+    kv_scale: jax.Array | None,
     *,
     scale: float,
     softcap: float | None,
@@ -180,8 +188,10 @@ def _decode_pallas(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
     flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
 
+    quantized = kv_scale is not None
     kernel = functools.partial(
         _decode_kernel,
+        quantized=quantized,
         num_kv_heads=num_kv_heads,
         num_blocks=num_blocks,
         chunk_tokens=chunk_tokens,
@@ -191,6 +201,7 @@ def _decode_pallas(
         windowed=windowed,
     )
     whole = pl.no_block_spec
+    extra = (kv_scale.astype(jnp.float32),) if quantized else ()
     acc, m, denom = pl.pallas_call(
         kernel,
         grid=(num_seqs, num_kv_heads, splits),
@@ -201,6 +212,7 @@ def _decode_pallas(
             pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, p: (s, h, 0, 0)),
             whole,
             whole,
+            *[whole] * len(extra),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, group_p, head_dim), lambda s, h, p: (p, s, h, 0, 0)),
@@ -215,7 +227,8 @@ def _decode_pallas(
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"paged_decode_g{group_p}_d{head_dim}_c{chunk_tokens}_bs{block_size}"
-             f"{'_w' if windowed else ''}{'_cap' if softcap else ''}",
+             f"{'_w' if windowed else ''}{'_cap' if softcap else ''}"
+             f"{'_' + k5.dtype.name if quantized else ''}",
     )(
         jnp.stack([layer.reshape(()), window_span(window)]),
         context_lens.astype(jnp.int32),
@@ -223,6 +236,7 @@ def _decode_pallas(
         qg,
         k5.reshape(flat_shape),
         v5.reshape(flat_shape),
+        *extra,
     )
     out = combine_splits(acc, m, denom)[:, :, :group]
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
@@ -247,6 +261,7 @@ def paged_decode_attention_ref(
     context_lens: jax.Array,
     layer: jax.Array,
     window: jax.Array | int = 0,
+    kv_scale: jax.Array | None = None,
     *,
     scale: float,
     softcap: float | None = None,
@@ -255,7 +270,8 @@ def paged_decode_attention_ref(
 
     The query sits at position ``context_len - 1`` and sees the last ``window`` positions
     (all of them when ``window`` is 0); K/V outside that range are zeroed before use, so stale
-    or freed blocks the table still names cannot leak in."""
+    or freed blocks the table still names cannot leak in. A quantized cache is dequantized
+    with ``kv_scale [2, Hkv]`` after the gather."""
     k5, v5 = as_5d(k_cache), as_5d(v_cache)
     _, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
     num_seqs, num_q_heads, _ = q.shape
@@ -269,8 +285,12 @@ def paged_decode_attention_ref(
     kv_pos = jnp.arange(k.shape[2])[None, :]
     valid = kv_pos < context_lens[:, None]  # [S, T]
     valid &= kv_pos >= context_lens[:, None] - window_span(window)
-    k = jnp.where(valid[:, None, :, None], k.astype(jnp.float32), 0.0)
-    v = jnp.where(valid[:, None, :, None], v.astype(jnp.float32), 0.0)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    if kv_scale is not None:
+        k = k * kv_scale[0].astype(jnp.float32)[None, :, None, None]
+        v = v * kv_scale[1].astype(jnp.float32)[None, :, None, None]
+    k = jnp.where(valid[:, None, :, None], k, 0.0)
+    v = jnp.where(valid[:, None, :, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
     logits = jnp.einsum("shgd,shtd->shgt", qg, k, precision=lax.Precision.HIGHEST) * scale
     logits = apply_softcap(logits, softcap)
@@ -298,6 +318,7 @@ def paged_decode_attention(
     pages_per_chunk: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of one new query token per sequence over its paged context.
 
@@ -316,6 +337,8 @@ def paged_decode_attention(
       num_splits: flash-decoding partitions of the context (None: fill the GPU).
       chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters; None takes
         them from :mod:`pallas_kernels.tuning` for the target GPU.
+      kv_scale: ``[2, Hkv]`` float32 static scales of a quantized (int8 / FP8) cache: K and V
+        are stored as ``k / kv_scale[0]``, ``v / kv_scale[1]`` (`pallas_kernels.kv_quant`).
     Returns:
       ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.
     """
@@ -324,21 +347,23 @@ def paged_decode_attention(
     cap = None if softcap is None else float(softcap)
     if q.shape[1] % k_cache.shape[-4]:
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
+    kv_scale = check_kv_scale(k_cache, kv_scale)
     chosen = resolve_backend(backend)
     if chosen == "cpu" and cpu_native.supports(q, as_5d(k_cache)):
         num_seqs = q.shape[0]
         return cpu_native.ragged_paged_attention_cpu(
             q, as_5d(k_cache), as_5d(v_cache), context_lens, block_tables,
             jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.int32(num_seqs), lay, win,
-            scale=float(scale), softcap=cap)
+            kv_scale, scale=float(scale), softcap=cap)
     if chosen != "pallas":
         return paged_decode_attention_ref(
-            q, k_cache, v_cache, block_tables, context_lens, lay, win, scale=float(scale),
-            softcap=cap)
-    tuned = tuning.lookup("decode", k_cache.dtype, q.shape[-1])
+            q, k_cache, v_cache, block_tables, context_lens, lay, win, kv_scale,
+            scale=float(scale), softcap=cap)
+    tuned = tuning.lookup("decode", q.dtype if kv_scale is not None else k_cache.dtype,
+                          q.shape[-1])
     impl = {"triton": _decode_pallas}[pallas_lowering()]
     return impl(
-        q, k_cache, v_cache, block_tables, context_lens, lay, win,
+        q, k_cache, v_cache, block_tables, context_lens, lay, win, kv_scale,
         scale=float(scale), softcap=cap, windowed=has_window(window), num_splits=num_splits,
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],
                                           tuned.chunk_tokens),

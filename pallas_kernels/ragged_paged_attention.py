@@ -46,6 +46,7 @@ from pallas_kernels.backend import (
     resolve_backend,
     triton_params,
 )
+from pallas_kernels.kv_quant import check_kv_scale
 from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
 
 _XLA_BLOCK_Q = 32
@@ -94,9 +95,8 @@ def _ragged_kernel(
     q_ref,  # [Hkv, (T + block_q) * group_p, D]
     k_ref,  # [L * Hkv * NB, bs, D]
     v_ref,
-    out_in_ref,  # aliased with out_ref
-    out_ref,  # [Hkv, (T + block_q) * group_p, D]
-    *,
+    *refs,  # quantized: scales_ref [2, Hkv] f32; then out_in_ref (aliased with out_ref), out_ref
+    quantized: bool,
     num_kv_heads: int,
     num_blocks: int,
     group_p: int,
@@ -106,11 +106,16 @@ def _ragged_kernel(
     softcap: float | None,
     windowed: bool,
 ):
-    del out_in_ref
     head, item = pl.program_id(0), pl.program_id(1)
     _, block_size, head_dim = k_ref.shape
     rows = block_q * group_p
     exact = q_ref.dtype == jnp.float32
+    if quantized:  # static scales: K's folds into the softmax scale, V's into the output
+        scales_ref, _, out_ref = refs
+        qk_scale = scale * scales_ref[0, head]
+    else:
+        _, out_ref = refs
+        qk_scale = scale
 
     seq = items_ref[0, item]
     q_start = items_ref[1, item]
@@ -136,12 +141,14 @@ def _ragged_kernel(
         k, v, kv_pos = load_kv_chunk(k_ref, v_ref, tables_ref, seq, first_chunk + c, kv_end,
                                      base_page, block_size=block_size,
                                      chunk_tokens=chunk_tokens, first_token=lo)
+        if quantized:
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         # Causal and inside the window. Valid rows sit below kv_end, so kv_pos < kv_end
         # follows; invalid rows are never stored and their slots past kv_end load as zeros.
         visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_end)[None, :]
         if windowed:
             visible &= kv_pos[None, :] >= q_first[:, None]
-        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
+        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * qk_scale,
                                softcap)
         logits = jnp.where(visible, logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
@@ -158,6 +165,8 @@ def _ragged_kernel(
     )
     acc, _, denom = lax.fori_loop(0, num_chunks, body, init)
     l_safe = jnp.where(denom > 0, denom, 1.0)
+    if quantized:
+        l_safe = l_safe / scales_ref[1, head]
     out = (acc / l_safe[:, None]).astype(out_ref.dtype)
     plgpu.store(out_ref.at[head, row_slice, :], out, mask=row_valid[:, None])
 
@@ -202,6 +211,7 @@ def _ragged_pallas(
     num_seqs: jax.Array,
     layer: jax.Array,
     window: jax.Array,
+    kv_scale: jax.Array | None,
     *,
     scale: float,
     softcap: float | None,
@@ -231,8 +241,10 @@ def _ragged_pallas(
     out_init = jnp.zeros_like(qg)
     flat_shape = (num_layers * num_kv_heads * num_blocks, block_size, head_dim)
 
+    quantized = kv_scale is not None
     kernel = functools.partial(
         _ragged_kernel,
+        quantized=quantized,
         num_kv_heads=num_kv_heads,
         num_blocks=num_blocks,
         group_p=group_p,
@@ -243,19 +255,21 @@ def _ragged_pallas(
         windowed=windowed,
     )
     whole = pl.no_block_spec
+    extra = (kv_scale.astype(jnp.float32),) if quantized else ()
     out = pl.pallas_call(
         kernel,
         grid=(num_kv_heads, num_items),
-        in_specs=[whole] * 7,
+        in_specs=[whole] * (7 + len(extra)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        input_output_aliases={6: 0},
+        input_output_aliases={6 + len(extra): 0},
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"ragged_paged_attention_q{block_q}_g{group_p}_d{head_dim}_c{chunk_tokens}"
-             f"_bs{block_size}{'_w' if windowed else ''}{'_cap' if softcap else ''}",
+             f"_bs{block_size}{'_w' if windowed else ''}{'_cap' if softcap else ''}"
+             f"{'_' + k5.dtype.name if quantized else ''}",
     )(jnp.stack([layer.reshape(()), window_span(window)]), items, tables, qg,
-      k5.reshape(flat_shape), v5.reshape(flat_shape), out_init)
+      k5.reshape(flat_shape), v5.reshape(flat_shape), *extra, out_init)
     out = out.reshape(num_kv_heads, padded_tokens, group_p, head_dim).transpose(1, 0, 2, 3)
     return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
 
@@ -271,6 +285,7 @@ def ragged_paged_attention_ref(
     num_seqs: jax.Array,
     layer: jax.Array,
     window: jax.Array | int = 0,
+    kv_scale: jax.Array | None = None,
     *,
     scale: float,
     softcap: float | None = None,
@@ -304,8 +319,12 @@ def ragged_paged_attention_ref(
     kv_end = jnp.where(n_rows > 0, pos0 + n_rows, 0)
     span = window_span(window)
     in_range = (kv_pos[None, :] < kv_end[:, None]) & (kv_pos[None, :] > pos0[:, None] - span)
-    k = jnp.where(in_range[:, None, :, None], k.astype(jnp.float32), 0.0)
-    v = jnp.where(in_range[:, None, :, None], v.astype(jnp.float32), 0.0)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    if kv_scale is not None:  # a quantized cache: dequantize what was gathered
+        k = k * kv_scale[0].astype(jnp.float32)[None, :, None, None]
+        v = v * kv_scale[1].astype(jnp.float32)[None, :, None, None]
+    k = jnp.where(in_range[:, None, :, None], k, 0.0)
+    v = jnp.where(in_range[:, None, :, None], v, 0.0)
     q_pos = pos0[:, None] + tok[None, :]  # [I, bq]
     visible = ((kv_pos[None, None, :] <= q_pos[:, :, None]) & in_range[:, None, :]
                & (kv_pos[None, None, :] > q_pos[:, :, None] - span))
@@ -340,6 +359,7 @@ def ragged_paged_attention_per_token(
     num_seqs: jax.Array,
     layer: jax.Array,
     window: jax.Array | int = 0,
+    kv_scale: jax.Array | None = None,
     *,
     scale: float,
     softcap: float | None = None,
@@ -356,7 +376,7 @@ def ragged_paged_attention_per_token(
     pos = kv_lens[seq] - q_lens[seq] + (t - cu[seq])
     ctx = jnp.where(t < total, pos + 1, 0).astype(jnp.int32)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables[seq], ctx, layer,
-                                      window, scale=scale, softcap=softcap)
+                                      window, kv_scale, scale=scale, softcap=softcap)
 
 
 def ragged_paged_attention(
@@ -378,6 +398,7 @@ def ragged_paged_attention(
     pages_per_chunk: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    kv_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention for a flat batch of query tokens from many sequences.
 
@@ -395,6 +416,8 @@ def ragged_paged_attention(
       softcap: attention logit soft-capping ``c * tanh(logits / c)``; None: off.
       block_q, chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters;
         None takes them from :mod:`pallas_kernels.tuning` for the target GPU.
+      kv_scale: ``[2, Hkv]`` float32 static scales of a quantized (int8 / FP8) cache
+        (`pallas_kernels.kv_quant`).
     Returns:
       ``[num_tokens, num_q_heads, head_dim]``; rows past ``cu_q_lens[num_seqs]`` are zero.
     """
@@ -404,27 +427,29 @@ def ragged_paged_attention(
     if q.shape[1] % k_cache.shape[-4]:
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
+    kv_scale = check_kv_scale(k_cache, kv_scale)
     chosen = resolve_backend(backend)
     if chosen == "cpu" and cpu_native.supports(q, as_5d(k_cache)):
         return cpu_native.ragged_paged_attention_cpu(
             q, as_5d(k_cache), as_5d(v_cache), kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-            win, scale=float(scale), softcap=cap)
+            win, kv_scale, scale=float(scale), softcap=cap)
     if chosen != "pallas":
         slots = q.shape[0] * block_tables.shape[1] * k_cache.shape[-2]
         if slots <= _XLA_PER_TOKEN_MAX_SLOTS and block_q is None:
             return ragged_paged_attention_per_token(
                 q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
-                scale=float(scale), softcap=cap)
+                kv_scale, scale=float(scale), softcap=cap)
         return ragged_paged_attention_ref(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
-            scale=float(scale), softcap=cap,
+            kv_scale, scale=float(scale), softcap=cap,
         )
     windowed = has_window(window)
-    tuned = windowed_launch(tuning.lookup("ragged", k_cache.dtype, q.shape[-1]), windowed)
+    tuned = windowed_launch(tuning.lookup(
+        "ragged", q.dtype if kv_scale is not None else k_cache.dtype, q.shape[-1]), windowed)
     group = q.shape[1] // k_cache.shape[-4]
     impl = {"triton": _ragged_pallas}[pallas_lowering()]
     return impl(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
+        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win, kv_scale,
         scale=float(scale), softcap=cap, windowed=windowed,
         block_q=ragged_block_q(block_q, group, tuned.q_rows),
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],

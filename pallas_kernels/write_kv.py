@@ -4,7 +4,8 @@ The Pallas kernel runs one program per token and writes each KV head's ``head_di
 ``slot = physical_block * block_size + offset``. The caches are passed through
 ``input_output_aliases``, so under a jit that donates them XLA updates the buffer in place
 instead of copying a cache that is most of device memory. Negative slots are padding and
-are skipped (as are slots past the end of the cache).
+are skipped (as are slots past the end of the cache). A quantized cache (`kv_quant`) gets the
+tokens quantized with the layer's static ``kv_scale`` first; the kernel moves the stored bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import as_5d, from_5d, layer_arg
 from pallas_kernels.backend import interpret_mode, triton_params, uses_pallas
+from pallas_kernels.kv_quant import is_quantized, quantize
 
 
 def _write_kernel(
@@ -104,13 +106,22 @@ def write_kv(
     *,
     layer: int | jax.Array | None = None,
     backend: str | None = None,
+    kv_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Write ``k``/``v`` ``[num_tokens, Hkv, head_dim]`` into cache slots ``slot_mapping``.
 
     Returns the updated ``(k_cache, v_cache)``; donate the caches in the enclosing jit to
     make the update in place. ``slot_mapping`` entries < 0 are padding and are skipped.
+    ``kv_scale [2, Hkv]``: this layer's static scales, required by a quantized cache (int8 /
+    FP8, `pallas_kernels.kv_quant`), which stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``.
     """
     lay = layer_arg(k_cache, layer)
+    if is_quantized(k_cache.dtype):
+        if kv_scale is None:
+            raise ValueError(f"write_kv: a {k_cache.dtype} cache needs kv_scale")
+        sc = jnp.asarray(kv_scale, jnp.float32)
+        k = quantize(k, sc[0][None, :, None], k_cache.dtype)
+        v = quantize(v, sc[1][None, :, None], v_cache.dtype)
     if not uses_pallas(backend):
         return write_kv_ref(k, v, k_cache, v_cache, slot_mapping, lay)
     return _write_kv_pallas(k, v, k_cache, v_cache, slot_mapping, lay, interpret=interpret_mode())

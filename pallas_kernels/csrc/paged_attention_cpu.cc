@@ -20,6 +20,10 @@
 // are shared out over XLA's intra-op thread pool, the calling thread included. Each item keeps
 // its tile's queries, running max, sum and accumulator in fp32 (an online softmax over the
 // context, one block at a time).
+//
+// Quantized caches (int8, FP8 e4m3 / e5m2; pallas_kernels/kv_quant.py) hold k / s_k and v / s_v
+// with static scales per (layer, KV head), passed as `scales` [2, Hkv]: s_k folds into the
+// queries' scale and s_v into the output, so blocks are only widened to fp32.
 
 #include <algorithm>
 #include <atomic>
@@ -46,6 +50,44 @@ inline float to_float(uint16_t bf16) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// FP8 storage types, decoded through a 256-entry table each.
+struct F8E4M3 { uint8_t bits; };  // e4m3fn: bias 7, no infinities, S.1111.111 is NaN
+struct F8E5M2 { uint8_t bits; };  // e5m2: bias 15, IEEE-like infinities and NaNs
+
+inline float decode_fp8(uint8_t b, int mant_bits, int bias, bool has_inf) {
+  const int exp_bits = 7 - mant_bits;
+  const int sign = b >> 7, e = (b >> mant_bits) & ((1 << exp_bits) - 1);
+  const int m = b & ((1 << mant_bits) - 1);
+  const int emax = (1 << exp_bits) - 1;
+  float v;
+  if (has_inf && e == emax) {
+    v = m ? NAN : INFINITY;
+  } else if (!has_inf && e == emax && m == (1 << mant_bits) - 1) {
+    v = NAN;
+  } else if (e == 0) {
+    v = std::ldexp(static_cast<float>(m), 1 - bias - mant_bits);  // subnormal
+  } else {
+    v = std::ldexp(static_cast<float>(m + (1 << mant_bits)), e - bias - mant_bits);
+  }
+  return sign ? -v : v;
+}
+
+struct Fp8Tables {
+  float e4m3[256], e5m2[256];
+  Fp8Tables() {
+    for (int b = 0; b < 256; ++b) {
+      e4m3[b] = decode_fp8(static_cast<uint8_t>(b), 3, 7, false);
+      e5m2[b] = decode_fp8(static_cast<uint8_t>(b), 2, 15, true);
+    }
+  }
+};
+const Fp8Tables kFp8;
+
+inline float to_float(F8E4M3 x) { return kFp8.e4m3[x.bits]; }
+inline float to_float(F8E5M2 x) { return kFp8.e5m2[x.bits]; }
+
 inline void from_float(float x, float* out) { *out = x; }
 inline void from_float(float x, uint16_t* out) {  // round to nearest even
   uint32_t bits;
@@ -67,11 +109,13 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu;
+  const float* scales;  // [2, Hkv] (K, V) for a quantized cache; null: none
 };
 
 // One work item: the tile's queries against its sequence's context, block by block.
-template <typename T>
-void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, const T* v_cache,
+// T: queries and output (fp32 / bf16); C: the cache's storage (T, int8 or FP8).
+template <typename T, typename C>
+void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, const C* v_cache,
               T* out, std::vector<float>& scratch) {
   const int64_t D = p.head_dim, G = p.num_q_heads / p.num_kv_heads, bs = p.block_size;
   const int64_t rows = it.nq * G;
@@ -83,14 +127,16 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
   float* acc = qf + rows * D;           // [rows, D]
   float* m = acc + rows * D;            // [rows]
   float* l = m + rows;                  // [rows]
-  float* kb = l + rows;                 // [bs, D] block converted to fp32 (bf16 caches)
+  float* kb = l + rows;                 // [bs, D] block converted to fp32 (non-fp32 caches)
   float* vb = kb + bs * D;
   float* s = vb + bs * D;               // [bs] scores of one row
+  const float k_scale = p.scales ? p.scales[it.head] : 1.f;
+  const float v_scale = p.scales ? p.scales[p.num_kv_heads + it.head] : 1.f;
   for (int64_t i = 0; i < it.nq; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + ((p.cu[it.seq] + it.q0 + i) * p.num_q_heads + it.head * G + g) * D;
       float* dst = qf + (i * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * p.scale;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * p.scale * k_scale;
     }
   std::fill(m, m + rows, kMask);
   const int64_t last = pos0 + it.nq - 1;  // the tile sees keys [first, last]
@@ -98,11 +144,11 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
   const int64_t nblocks = last < 0 ? 0 : std::min<int64_t>(last / bs + 1, p.width);
   const int32_t* table = p.tables + int64_t(it.seq) * p.width;
   const int64_t head_base = (p.layer * p.num_kv_heads + it.head) * p.num_blocks;
-  const int64_t block_bytes = bs * D * int64_t(sizeof(T));
+  const int64_t block_bytes = bs * D * int64_t(sizeof(C));
   for (int64_t j = first / bs; j < nblocks; ++j) {
     const int64_t bid = std::clamp<int64_t>(table[j], 0, p.num_blocks - 1);
-    const T* kt = k_cache + (head_base + bid) * bs * D;
-    const T* vt = v_cache + (head_base + bid) * bs * D;
+    const C* kt = k_cache + (head_base + bid) * bs * D;
+    const C* vt = v_cache + (head_base + bid) * bs * D;
     if (j + 1 < nblocks) {  // blocks are scattered: fetch the next one while this one runs
       const int64_t nb = std::clamp<int64_t>(table[j + 1], 0, p.num_blocks - 1);
       const char* nk = reinterpret_cast<const char*>(k_cache + (head_base + nb) * bs * D);
@@ -114,7 +160,7 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
     }
     const float* kp;
     const float* vp;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<C, float>) {
       kp = kt;
       vp = vt;
     } else {
@@ -160,7 +206,7 @@ void run_item(const Problem& p, const Item& it, const T* q, const T* k_cache, co
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
       T* dst = out + ((p.cu[it.seq] + it.q0 + i) * p.num_q_heads + it.head * G + g) * D;
-      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      const float inv = l[r] > 0.f ? v_scale / l[r] : 0.f;
       for (int64_t d = 0; d < D; ++d) from_float(acc[r * D + d] * inv, dst + d);
     }
 }
@@ -173,22 +219,22 @@ struct Shared {
   std::atomic<int64_t> active{0};
 };
 
-template <typename T>
-void work(const std::shared_ptr<Shared>& sh, const Problem& p, const T* q, const T* k,
-          const T* v, T* out) {
+template <typename T, typename C>
+void work(const std::shared_ptr<Shared>& sh, const Problem& p, const T* q, const C* k,
+          const C* v, T* out) {
   std::vector<float> scratch;
   const int64_t n = static_cast<int64_t>(sh->items.size());
   for (int64_t i = sh->next.fetch_add(1); i < n; i = sh->next.fetch_add(1))
     run_item(p, sh->items[i], q, k, v, out, scratch);
 }
 
-template <typename T>
+template <typename T, typename C>
 ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                   ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                   ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                   ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
-                  ffi::Buffer<ffi::S32> window_buf, ffi::Result<ffi::AnyBuffer> out, float scale,
-                  float softcap) {
+                  ffi::Buffer<ffi::S32> window_buf, ffi::Buffer<ffi::F32> scales,
+                  ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   Problem p;
   p.num_tokens = qd[0];
@@ -207,11 +253,17 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
   p.kv_lens = kv_lens.typed_data();
   p.tables = block_tables.typed_data();
   p.cu = cu_q_lens.typed_data();
+  p.scales = nullptr;
+  if constexpr (!std::is_same_v<C, T>) {
+    if (scales.element_count() != 2 * p.num_kv_heads)
+      return ffi::Error::InvalidArgument("a quantized cache needs scales [2, num_kv_heads]");
+    p.scales = scales.typed_data();
+  }
   const int64_t max_seqs = td[0];
   const int64_t num_seqs = std::clamp<int64_t>(num_seqs_buf.typed_data()[0], 0, max_seqs);
   const T* qp = static_cast<const T*>(q.untyped_data());
-  const T* kp = static_cast<const T*>(k_cache.untyped_data());
-  const T* vp = static_cast<const T*>(v_cache.untyped_data());
+  const C* kp = static_cast<const C*>(k_cache.untyped_data());
+  const C* vp = static_cast<const C*>(v_cache.untyped_data());
   T* op = static_cast<T*>(out->untyped_data());
   const int64_t row = p.num_q_heads * p.head_dim;
 
@@ -251,26 +303,46 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
   return ffi::Error::Success();
 }
 
+template <typename T>
+ffi::Error DispatchCache(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
+                         ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
+                         ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                         ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
+                         ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> scales,
+                         ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+  const auto cd = k_cache.element_type();
+#define PAGEDJAX_ATTEND(C)                                                                    \
+  attend<T, C>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, layer, \
+               window, scales, out, scale, softcap)
+  if (cd == q.element_type()) return PAGEDJAX_ATTEND(T);
+  if (cd == ffi::DataType::S8) return PAGEDJAX_ATTEND(int8_t);
+  if (cd == ffi::DataType::F8E4M3FN) return PAGEDJAX_ATTEND(F8E4M3);
+  if (cd == ffi::DataType::F8E5M2) return PAGEDJAX_ATTEND(F8E5M2);
+#undef PAGEDJAX_ATTEND
+  return ffi::Error::InvalidArgument(
+      "k_cache must have q's dtype or be int8, float8_e4m3fn or float8_e5m2");
+}
+
 ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,
                     ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> kv_lens,
                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
-                    ffi::Buffer<ffi::S32> window, ffi::Result<ffi::AnyBuffer> out, float scale,
-                    float softcap) {
+                    ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> scales,
+                    ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
   const auto dt = q.element_type();
-  if (k_cache.element_type() != dt || v_cache.element_type() != dt || out->element_type() != dt)
-    return ffi::Error::InvalidArgument("q, k_cache, v_cache and out must share a dtype");
+  if (v_cache.element_type() != k_cache.element_type() || out->element_type() != dt)
+    return ffi::Error::InvalidArgument("k_cache and v_cache, q and out must share a dtype");
   if (q.dimensions().size() != 3 || k_cache.dimensions().size() != 5 ||
       block_tables.dimensions().size() != 2)
     return ffi::Error::InvalidArgument("expected q [T,Hq,D], caches [L,Hkv,N,bs,D], tables [S,M]");
   if (q.dimensions()[1] % k_cache.dimensions()[1] != 0)
     return ffi::Error::InvalidArgument("num_q_heads must be a multiple of num_kv_heads");
   if (dt == ffi::DataType::F32)
-    return attend<float>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                         layer, window, out, scale, softcap);
+    return DispatchCache<float>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+                                num_seqs, layer, window, scales, out, scale, softcap);
   if (dt == ffi::DataType::BF16)
-    return attend<uint16_t>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-                            num_seqs, layer, window, out, scale, softcap);
+    return DispatchCache<uint16_t>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
+                                   num_seqs, layer, window, scales, out, scale, softcap);
   return ffi::Error::InvalidArgument("dtype must be float32 or bfloat16");
 }
 
@@ -288,6 +360,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionCpu, Dispatch,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // window [] (0: none)
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [2, Hkv] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out [T, Hq, D]
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap"));       // 0: none
