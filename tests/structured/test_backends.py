@@ -131,8 +131,8 @@ def test_batched_fill_equals_row_fills(demo_tokenizer, name):
     tok = demo_tokenizer
     vocab = len(tok)
     be = make_backend(name, tok, vocab)
-    g = be.compile(GuidedDecodingParams(json=SCHEMAS[0]))
-    text = '{"name": "Ann", "age": 42}'
+    g = be.compile(GuidedDecodingParams(json=OUTLINES_SCHEMAS[0]))
+    text = '{"name": "Ann", "size": "M"}'
     ids = tok.encode(text, add_special_tokens=False)
     matchers = []
     for k in range(len(ids) + 1):  # every prefix: > PARALLEL_FILL_ROWS matchers
