@@ -6,6 +6,9 @@ import dataclasses
 
 from pagedjax.spec.config import SpeculativeConfig
 
+# `pallas_kernels.kv_quant.KV_CACHE_DTYPES` and "auto" (named here: no jax import in config).
+KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 
 @dataclasses.dataclass
 class EngineConfig:
@@ -54,6 +57,13 @@ class EngineConfig:
     # Speculative decoding (thesis §4.4.4; `pagedjax.spec`): a `SpeculativeConfig`, a dict of
     # its fields or that dict as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3}.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # KV cache storage (vLLM's `kv_cache_dtype`): "auto" (the model's dtype), "int8",
+    # "fp8" / "fp8_e4m3" or "fp8_e5m2": 1 byte per value, so a block costs 1/4 of fp32's or
+    # 1/2 of bf16's and `gpu_memory_utilization` buys that many more blocks. Static scales
+    # per (layer, KV head, channel), calibrated on one prompt at start
+    # (`pallas_kernels.kv_quant` says why per channel; `worker.kv_calibration`).
+    kv_cache_dtype: str = "auto"
+    kv_scale_granularity: str = "per_channel"  # "per_channel" | "per_head" | "per_tensor"
     # Structured outputs (vLLM's `structured_outputs_config`, a dict or its JSON):
     # {"backend": "auto" | "guidance" | "outlines"} (`pagedjax.structured.backend`); "auto"
     # is llguidance, which serves every kind of constraint.
@@ -83,6 +93,11 @@ class EngineConfig:
         need(self.layer_loop in (None, "scan", "unrolled"), "layer_loop",
              f"must be 'scan', 'unrolled' or None; got {self.layer_loop!r}")
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype",
+             f"must be one of {KV_CACHE_DTYPE_NAMES}; got {self.kv_cache_dtype!r}")
+        need(self.kv_scale_granularity in ("per_channel", "per_head", "per_tensor"),
+             "kv_scale_granularity", "must be 'per_channel', 'per_head' or 'per_tensor'; got "
+             f"{self.kv_scale_granularity!r}")
         from pagedjax.core.policies import KV_POLICIES
 
         need(self.kv_policy in KV_POLICIES, "kv_policy",

@@ -75,7 +75,7 @@ from pagedjax.spec.draft import DraftModelProposer
 from pagedjax.structured.manager import StructuredOutputs
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.input_batch import InputBatch
-from pagedjax.worker.model_runner import ModelRunner
+from pagedjax.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedjax.worker.shapes import pow2_at_least
 from pagedjax.worker.step_inputs import build_step_inputs
 
@@ -111,6 +111,13 @@ class EngineStats:
     # n-gram proposals can be shorter than num_speculative_tokens, so the acceptance rate at
     # position j is accepted[j] / drafted[j], not accepted[j] / spec_num_drafts.
     spec_drafted_per_position: tuple[int, ...] = ()
+    # Memory (README "Memory"): the KV cache's storage dtype, bytes one token's K and V take
+    # over all layers, the whole cache's bytes, and the weights' bytes as held on the
+    # device(s) (all of them together under tensor parallelism).
+    kv_cache_dtype: str = ""
+    kv_bytes_per_token: int = 0
+    kv_cache_bytes: int = 0
+    weights_bytes: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -168,6 +175,8 @@ class LLMEngine:
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 4096)
         self._param_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.runner = ModelRunner(config, params, ec, dtype, self.max_model_len)
+        self.kv_scales = self._calibrate_kv_scales()
+        self._memory: dict | None = None
         # kv_policy "paged" is the paper's design; the others are the contiguous-cache
         # baselines of its evaluation (same engine, same kernels, different memory manager).
         self.block_manager = make_kv_manager(
@@ -995,6 +1004,20 @@ class LLMEngine:
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
 
+    def _calibrate_kv_scales(self) -> np.ndarray | None:
+        """A quantized KV cache's static scales, from one full-precision pass over the
+        calibration prompt (`worker.kv_calibration`); None for a float cache."""
+        if self.runner.kv_scales is None:
+            return None
+        from pagedjax.worker.kv_calibration import calibration_ids
+
+        ids = calibration_ids(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        scales = self.runner.calibrate_kv_scales(ids)
+        logger.info("KV cache %s: scales calibrated on %d tokens (K %.3g-%.3g, V %.3g-%.3g)",
+                    self.runner.kv_dtype.name, len(ids), scales[:, 0].min(), scales[:, 0].max(),
+                    scales[:, 1].min(), scales[:, 1].max())
+        return scales
+
     # ---- outputs -----------------------------------------------------------
     # ---- weights and stats -------------------------------------------------
     def update_params(self, new_params: dict) -> None:
@@ -1010,6 +1033,7 @@ class LLMEngine:
         self._drain()
         self.scheduler.recompute_all()
         self.runner.params = self.runner.place_params(new_params)
+        self.kv_scales = self._calibrate_kv_scales()  # new weights: new K/V magnitudes
         self._weights_version += 1
         self.block_manager.reset_prefix_cache()
 
@@ -1036,4 +1060,16 @@ class LLMEngine:
             healthy=self.healthy, spec_num_draft_tokens=self._spec_drafted,
             spec_num_accepted_tokens=self._spec_accepted, spec_num_drafts=self._spec_steps,
             spec_accepted_per_position=tuple(self._spec_by_pos),
-            spec_drafted_per_position=tuple(self._spec_drafted_by_pos))
+            spec_drafted_per_position=tuple(self._spec_drafted_by_pos),
+            **self._memory_stats())
+
+    def _memory_stats(self) -> dict:
+        if self._memory is None:  # fixed for the engine's life (a weight swap keeps shapes)
+            r = self.runner
+            per_block = kv_bytes_per_block(r.config, r.block_size, r.kv_dtype, r.kv_layout)
+            weights = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(r.params))
+            self._memory = dict(kv_cache_dtype=r.kv_dtype.name,
+                                kv_bytes_per_token=per_block // r.block_size,
+                                kv_cache_bytes=per_block * r.num_gpu_blocks,
+                                weights_bytes=weights)
+        return self._memory

@@ -133,7 +133,7 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                                window: jax.Array | int = 0, kv_scale: jax.Array | None = None,
                                *, scale: float, softcap: float | None = None) -> jax.Array:
     """Same contract as `ragged_paged_attention_ref` (5-D caches, int32 metadata);
-    ``kv_scale [2, Hkv]`` for an int8 / FP8 cache."""
+    ``kv_scale [2, Hkv, D]`` for an int8 / FP8 cache."""
     if not _register():
         raise NativeBuildError("native CPU attention is not available")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731

@@ -2,20 +2,22 @@
 
 A quantized cache holds ``round(x / s)`` (int8, saturated at ±127) or ``x / s`` rounded to
 FP8 (saturated at the format's largest finite value), and every reader multiplies back by
-``s``. The scales are static, one per (layer, KV head) for K and for V, passed to the
-kernels as ``kv_scale [2, Hkv]`` float32 (row 0: K, row 1: V). Because a program of every
-attention kernel handles one KV head of one layer, the scales are two scalars per program:
-K's folds into the softmax scale (``q . (s k) = s (q . k)``) and V's multiplies the output
-(``sum_t p_t s v_t = s sum_t p_t v_t``), so the inner loops only widen the stored values.
-Static scales also keep a cached block valid for any later reader (prefix caching, swap,
-copy-on-write move the quantized bytes as they are).
+``s``. The scales are static (calibrated once, `pagedjax.worker.kv_calibration`), one per
+(layer, KV head, channel) for K and for V, passed to the kernels as ``kv_scale [2, Hkv, D]``
+float32 (K, then V). A program of every attention kernel handles one KV head of one layer,
+so the scales are two ``[D]`` vectors per program: K's multiplies the queries once
+(``q . (s * k) = (s * q) . k``) and V's the output (``sum_t p_t (s * v_t) = s * sum_t p_t
+v_t``); the inner loops only widen the stored values. Static scales also keep a cached block
+valid for any later reader (prefix caching, swap and copy-on-write move the quantized bytes).
 
-Why static per-(layer, KV head) rather than per-token scales: measured on the demo model's
-K/V (1 347 tokens x 30 layers x 3 heads), int8 with per-head scales has a relative error of
-1.6 % (K) and 1.5 % (V) against 1.1 % / 0.7 % per token, at no per-token storage and no
-per-element multiply in the kernels; FP8 e4m3 is at 2.7 % whatever the scaling (its
-precision is relative), e5m2 at 5.4 %. Per-tensor scales (one per layer) are the option
-``per_tensor``: 1.8 % / 1.7 % for int8.
+Granularity (`EngineConfig.kv_scale_granularity`): ``per_channel`` (the default), ``per_head``
+(the same value over a head's channels) or ``per_tensor`` (one per layer); the kernels are
+the same. Why per channel: keys have outlier channels (on the demo model a channel's largest
+|K| is a median 0.25 of its head's), so a per-head scale leaves most channels a few int8
+steps. Measured on the demo model's K/V (1 347 tokens x 30 layers x 3 heads), int8 relative
+error per channel / per head / per tensor: K 0.5 % / 1.6 % / 1.8 %, V 0.8 % / 1.5 % / 1.7 %;
+per-token scales (1.1 % / 0.7 %) would need storage per token and a multiply per element.
+FP8 e4m3 is at 2.7 % whatever the scaling (its precision is relative), e5m2 at 5.4 %.
 """
 
 from __future__ import annotations
@@ -69,32 +71,41 @@ def dequantize(xq: jax.Array, scale: jax.Array) -> jax.Array:
     return xq.astype(jnp.float32) * scale
 
 
-def scales_from_amax(amax: np.ndarray, dtype, per_tensor: bool = False,
-                     margin: float | None = None) -> np.ndarray:
-    """Static scales ``[layers, 2, Hkv]`` from calibrated magnitudes ``amax [layers, 2, Hkv]``.
+GRANULARITIES = ("per_channel", "per_head", "per_tensor")
 
-    ``margin`` is the headroom above the calibrated maximum for values the calibration did
-    not see (they saturate): 1.2 for int8, where headroom costs resolution; 2 for FP8, whose
-    resolution is relative, so headroom costs only range it does not use. An all-zero head
-    (never written) gets scale 1."""
+
+def scales_from_amax(amax: np.ndarray, dtype, granularity: str = "per_channel",
+                     margin: float | None = None) -> np.ndarray:
+    """Static scales ``[layers, 2, Hkv, D]`` from calibrated magnitudes (same shape).
+
+    ``granularity`` shares one value over a head's channels (``per_head``) or over a
+    layer's heads and channels (``per_tensor``). ``margin`` is the headroom above the
+    calibrated maximum for values the calibration did not see (they saturate): 1.2 for int8,
+    where headroom costs resolution; 2 for FP8, whose resolution is relative, so headroom
+    costs only range it does not use. An all-zero channel (never written) gets scale 1."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"kv_scale_granularity: must be one of {GRANULARITIES}; "
+                         f"got {granularity!r}")
     d = jnp.dtype(dtype)
     if margin is None:
         margin = 1.2 if d == jnp.int8 else 2.0
     a = np.asarray(amax, np.float32)
-    if per_tensor:
+    if granularity == "per_head":
         a = np.broadcast_to(a.max(axis=-1, keepdims=True), a.shape)
+    elif granularity == "per_tensor":
+        a = np.broadcast_to(a.max(axis=(-2, -1), keepdims=True), a.shape)
     s = a * np.float32(margin) / np.float32(qmax(d))
     return np.where(s > 0, s, np.float32(1.0)).astype(np.float32)
 
 
 def check_kv_scale(k_cache: jax.Array, kv_scale: jax.Array | None) -> jax.Array | None:
-    """The kernels' ``kv_scale`` argument: ``[2, Hkv]`` float32 for a quantized cache (an
+    """The kernels' ``kv_scale`` argument: ``[2, Hkv, D]`` float32 for a quantized cache (an
     error naming it when missing or misshapen), None for a float cache (nothing to scale)."""
     if not is_quantized(k_cache.dtype):
         return None
-    hkv = k_cache.shape[-4]
-    if kv_scale is None or tuple(kv_scale.shape) != (2, hkv):
+    want = (2, k_cache.shape[-4], k_cache.shape[-1])
+    if kv_scale is None or tuple(kv_scale.shape) != want:
         got = None if kv_scale is None else tuple(kv_scale.shape)
         raise ValueError(f"kv_scale: a {jnp.dtype(k_cache.dtype).name} cache needs static "
-                         f"scales of shape (2, {hkv}); got {got}")
+                         f"scales of shape {want}; got {got}")
     return jnp.asarray(kv_scale, jnp.float32)

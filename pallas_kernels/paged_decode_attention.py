@@ -65,7 +65,7 @@ def _decode_kernel(
     q_ref,  # [Gp, D] block
     k_ref,  # [L * Hkv * NB, bs, D] (whole cache, flattened over layer/head/block)
     v_ref,
-    *refs,  # quantized: scales_ref [2, Hkv] f32; then acc_ref [Gp, D], m_ref, l_ref [Gp] fp32
+    *refs,  # quantized: scales_ref [2, Hkv, D] f32; then acc_ref [Gp, D], m_ref, l_ref [Gp] fp32
     quantized: bool,
     num_kv_heads: int,
     num_blocks: int,
@@ -79,12 +79,10 @@ def _decode_kernel(
     _, block_size, head_dim = k_ref.shape
     group = q_ref.shape[0]
     exact = q_ref.dtype == jnp.float32
-    if quantized:  # static scales: K's folds into the softmax scale, V's into the output
+    if quantized:  # static scales: K's multiply the queries, V's the output (per channel)
         scales_ref, acc_ref, m_ref, l_ref = refs
-        qk_scale = scale * scales_ref[0, head]
     else:
         acc_ref, m_ref, l_ref = refs
-        qk_scale = scale
 
     ctx_len = lens_ref[seq]
     base_page = (scalars_ref[0] * num_kv_heads + head) * num_blocks
@@ -98,6 +96,8 @@ def _decode_kernel(
         jnp.minimum((split + 1) * chunks_per_split, used_chunks) - first, 0)
 
     q = q_ref[...]
+    if quantized:
+        q = (q.astype(jnp.float32) * scales_ref[0, head, :][None, :]).astype(q_ref.dtype)
 
     def body(c, carry):
         acc, m_prev, l_prev = carry
@@ -106,7 +106,7 @@ def _decode_kernel(
                                   first_token=lo)
         if quantized:
             k, v = k.astype(q.dtype), v.astype(q.dtype)
-        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * qk_scale,
+        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
                                softcap)
         seen = tok < ctx_len
         if windowed:
@@ -125,7 +125,7 @@ def _decode_kernel(
         jnp.zeros((group,), jnp.float32),
     )
     acc, m, denom = lax.fori_loop(0, num_chunks, body, init)
-    acc_ref[...] = acc * scales_ref[1, head] if quantized else acc
+    acc_ref[...] = acc * scales_ref[1, head, :][None, :] if quantized else acc
     m_ref[...] = m
     l_ref[...] = denom
 
@@ -271,7 +271,7 @@ def paged_decode_attention_ref(
     The query sits at position ``context_len - 1`` and sees the last ``window`` positions
     (all of them when ``window`` is 0); K/V outside that range are zeroed before use, so stale
     or freed blocks the table still names cannot leak in. A quantized cache is dequantized
-    with ``kv_scale [2, Hkv]`` after the gather."""
+    with ``kv_scale [2, Hkv, D]`` after the gather."""
     k5, v5 = as_5d(k_cache), as_5d(v_cache)
     _, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
     num_seqs, num_q_heads, _ = q.shape
@@ -287,8 +287,8 @@ def paged_decode_attention_ref(
     valid &= kv_pos >= context_lens[:, None] - window_span(window)
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     if kv_scale is not None:
-        k = k * kv_scale[0].astype(jnp.float32)[None, :, None, None]
-        v = v * kv_scale[1].astype(jnp.float32)[None, :, None, None]
+        k = k * kv_scale[0].astype(jnp.float32)[None, :, None, :]
+        v = v * kv_scale[1].astype(jnp.float32)[None, :, None, :]
     k = jnp.where(valid[:, None, :, None], k, 0.0)
     v = jnp.where(valid[:, None, :, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
@@ -337,7 +337,7 @@ def paged_decode_attention(
       num_splits: flash-decoding partitions of the context (None: fill the GPU).
       chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters; None takes
         them from :mod:`pallas_kernels.tuning` for the target GPU.
-      kv_scale: ``[2, Hkv]`` float32 static scales of a quantized (int8 / FP8) cache: K and V
+      kv_scale: ``[2, Hkv, D]`` float32 static scales of a quantized (int8 / FP8) cache: K and V
         are stored as ``k / kv_scale[0]``, ``v / kv_scale[1]`` (`pallas_kernels.kv_quant`).
     Returns:
       ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.

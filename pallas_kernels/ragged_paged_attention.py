@@ -95,7 +95,7 @@ def _ragged_kernel(
     q_ref,  # [Hkv, (T + block_q) * group_p, D]
     k_ref,  # [L * Hkv * NB, bs, D]
     v_ref,
-    *refs,  # quantized: scales_ref [2, Hkv] f32; then out_in_ref (aliased with out_ref), out_ref
+    *refs,  # quantized: scales_ref [2, Hkv, D] f32; then out_in_ref (aliased), out_ref
     quantized: bool,
     num_kv_heads: int,
     num_blocks: int,
@@ -110,12 +110,10 @@ def _ragged_kernel(
     _, block_size, head_dim = k_ref.shape
     rows = block_q * group_p
     exact = q_ref.dtype == jnp.float32
-    if quantized:  # static scales: K's folds into the softmax scale, V's into the output
+    if quantized:  # static scales: K's multiply the queries, V's the output (per channel)
         scales_ref, _, out_ref = refs
-        qk_scale = scale * scales_ref[0, head]
     else:
         _, out_ref = refs
-        qk_scale = scale
 
     seq = items_ref[0, item]
     q_start = items_ref[1, item]
@@ -131,6 +129,8 @@ def _ragged_kernel(
 
     row_slice = pl.ds(q_start * group_p, rows)
     q = q_ref[head, row_slice, :]
+    if quantized:
+        q = (q.astype(jnp.float32) * scales_ref[0, head, :][None, :]).astype(q_ref.dtype)
     tok = jnp.arange(rows, dtype=jnp.int32) // group_p
     q_pos = pos0 + tok
     row_valid = tok < n_rows
@@ -148,7 +148,7 @@ def _ragged_kernel(
         visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos < kv_end)[None, :]
         if windowed:
             visible &= kv_pos[None, :] >= q_first[:, None]
-        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * qk_scale,
+        logits = apply_softcap(plgpu.dot(q, k, trans_b=True, allow_tf32=not exact) * scale,
                                softcap)
         logits = jnp.where(visible, logits, MASK_VALUE)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
@@ -165,9 +165,10 @@ def _ragged_kernel(
     )
     acc, _, denom = lax.fori_loop(0, num_chunks, body, init)
     l_safe = jnp.where(denom > 0, denom, 1.0)
+    out = acc / l_safe[:, None]
     if quantized:
-        l_safe = l_safe / scales_ref[1, head]
-    out = (acc / l_safe[:, None]).astype(out_ref.dtype)
+        out = out * scales_ref[1, head, :][None, :]
+    out = out.astype(out_ref.dtype)
     plgpu.store(out_ref.at[head, row_slice, :], out, mask=row_valid[:, None])
 
 
@@ -321,8 +322,8 @@ def ragged_paged_attention_ref(
     in_range = (kv_pos[None, :] < kv_end[:, None]) & (kv_pos[None, :] > pos0[:, None] - span)
     k, v = k.astype(jnp.float32), v.astype(jnp.float32)
     if kv_scale is not None:  # a quantized cache: dequantize what was gathered
-        k = k * kv_scale[0].astype(jnp.float32)[None, :, None, None]
-        v = v * kv_scale[1].astype(jnp.float32)[None, :, None, None]
+        k = k * kv_scale[0].astype(jnp.float32)[None, :, None, :]
+        v = v * kv_scale[1].astype(jnp.float32)[None, :, None, :]
     k = jnp.where(in_range[:, None, :, None], k, 0.0)
     v = jnp.where(in_range[:, None, :, None], v, 0.0)
     q_pos = pos0[:, None] + tok[None, :]  # [I, bq]
@@ -416,7 +417,7 @@ def ragged_paged_attention(
       softcap: attention logit soft-capping ``c * tanh(logits / c)``; None: off.
       block_q, chunk_tokens / pages_per_chunk, num_warps, num_stages: launch parameters;
         None takes them from :mod:`pallas_kernels.tuning` for the target GPU.
-      kv_scale: ``[2, Hkv]`` float32 static scales of a quantized (int8 / FP8) cache
+      kv_scale: ``[2, Hkv, D]`` float32 static scales of a quantized (int8 / FP8) cache
         (`pallas_kernels.kv_quant`).
     Returns:
       ``[num_tokens, num_q_heads, head_dim]``; rows past ``cu_q_lens[num_seqs]`` are zero.

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import as_5d, from_5d, layer_arg
 from pallas_kernels.backend import interpret_mode, triton_params, uses_pallas
-from pallas_kernels.kv_quant import is_quantized, quantize
+from pallas_kernels.kv_quant import check_kv_scale, is_quantized, quantize
 
 
 def _write_kernel(
@@ -112,16 +112,14 @@ def write_kv(
 
     Returns the updated ``(k_cache, v_cache)``; donate the caches in the enclosing jit to
     make the update in place. ``slot_mapping`` entries < 0 are padding and are skipped.
-    ``kv_scale [2, Hkv]``: this layer's static scales, required by a quantized cache (int8 /
+    ``kv_scale [2, Hkv, D]``: this layer's static scales, required by a quantized cache (int8 /
     FP8, `pallas_kernels.kv_quant`), which stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``.
     """
     lay = layer_arg(k_cache, layer)
     if is_quantized(k_cache.dtype):
-        if kv_scale is None:
-            raise ValueError(f"write_kv: a {k_cache.dtype} cache needs kv_scale")
-        sc = jnp.asarray(kv_scale, jnp.float32)
-        k = quantize(k, sc[0][None, :, None], k_cache.dtype)
-        v = quantize(v, sc[1][None, :, None], v_cache.dtype)
+        sc = check_kv_scale(k_cache, kv_scale)
+        k = quantize(k, sc[0][None], k_cache.dtype)
+        v = quantize(v, sc[1][None], v_cache.dtype)
     if not uses_pallas(backend):
         return write_kv_ref(k, v, k_cache, v_cache, slot_mapping, lay)
     return _write_kv_pallas(k, v, k_cache, v_cache, slot_mapping, lay, interpret=interpret_mode())

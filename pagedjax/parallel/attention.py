@@ -46,6 +46,8 @@ class ShardedPagedAttention:
             return out, k_cache, v_cache
 
         meta_spec = jax.tree.map(lambda _: P(), meta)
+        if meta.kv_scales is not None:  # [layers, K/V, Hkv, D]: each shard its heads' scales
+            meta_spec = dataclasses.replace(meta_spec, kv_scales=P(None, None, AXIS, None))
         fn = jax.shard_map(
             local, mesh=self.mesh,
             in_specs=(HEADS, HEADS, HEADS, CACHE_SPEC, CACHE_SPEC, P(), P(), meta_spec),

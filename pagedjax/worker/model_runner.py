@@ -8,6 +8,7 @@ calls before the step, also in place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -43,6 +44,7 @@ from pagedjax.worker.shapes import MIN_PREFILL_TOKENS, ShapePlan, pow2_at_least
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
 from pallas_kernels.backend import cost_follows_length
+from pallas_kernels.kv_quant import is_quantized, resolve_kv_cache_dtype, scales_from_amax
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,19 @@ def min_step_tokens(engine_config: EngineConfig) -> int:
     return min(MIN_PREFILL_TOKENS, pow2_at_least(1 + sc.num_speculative_tokens, 2))
 
 
+def check_kv_dtype_on(kv_dtype, device) -> None:
+    """FP8 caches need FP8 conversions in the kernels: NVIDIA GPUs from sm_89 (Ada, Hopper)
+    on; an A100 (sm_80) is refused by name rather than failing inside Triton's compile. CPU
+    decodes FP8 in software (the native kernel's tables, XLA's converts)."""
+    d = jnp.dtype(kv_dtype)
+    if not is_quantized(d) or d == jnp.int8 or device.platform != "gpu":
+        return
+    cc = getattr(device, "compute_capability", None)
+    if cc is not None and tuple(int(x) for x in str(cc).split(".")[:2]) < (8, 9):
+        raise ValueError(f"kv_cache_dtype: {d.name} needs compute capability 8.9 or newer "
+                         f"(this GPU is {cc}); use 'int8' or 'auto'")
+
+
 def kv_layout(config: ModelConfig, engine_config: EngineConfig) -> KVGroupLayout:
     """How layers share block tables and cache slots (`core.kv_groups`): one group per kind of
     attention for hybrid models under the paged policy, else one table for all layers."""
@@ -97,7 +112,8 @@ def kv_layout(config: ModelConfig, engine_config: EngineConfig) -> KVGroupLayout
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype,
                        layout: KVGroupLayout | None = None) -> int:
-    """Bytes of one block id: every layer's K and V, or one group's layers (hybrid)."""
+    """Bytes of one block id: every layer's K and V, or one group's layers (hybrid).
+    ``dtype``: the cache's storage dtype (1 byte for int8 / FP8 caches)."""
     slots = config.num_layers if layout is None else layout.num_slots
     return 2 * slots * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
         dtype).itemsize
@@ -107,6 +123,8 @@ class ModelRunner:
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, dtype,
                  max_model_len: int, shard_vocab: bool = True):
         self._setup(config, engine_config, dtype, max_model_len, shard_vocab)
+        if self.kv_scales is not None:
+            self.kv_scales = self._place_scales(self.kv_scales)
         if jax.local_devices()[0].platform == "cpu":  # device buffers are heap memory
             keep_freed_memory()
         if self.mesh is not None:
@@ -119,7 +137,7 @@ class ModelRunner:
         self.params = unstack_layers(params) if not self.scan_layers else params
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
-                                  // kv_bytes_per_block(config, self.block_size, dtype,
+                                  // kv_bytes_per_block(config, self.block_size, self.kv_dtype,
                                                         self.kv_layout))
         self.num_cpu_blocks = min(self.num_cpu_blocks, self.num_gpu_blocks)
         self.k_cache = self._zeros_cache(self.num_gpu_blocks)
@@ -159,6 +177,15 @@ class ModelRunner:
         self.config = config
         self.engine_config = engine_config
         self.dtype = dtype
+        # The cache's storage dtype: the model's, or int8 / FP8 with static scales per
+        # (layer, KV head, channel) (`pallas_kernels.kv_quant`), ones until
+        # `calibrate_kv_scales`.
+        self.kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
+        check_kv_dtype_on(self.kv_dtype, devices[0] if devices else jax.devices()[0])
+        self.kv_scales = None  # placed on the device by __init__
+        if is_quantized(self.kv_dtype):
+            self.kv_scales = np.ones((config.num_layers, 2, config.num_kv_heads,
+                                      config.head_dim), np.float32)
         self.block_size = engine_config.block_size
         self.max_blocks_per_seq = math.ceil(max_model_len / self.block_size)
         self.shape_plan = ShapePlan(
@@ -198,15 +225,16 @@ class ModelRunner:
         c = self.config
         shape = (self.kv_layout.num_slots, c.num_kv_heads, num_blocks, self.block_size,
                  c.head_dim)
+        dtype = self.kv_dtype
         if self.mesh is None:
             sh = jax.sharding.SingleDeviceSharding(self.devices[0])
             params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                   params)
-            cache = jax.ShapeDtypeStruct(shape, self.dtype, sharding=sh)
+            cache = jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
         else:
             params = abstract_sharded_params(params, self.model_config, self.mesh,
                                              self.shard_vocab, self.expert_parallel)
-            cache = jax.ShapeDtypeStruct(shape, self.dtype, sharding=cache_sharding(self.mesh))
+            cache = jax.ShapeDtypeStruct(shape, dtype, sharding=cache_sharding(self.mesh))
         if not self.scan_layers:
             params = unstack_layers(params)
         return params, cache, cache
@@ -217,8 +245,34 @@ class ModelRunner:
         shape = (self.kv_layout.num_slots, c.num_kv_heads, num_blocks, self.block_size,
                  c.head_dim)
         if self.mesh is None:
-            return jax.device_put(jnp.zeros(shape, self.dtype), jax.local_devices()[0])  # committed
-        return jnp.zeros(shape, self.dtype, device=cache_sharding(self.mesh))
+            return jax.device_put(jnp.zeros(shape, self.kv_dtype), jax.local_devices()[0])  # committed
+        return jnp.zeros(shape, self.kv_dtype, device=cache_sharding(self.mesh))
+
+    def _place_scales(self, scales: np.ndarray) -> jax.Array:
+        """KV scales `[layers, 2, Hkv, D]` where the step reads them: split on the head axis
+        like the cache under tensor parallelism."""
+        scales = np.asarray(scales, np.float32)
+        if self.mesh is None:
+            return jax.device_put(scales, jax.local_devices()[0])
+        return jax.device_put(scales, NamedSharding(self.mesh, P(None, None, AXIS, None)))
+
+    def calibrate_kv_scales(self, token_ids: list[int]) -> np.ndarray:
+        """Set the quantized cache's static scales from one full-precision pass over
+        ``token_ids`` (`worker.kv_calibration`); returns them ``[layers, 2, Hkv, D]``. Blocks
+        written with other scales read wrong afterwards: call before serving (the engine
+        does, and again after a weight swap, which recomputes every sequence)."""
+        if self.kv_scales is None:
+            raise ValueError("calibrate_kv_scales: the KV cache is not quantized")
+        from pagedjax.worker.kv_calibration import CalibrationAttention, calibrate_amax
+
+        model = DecoderLM(self.config, CalibrationAttention(), self.dtype,
+                          scan_layers=self.scan_layers, moe_fn=self.model.moe_fn)
+        c = self.config
+        amax = calibrate_amax(model, self.params, c.num_layers, c.num_kv_heads, c.head_dim,
+                              token_ids)
+        scales = scales_from_amax(amax, self.kv_dtype, self.engine_config.kv_scale_granularity)
+        self.kv_scales = self._place_scales(scales)
+        return scales
 
     @property
     def num_kv_groups(self) -> int:
@@ -249,7 +303,7 @@ class ModelRunner:
         """Blocks that fit in `gpu_memory_utilization` of device memory after weights and
         activations (measured with a max-size dummy step), like vLLM's profiling run."""
         # Per device: under TP each device holds 1/N of every block's heads.
-        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype,
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.kv_dtype,
                                        self.kv_layout) // self.tp
         dev = jax.local_devices()[0]
         stats = dev.memory_stats() if dev.platform != "cpu" else None
@@ -363,9 +417,12 @@ class ModelRunner:
             rows = inputs.prev_rows if inputs.prev_rows is not None else np.full(
                 ids.shape, -1, np.int32)
             ids = self._merge_ids(ids, rows, prev)
+        meta = inputs.meta
+        if self.kv_scales is not None:  # device resident: not part of the step's host inputs
+            meta = dataclasses.replace(meta, kv_scales=self.kv_scales)
         logits, self.k_cache, self.v_cache = self._step(
             self.params, self.k_cache, self.v_cache, ids, inputs.positions,
-            inputs.meta, inputs.logits_indices)
+            meta, inputs.logits_indices)
         if self.mesh is not None:
             # Replicated: this process's first shard is the full [R, vocab] array, so sampling
             # runs on one local device (and only on the leader in multi-process runs).

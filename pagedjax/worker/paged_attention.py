@@ -30,6 +30,9 @@ class PagedMeta:
     block_tables [S, M] ([G, S, M] hybrid): physical block ids per sequence.
     cu_q_lens [S+1]: cumulative query lengths (ragged layout of the T tokens).
     num_seqs []: number of real sequences.
+    kv_scales [num_layers, 2, Hkv, D] float32: static scales of a quantized (int8 / FP8)
+      cache, per model layer, K then V (`pallas_kernels.kv_quant`); None for a float cache. Device
+      resident: the runner adds it to every step (`ModelRunner.kv_scales`).
     decode_only: static; True when every sequence has exactly one query token (T == S).
     """
 
@@ -39,10 +42,12 @@ class PagedMeta:
     cu_q_lens: jax.Array
     num_seqs: jax.Array
     decode_only: bool = False
+    kv_scales: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
-    PagedMeta, data_fields=["slot_mapping", "kv_lens", "block_tables", "cu_q_lens", "num_seqs"],
+    PagedMeta, data_fields=["slot_mapping", "kv_lens", "block_tables", "cu_q_lens", "num_seqs",
+                            "kv_scales"],
     meta_fields=["decode_only"])
 
 
@@ -55,19 +60,24 @@ class PagedAttention:
                  window=0, softcap: float | None = None):
         k_cache, v_cache = kv_cache
         tables, slots = meta.block_tables, meta.slot_mapping
+        # A quantized cache's scales belong to the model layer (before the hybrid layout maps
+        # it onto a cache slot shared by layers of several groups).
+        kv_scale = None if meta.kv_scales is None else meta.kv_scales[layer]
         if self.layout is not None and self.layout.hybrid:
             group = jnp.asarray(self.layout.group_of_layer, jnp.int32)[layer]
             layer = jnp.asarray(self.layout.slot_of_layer, jnp.int32)[layer]
             tables, slots = tables[group], slots[group]
         k_cache, v_cache = write_kv(k, v, k_cache, v_cache, slots, layer=layer,
-                                    backend=self.backend)
+                                    backend=self.backend, kv_scale=kv_scale)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if meta.decode_only:
             out = paged_decode_attention(q, k_cache, v_cache, tables, meta.kv_lens,
                                          scale=scale, layer=layer, window=window,
-                                         softcap=softcap, backend=self.backend)
+                                         softcap=softcap, backend=self.backend,
+                                         kv_scale=kv_scale)
         else:
             out = ragged_paged_attention(q, k_cache, v_cache, meta.kv_lens, tables,
                                          meta.cu_q_lens, meta.num_seqs, scale=scale, layer=layer,
-                                         window=window, softcap=softcap, backend=self.backend)
+                                         window=window, softcap=softcap, backend=self.backend,
+                                         kv_scale=kv_scale)
         return out, (k_cache, v_cache)

@@ -22,8 +22,8 @@
 // context, one block at a time).
 //
 // Quantized caches (int8, FP8 e4m3 / e5m2; pallas_kernels/kv_quant.py) hold k / s_k and v / s_v
-// with static scales per (layer, KV head), passed as `scales` [2, Hkv]: s_k folds into the
-// queries' scale and s_v into the output, so blocks are only widened to fp32.
+// with static scales per (layer, KV head, channel), passed as `scales` [2, Hkv, D]: s_k
+// multiplies the queries and s_v the output, so blocks are only widened to fp32.
 
 #include <algorithm>
 #include <atomic>
@@ -109,7 +109,7 @@ struct Problem {
   const int32_t* kv_lens;
   const int32_t* tables;
   const int32_t* cu;
-  const float* scales;  // [2, Hkv] (K, V) for a quantized cache; null: none
+  const float* scales;  // [2, Hkv, D] (K, V) for a quantized cache; null: none
 };
 
 // One work item: the tile's queries against its sequence's context, block by block.
@@ -130,13 +130,14 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
   float* kb = l + rows;                 // [bs, D] block converted to fp32 (non-fp32 caches)
   float* vb = kb + bs * D;
   float* s = vb + bs * D;               // [bs] scores of one row
-  const float k_scale = p.scales ? p.scales[it.head] : 1.f;
-  const float v_scale = p.scales ? p.scales[p.num_kv_heads + it.head] : 1.f;
+  const float* k_scale = p.scales ? p.scales + it.head * D : nullptr;  // [D] or none
+  const float* v_scale = p.scales ? p.scales + (p.num_kv_heads + it.head) * D : nullptr;
   for (int64_t i = 0; i < it.nq; ++i)
     for (int64_t g = 0; g < G; ++g) {
       const T* src = q + ((p.cu[it.seq] + it.q0 + i) * p.num_q_heads + it.head * G + g) * D;
       float* dst = qf + (i * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_float(src[d]) * p.scale * k_scale;
+      for (int64_t d = 0; d < D; ++d)
+        dst[d] = to_float(src[d]) * p.scale * (k_scale ? k_scale[d] : 1.f);
     }
   std::fill(m, m + rows, kMask);
   const int64_t last = pos0 + it.nq - 1;  // the tile sees keys [first, last]
@@ -206,8 +207,9 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
     for (int64_t g = 0; g < G; ++g) {
       const int64_t r = i * G + g;
       T* dst = out + ((p.cu[it.seq] + it.q0 + i) * p.num_q_heads + it.head * G + g) * D;
-      const float inv = l[r] > 0.f ? v_scale / l[r] : 0.f;
-      for (int64_t d = 0; d < D; ++d) from_float(acc[r * D + d] * inv, dst + d);
+      const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+      for (int64_t d = 0; d < D; ++d)
+        from_float(acc[r * D + d] * inv * (v_scale ? v_scale[d] : 1.f), dst + d);
     }
 }
 
@@ -255,8 +257,9 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
   p.cu = cu_q_lens.typed_data();
   p.scales = nullptr;
   if constexpr (!std::is_same_v<C, T>) {
-    if (scales.element_count() != 2 * p.num_kv_heads)
-      return ffi::Error::InvalidArgument("a quantized cache needs scales [2, num_kv_heads]");
+    if (scales.element_count() != 2 * p.num_kv_heads * p.head_dim)
+      return ffi::Error::InvalidArgument(
+          "a quantized cache needs scales [2, num_kv_heads, head_dim]");
     p.scales = scales.typed_data();
   }
   const int64_t max_seqs = td[0];
@@ -360,7 +363,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionCpu, Dispatch,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // num_seqs []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()   // window [] (0: none)
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [2, Hkv] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scales [2, Hkv, D] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out [T, Hq, D]
                                   .Attr<float>("scale")
                                   .Attr<float>("softcap"));       // 0: none

@@ -1,5 +1,5 @@
 """Quantized KV caches (`pallas_kernels.kv_quant`): int8 and FP8 (e4m3, e5m2) storage with
-static per-(layer, KV head) scales.
+static per-(layer, KV head, channel) scales.
 
 Every attention backend (Pallas interpreted, XLA, native CPU) against a float64 numpy
 reference computed on the dequantized values (``stored * scale``: the same numbers, so float
@@ -31,9 +31,9 @@ from .test_ragged import np_ragged
 NP_DTYPES = {"int8": np.dtype(np.int8), "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
              "fp8_e5m2": np.dtype(ml_dtypes.float8_e5m2)}
 # Relative Frobenius error of attention outputs against full precision, per storage format
-# (measured at most 1.9 % / 4.6 % / 9.4 % over these cases and layers: e4m3 keeps 3 mantissa
-# bits, e5m2 2; the bounds leave 1.5x headroom).
-QUANT_ERR = {"int8": 0.03, "fp8_e4m3": 0.07, "fp8_e5m2": 0.14}
+# (measured at most 2.9 % / 10 % / 23 % over these cases and layers, whose outlier key
+# channels sharpen the softmax: e4m3 keeps 3 mantissa bits, e5m2 2; 1.5x headroom).
+QUANT_ERR = {"int8": 0.045, "fp8_e4m3": 0.15, "fp8_e5m2": 0.35}
 BACKENDS = ["pallas", "xla", "cpu"]
 # (sequences as (q_len, kv_len), group, head_dim, block_size, num_kv_heads)
 CASES = [
@@ -66,14 +66,15 @@ def _quantized_case(idx: int, name: str):
     rng = np.random.default_rng(700 + idx)
     pc = make_paged(rng, ctx_lens=[kv for _, kv in seqs], num_layers=2, num_kv_heads=hkv,
                     block_size=bs, head_dim=head_dim, dtype="float32", share_prefix=True)
-    # Heads of different magnitudes, as in real models.
-    mag = rng.uniform(0.5, 4.0, (2, 2, hkv)).astype(np.float32)  # [layer, K/V, head]
-    k = pc.k_clean * mag[:, 0, :, None, None, None]
-    v = pc.v_clean * mag[:, 1, :, None, None, None]
-    amax = np.stack([np.abs(k).max(axis=(2, 3, 4)), np.abs(v).max(axis=(2, 3, 4))], axis=1)
-    scales = scales_from_amax(amax, KV_CACHE_DTYPES[name])  # [layer, 2, Hkv]
-    kq = _np_quantize(k, scales[:, 0, :, None, None, None], name)
-    vq = _np_quantize(v, scales[:, 1, :, None, None, None], name)
+    # Heads and channels of different magnitudes, as in real models (outlier channels).
+    mag = rng.uniform(0.5, 4.0, (2, 2, hkv, head_dim)).astype(np.float32)  # [L, K/V, H, D]
+    mag[:, 0, :, ::16] *= 8
+    k = pc.k_clean * mag[:, 0, :, None, None, :]
+    v = pc.v_clean * mag[:, 1, :, None, None, :]
+    amax = np.stack([np.abs(k).max(axis=(2, 3)), np.abs(v).max(axis=(2, 3))], axis=1)
+    scales = scales_from_amax(amax, KV_CACHE_DTYPES[name])  # [layer, 2, Hkv, D]
+    kq = _np_quantize(k, scales[:, 0, :, None, None, :], name)
+    vq = _np_quantize(v, scales[:, 1, :, None, None, :], name)
     used = np.zeros(kq.shape[2:4], bool)
     for s, (_, kv) in enumerate(seqs):
         for t in range(kv):
@@ -84,8 +85,8 @@ def _quantized_case(idx: int, name: str):
         junk = _poison_bytes(flat.shape[0] * flat.shape[1] * len(idx_unused) * head_dim,
                              name, rng)
         flat[:, :, idx_unused] = junk.reshape(flat.shape[0], flat.shape[1], -1, head_dim)
-    deq_k = kq.astype(np.float64) * scales[:, 0, :, None, None, None]
-    deq_v = vq.astype(np.float64) * scales[:, 1, :, None, None, None]
+    deq_k = kq.astype(np.float64) * scales[:, 0, :, None, None, :]
+    deq_v = vq.astype(np.float64) * scales[:, 1, :, None, None, :]
     q_lens = [ql for ql, _ in seqs]
     cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     q = rng.standard_normal((cu[-1], hkv * group, head_dim)).astype(np.float32)
@@ -131,7 +132,7 @@ def test_decode_reads_quantized_cache_bf16_queries(name, backend):
     cu1 = np.arange(len(seqs) + 1, dtype=np.int32)
     want = np_ragged(qd, deq_k, deq_v, 1, pc.block_tables, decode, cu1, scale)
     assert np.isfinite(got).all()
-    np.testing.assert_allclose(got, want, atol=3e-2, rtol=0)
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=1e-2)  # bf16 outputs
 
 
 @pytest.mark.parametrize("backend", ["pallas", "xla"])
@@ -148,7 +149,9 @@ def test_write_kv_stores_numpy_quantization(name, backend):
     k[0, 0, 0] = 1e6  # saturates
     slots = rng.permutation(blocks * bs)[:n].astype(np.int32)
     slots[3] = -1  # padding: not written
-    scale = np.asarray([[0.05, 0.02], [0.01, 0.004]], np.float32)  # [K/V, head]
+    scale = np.broadcast_to(np.asarray([[0.05, 0.02], [0.01, 0.004]], np.float32)[..., None],
+                            (2, hkv, d)).copy()  # [K/V, head, channel]
+    scale[0, 1, :8] = 0.3
     kc, vc = write_kv(jnp.asarray(k), jnp.asarray(v), jnp.asarray(k_cache),
                       jnp.asarray(v_cache), jnp.asarray(slots), layer=1, backend=backend,
                       kv_scale=jnp.asarray(scale))
@@ -157,8 +160,8 @@ def test_write_kv_stores_numpy_quantization(name, backend):
     for t, slot in enumerate(slots):
         if slot < 0:
             continue
-        want_k[1, :, slot // bs, slot % bs] = _np_quantize(k[t], scale[0][:, None], name)
-        want_v[1, :, slot // bs, slot % bs] = _np_quantize(v[t], scale[1][:, None], name)
+        want_k[1, :, slot // bs, slot % bs] = _np_quantize(k[t], scale[0], name)
+        want_v[1, :, slot // bs, slot % bs] = _np_quantize(v[t], scale[1], name)
     assert kc.dtype == dt
     np.testing.assert_array_equal(kc.view(np.uint8), want_k.view(np.uint8))
     np.testing.assert_array_equal(vc.view(np.uint8), want_v.view(np.uint8))
@@ -175,10 +178,10 @@ def test_quantized_cache_needs_its_scales():
     with pytest.raises(ValueError, match="kv_scale"):
         write_kv(jnp.zeros((1, 2, 64)), jnp.zeros((1, 2, 64)), cache, cache,
                  jnp.zeros(1, jnp.int32), layer=0, backend="xla")
-    with pytest.raises(ValueError, match=r"kv_scale.*\(2, 2\)"):
+    with pytest.raises(ValueError, match=r"kv_scale.*\(2, 2, 64\)"):
         paged_decode_attention(q, cache, cache, jnp.zeros((1, 2), jnp.int32),
                                jnp.ones(1, jnp.int32), scale=1.0, layer=0, backend="xla",
-                               kv_scale=jnp.ones((2, 3)))
+                               kv_scale=jnp.ones((2, 2)))
 
 
 @pytest.mark.parametrize("name", list(NP_DTYPES))
@@ -208,8 +211,13 @@ def test_copies_and_swaps_move_quantized_bytes(name):
 
 
 def test_scales_from_amax():
-    amax = np.asarray([[[2.0, 0.0], [1.0, 4.0]]], np.float32)  # [layer, K/V, head]
+    amax = np.asarray([[[[2.0, 0.5], [0.0, 0.0]], [[1.0, 0.25], [4.0, 3.0]]]],
+                      np.float32)  # [layer, K/V, head, channel]
     s = scales_from_amax(amax, jnp.int8)
-    np.testing.assert_allclose(s[0, 0], [2.0 * 1.2 / 127, 1.0])  # unused head: scale 1
-    t = scales_from_amax(amax, jnp.float8_e4m3fn, per_tensor=True)
-    np.testing.assert_allclose(t[0, 1], [4.0 * 2 / 448] * 2)
+    np.testing.assert_allclose(s[0, 0], [[2.0 * 1.2 / 127, 0.5 * 1.2 / 127], [1.0, 1.0]])
+    h = scales_from_amax(amax, jnp.int8, "per_head")
+    np.testing.assert_allclose(h[0, 1], [[1.2 / 127] * 2, [4.0 * 1.2 / 127] * 2])
+    t = scales_from_amax(amax, jnp.float8_e4m3fn, "per_tensor")
+    np.testing.assert_allclose(t[0, 1], np.full((2, 2), 4.0 * 2 / 448))
+    with pytest.raises(ValueError, match="kv_scale_granularity"):
+        scales_from_amax(amax, jnp.int8, "per_token")

@@ -91,6 +91,7 @@ def run(cfg: ModelConfig, params: dict, tp: int, prompts, max_tokens: int, **kw)
         "logits": one_step_logits(llm, prompts[0]).tolist(),
         "param_bytes": [total, per_device],
         "cache_spec": str(llm.engine.runner.k_cache.sharding.spec) if tp > 1 else "",
+        "cache_dtype": str(llm.engine.runner.k_cache.dtype),
         "cache_heads": llm.engine.runner.k_cache.shape[1],
         "collectives": decode_collectives(llm) if tp == 2 else None,
         "expert_spec": expert_spec(llm),
@@ -112,6 +113,11 @@ def main(mode: str, out_path: str) -> None:
         # 8 > 2 KV heads: each KV head replicated 4 times. Greedy, so the first tokens of a
         # shorter run must equal TP=1's.
         results["tp8"] = run(cfg, params, 8, prompts[:2], 6, num_gpu_blocks=32)
+        # An int8 KV cache: bytes and per-(head, channel) scales split by head with the cache.
+        results["tp1_int8"] = run(cfg, params, 1, prompts, 16, num_gpu_blocks=12,
+                                  kv_cache_dtype="int8", **common)
+        results["tp2_int8"] = run(cfg, params, 2, prompts, 16, num_gpu_blocks=12,
+                                  preemption_mode="swap", kv_cache_dtype="int8", **common)
         # The Pallas kernels (interpret mode on CPU) inside shard_map.
         results["tp2_pallas"] = run(cfg, params, 2, prompts[:2], 6, num_gpu_blocks=32,
                                     attention_backend="pallas", **common)
