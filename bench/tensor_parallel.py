@@ -95,7 +95,8 @@ def step_inputs(runner: ModelRunner, batch: int, q_len: int, ctx: int) -> StepIn
 
 def hlo_of(runner: ModelRunner, inputs: StepInputs) -> str:
     lowered = runner._step.lower(runner, runner.params, runner.k_cache, runner.v_cache,
-                                 inputs.input_ids, inputs.positions, inputs.meta,
+                                 inputs.input_ids, inputs.positions,
+                                 runner.step_meta(inputs.meta),
                                  inputs.logits_indices)
     return lowered.compile().as_text()
 

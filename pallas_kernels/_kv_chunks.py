@@ -44,6 +44,9 @@ def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, 
     entries.
     """
     head_dim = k_ref.shape[-1]
+    # The fill of masked lanes: an int for every dtype but FP8, where Pallas-Triton cannot
+    # cast an integer splat (a float zero is the same value).
+    zero = 0.0 if jnp.dtype(k_ref.dtype).name.startswith("float8") else 0
     pages_per_chunk, chunks_per_page = chunk_layout(block_size, chunk_tokens)
     used_pages = (used_tokens + block_size - 1) // block_size
     windowed = first_token is not None
@@ -66,8 +69,8 @@ def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, 
         # for Triton, and a form the CPU interpreter can run as a masked gather.
         idx = (ids[:, None, None], jnp.arange(block_size, dtype=jnp.int32)[None, :, None],
                jnp.arange(head_dim, dtype=jnp.int32)[None, None, :])
-        k = plgpu.load(k_ref.at[idx], mask=mask, other=0).reshape(chunk_tokens, head_dim)
-        v = plgpu.load(v_ref.at[idx], mask=mask, other=0).reshape(chunk_tokens, head_dim)
+        k = plgpu.load(k_ref.at[idx], mask=mask, other=zero).reshape(chunk_tokens, head_dim)
+        v = plgpu.load(v_ref.at[idx], mask=mask, other=zero).reshape(chunk_tokens, head_dim)
     else:
         # Plain multiply/subtract: jnp's floor `//` and `%` lower to selects Triton rejects.
         page = lax.div(chunk, jnp.int32(chunks_per_page))
@@ -82,8 +85,8 @@ def load_kv_chunk(k_ref, v_ref, tables_ref, seq, chunk, used_tokens, base_page, 
             tok_live &= tok >= first_token
         mask = jnp.broadcast_to(tok_live[:, None], (chunk_tokens, head_dim))
         rows = pl.ds(offset, chunk_tokens)
-        k = plgpu.load(k_ref.at[block, rows, :], mask=mask, other=0)
-        v = plgpu.load(v_ref.at[block, rows, :], mask=mask, other=0)
+        k = plgpu.load(k_ref.at[block, rows, :], mask=mask, other=zero)
+        v = plgpu.load(v_ref.at[block, rows, :], mask=mask, other=zero)
     return k, v, tok
 
 

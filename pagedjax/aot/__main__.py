@@ -29,6 +29,10 @@ def main() -> int:
     parser.add_argument("--reuse-kernels", action="store_true",
                         help="keep the kernel sweep of the existing report (after a change that "
                              "touches only the engine step) and rebuild the steps")
+    parser.add_argument("--reuse-compiled", action="store_true",
+                        help="compile only kernel configurations the existing report lacks "
+                             "(after adding configurations, not changing kernels; the compile "
+                             "tier's test rebuilds everything and checks it)")
     parser.add_argument("--out", type=Path, default=report.REPORT_DIR)
     args = parser.parse_args()
     report.check_backend()
@@ -36,7 +40,8 @@ def main() -> int:
     for target in args.targets.split(","):
         old = report.load(target, args.out) if args.reuse_kernels else None
         rep = report.build(target, kernels=not (args.no_kernels or args.reuse_kernels),
-                           steps=not args.no_steps)
+                           steps=not args.no_steps,
+                           reuse=report.load(target, args.out) if args.reuse_compiled else None)
         if old is not None:  # same key order as a full build: kernels before steps
             steps = rep.pop("steps", None)
             rep.pop("summary")

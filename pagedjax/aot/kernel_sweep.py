@@ -33,6 +33,13 @@ GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
 DTYPES = ("bfloat16", "float16", "float32")
 NUM_KV_HEADS = 2
 NUM_BLOCKS = 64
+# Quantized caches (`kv_cache_dtype`, issue 20): bf16 queries over int8 / FP8 storage at the
+# common head dims, page sizes and GQA groups (the kernels differ from the float ones only in
+# the widening of loaded tiles and two per-channel scale vectors). FP8 needs sm_89+: the
+# engine refuses it on sm80, so the sm80 sweep has int8 only.
+KV_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+KV_BLOCK_SIZES = (16, 32, 64)
+KV_GROUPS = (1, 4, 8)
 # Decode table width: 64 pages gives several flash-decoding splits of several chunks each.
 # The split count only sets the grid and a loop-bound constant, so one width covers them.
 DECODE_TABLE_PAGES = (64,)
@@ -49,6 +56,7 @@ class KernelCase:
     launch: tuning.KernelTuning | None = None
     softcap: float | None = None  # a static kernel variant (Gemma 2's attention soft-cap)
     windowed: bool = False  # the sliding-window variant (window passed as data)
+    kv_dtype: str | None = None  # a quantized cache's storage (None: the cache is `dtype`)
 
     def tuned(self, arch: str) -> tuning.KernelTuning:
         """The launch the engine gets (the windowed ragged variant has its own)."""
@@ -67,7 +75,8 @@ class KernelCase:
     def key(self, arch: str) -> tuple:
         """What determines the compiled Triton kernel (see module docstring)."""
         if self.kernel not in ("decode", "ragged"):
-            return (self.kernel, self.dtype, self.head_dim, self.block_size)
+            key = (self.kernel, self.dtype, self.head_dim, self.block_size)
+            return key if self.kv_dtype is None else (*key, self.kv_dtype)
         t = self.tuned(arch)
         if self.kernel == "decode":
             group_p, block_q = max(16, next_pow2(self.group)), 1
@@ -77,10 +86,12 @@ class KernelCase:
                self.chunk_tokens(arch), t.num_warps, t.num_stages)
         if self.windowed:
             key = (*key, "window")
+        if self.kv_dtype is not None:
+            key = (*key, self.kv_dtype)
         return key if self.softcap is None else (*key, "softcap")
 
 
-def engine_cases() -> list[KernelCase]:
+def engine_cases(arch: str = "sm90") -> list[KernelCase]:
     cases = [KernelCase(k, dt, d, bs, g) for k, dt, d, bs, g in itertools.product(
         ("decode", "ragged"), DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
     cases += [KernelCase(k, dt, d, bs) for k, dt, d, bs in itertools.product(
@@ -93,6 +104,12 @@ def engine_cases() -> list[KernelCase]:
     cases += [KernelCase(k, dt, d, bs, g, softcap=50.0, windowed=True)
               for k, dt, d, bs, g in itertools.product(
                   ("decode", "ragged"), DTYPES, (128, 256), (16, 32), (1, 2))]
+    kv_dtypes = KV_DTYPES if arch != "sm80" else ("int8",)
+    cases += [KernelCase(k, "bfloat16", d, bs, g, kv_dtype=kv)
+              for k, kv, d, bs, g in itertools.product(
+                  ("decode", "ragged"), kv_dtypes, HEAD_DIMS, KV_BLOCK_SIZES, KV_GROUPS)]
+    cases += [KernelCase("write_kv", "bfloat16", d, bs, kv_dtype=kv)
+              for kv, d, bs in itertools.product(kv_dtypes, HEAD_DIMS, KV_BLOCK_SIZES)]
     return cases
 
 
@@ -101,8 +118,12 @@ def _lower(case: KernelCase, device, table_pages: int, arch: str):
     sh = SingleDeviceSharding(device)
     S = functools.partial(jax.ShapeDtypeStruct, sharding=sh)
     hq = NUM_KV_HEADS * case.group
-    cache = S((2, NUM_KV_HEADS, NUM_BLOCKS, case.block_size, case.head_dim), dt)
+    cache = S((2, NUM_KV_HEADS, NUM_BLOCKS, case.block_size, case.head_dim),
+              jnp.dtype(case.kv_dtype) if case.kv_dtype else dt)
     i32 = jnp.int32
+    # A quantized cache's scales [2, Hkv, D]: an argument (a constant would fold away).
+    quant = {} if case.kv_dtype is None else dict(
+        kv_scale=S((2, NUM_KV_HEADS, case.head_dim), jnp.float32))
     launch = {}
     if case.launch is not None:
         t = case.launch
@@ -110,28 +131,28 @@ def _lower(case: KernelCase, device, table_pages: int, arch: str):
         if case.kernel == "ragged":
             launch["block_q"] = ragged_block_q(None, case.group, t.q_rows)
     if case.kernel == "decode":
-        fn = lambda q, k, v, bt, lens, layer, w: paged_decode_attention(
+        fn = lambda q, k, v, bt, lens, layer, w, **sc: paged_decode_attention(
             q, k, v, bt, lens, scale=0.1, layer=layer, backend="pallas", softcap=case.softcap,
-            window=w if case.windowed else None, **launch)
+            window=w if case.windowed else None, **launch, **sc)
         args = (S((4, hq, case.head_dim), dt), cache, cache, S((4, table_pages), i32),
                 S((4,), i32), S((), i32), S((), i32))
     elif case.kernel == "ragged":
-        fn = lambda q, k, v, kl, bt, cu, n, layer, w: ragged_paged_attention(
+        fn = lambda q, k, v, kl, bt, cu, n, layer, w, **sc: ragged_paged_attention(
             q, k, v, kl, bt, cu, n, scale=0.1, layer=layer, backend="pallas",
-            softcap=case.softcap, window=w if case.windowed else None, **launch)
+            softcap=case.softcap, window=w if case.windowed else None, **launch, **sc)
         args = (S((64, hq, case.head_dim), dt), cache, cache, S((8,), i32), S((8, 16), i32),
                 S((9,), i32), S((), i32), S((), i32), S((), i32))
     elif case.kernel == "write_kv":
         tok = S((32, NUM_KV_HEADS, case.head_dim), dt)
-        fn = lambda k, v, kc, vc, slots, layer: write_kv(k, v, kc, vc, slots, layer=layer,
-                                                          backend="pallas")
+        fn = lambda k, v, kc, vc, slots, layer, **sc: write_kv(
+            k, v, kc, vc, slots, layer=layer, backend="pallas", **sc)
         args = (tok, tok, cache, cache, S((32,), i32), S((), i32))
     else:
         fn = lambda kc, vc, m: copy_blocks(kc, vc, m, backend="pallas")
         args = (cache, cache, S((8, 2), i32))
     with jax.default_device(device), warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # Pallas-Triton deprecation
-        return jax.jit(fn).lower(*args)
+        return jax.jit(fn).lower(*args, **quant)
 
 
 def compile_case(case: KernelCase, target: str, arch: str) -> dict:
@@ -183,15 +204,21 @@ def _launch_extra(case: KernelCase, arch: str, pages: int) -> dict:
     return extra
 
 
-def sweep(target: str, cases: list[KernelCase] | None = None, log=print) -> dict:
+def sweep(target: str, cases: list[KernelCase] | None = None, log=print,
+          reuse: dict | None = None) -> dict:
     """Compile every distinct configuration once.
 
     Returns ``{"configs": [...], "compiled": [...]}``: each engine configuration names the
     index of its compiled kernel, and each compiled entry has its rows (one per table width
     for decode) with registers, spills, shared memory and compile time.
+
+    ``reuse``: a previous sweep whose compiled entries are taken by key instead of compiled
+    again (after adding configurations without changing existing kernels; the compile-tier
+    test rebuilds everything and so checks that claim).
     """
     arch = tuning.arch_of(compile_only_devices(target)[0].device_kind)
-    cases = engine_cases() if cases is None else cases
+    cases = engine_cases(arch) if cases is None else cases
+    previous = {tuple(c["key"]): c for c in (reuse or {}).get("compiled", [])}
     index: dict[tuple, int] = {}
     compiled: list[dict] = []
     configs = []
@@ -199,15 +226,16 @@ def sweep(target: str, cases: list[KernelCase] | None = None, log=print) -> dict
         key = case.key(arch)
         if key not in index:
             index[key] = len(compiled)
-            entry = dict(key=list(key), **compile_case(case, target, arch))
+            entry = previous.get(key) or dict(key=list(key), **compile_case(case, target, arch))
             compiled.append(entry)
             worst = max((k["registers"] for r in entry["rows"] for k in r["kernels"]), default=0)
             bad = any(r["error"] for r in entry["rows"])
-            log(f"  {target} {case.kernel:11s} {case.dtype:8s} d={case.head_dim:3d} "
-                f"bs={case.block_size:3d} g={case.group} regs<={worst} "
-                f"{'ERROR' if bad else 'ok'}")
+            log(f"  {target} {case.kernel:11s} {case.dtype:8s} {case.kv_dtype or '':13s} "
+                f"d={case.head_dim:3d} bs={case.block_size:3d} g={case.group} regs<={worst} "
+                f"{'ERROR' if bad else 'ok'}{' (reused)' if key in previous else ''}")
         configs.append(dict(kernel=case.kernel, dtype=case.dtype, head_dim=case.head_dim,
                             block_size=case.block_size, group=case.group, compiled=index[key],
                             **({"softcap": case.softcap} if case.softcap else {}),
-                            **({"windowed": True} if case.windowed else {})))
+                            **({"windowed": True} if case.windowed else {}),
+                            **({"kv_dtype": case.kv_dtype} if case.kv_dtype else {})))
     return dict(arch=arch, configs=configs, compiled=compiled)

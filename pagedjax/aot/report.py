@@ -22,6 +22,13 @@ STEP_PLAN = {
     "a100": (("smollm2-135m", (1,)), ("llama3-8b", (1,))),
     "b200": (("llama3-8b", (1,)),),
 }
+# Quantized KV caches (issue 20): the engine step of a model with an int8 / FP8 cache, at the
+# decode and mixed shapes (FP8 from sm_89: not on A100, where the engine refuses it).
+KV_STEP_PLAN = {
+    "h100": (("llama3-8b", "int8"), ("llama3-8b", "fp8_e4m3")),
+    "a100": (("llama3-8b", "int8"),),
+    "b200": (),
+}
 
 
 def report_path(target: str, root: Path = REPORT_DIR) -> Path:
@@ -33,8 +40,10 @@ def smem_limit(target: str) -> int:
     return int(re.search(r"shared_memory_per_block_optin:\s*(\d+)", target_config(target))[1])
 
 
-def build(target: str, kernels: bool = True, steps: bool = True, log=print) -> dict:
-    """Compile the kernel sweep and the engine steps for ``target``; the whole report."""
+def build(target: str, kernels: bool = True, steps: bool = True, log=print,
+          reuse: dict | None = None) -> dict:
+    """Compile the kernel sweep and the engine steps for ``target``; the whole report.
+    ``reuse``: a previous report whose compiled kernels are taken by key (`sweep`)."""
     versions = {p: md.version(p) for p in ("jax", "jaxlib", "jax-cuda13-plugin",
                                           "nvidia-cuda-nvcc", "nvidia-nvjitlink")}
     report = dict(
@@ -45,7 +54,8 @@ def build(target: str, kernels: bool = True, steps: bool = True, log=print) -> d
         reproduce=f"make aot-report TARGETS={target}",
     )
     if kernels:
-        report["kernels"] = kernel_sweep.sweep(target, log=log)
+        report["kernels"] = kernel_sweep.sweep(
+            target, log=log, reuse=(reuse or {}).get("kernels"))
     if steps:
         report["steps"] = []
         for model, tps in STEP_PLAN[target]:
@@ -54,6 +64,10 @@ def build(target: str, kernels: bool = True, steps: bool = True, log=print) -> d
                                                if s.name in ("decode_b64", "mixed_512+63")]
                 report["steps"] += step.compile_step(model, target, tp=tp, shapes=shapes, log=log)
             report["steps"] += step.compile_swap(model, target, log=log)
+        for model, kv in KV_STEP_PLAN[target]:
+            shapes = [s for s in step.step_shapes(4096) if s.name in ("decode_b64", "mixed_512+63")]
+            report["steps"] += step.compile_step(model, target, shapes=shapes, log=log,
+                                                 kv_cache_dtype=kv)
     report["summary"] = summarize(report)
     return report
 

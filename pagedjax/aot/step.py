@@ -103,13 +103,14 @@ def _abstract(x, sharding):
 
 def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block_size: int = 16,
                  max_model_len: int = 4096, shapes: list[StepShape] | None = None,
-                 log=print) -> list[dict]:
+                 log=print, kv_cache_dtype: str = "auto") -> list[dict]:
     """Compile the runner's step (and the sampler) for every shape; a report row each."""
     config = MODELS[model]
     devices = compile_only_devices(target, tp)
     engine_config = EngineConfig(block_size=block_size, tensor_parallel_size=tp,
                                  attention_backend="pallas", num_gpu_blocks=1,
-                                 max_num_seqs=256, max_num_batched_tokens=2048)
+                                 max_num_seqs=256, max_num_batched_tokens=2048,
+                                 kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner.compile_only(config, engine_config, dtype, max_model_len, devices)
     rows = []
     for shape in shapes or step_shapes(max_model_len):
@@ -117,10 +118,12 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
         params, k_cache, v_cache = runner.abstract_state(max(pages, 64))
         rep = (SingleDeviceSharding(devices[0]) if runner.mesh is None
                else jax.sharding.NamedSharding(runner.mesh, jax.sharding.PartitionSpec()))
-        host = (inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_indices)
+        host = (inputs.input_ids, inputs.positions, runner.step_meta(inputs.meta),
+                inputs.logits_indices)
         args = jax.tree.map(lambda x, rep=rep: _abstract(jnp.asarray(x), rep), host)
         t0 = time.perf_counter()
         row = dict(model=model, target=target, tp=tp, dtype=jnp.dtype(dtype).name,
+                   **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}),
                    block_size=block_size, shape=shape.name, tokens=int(inputs.input_ids.shape[0]),
                    seqs=len(shape.seqs), table_width=int(inputs.meta.block_tables.shape[-1]),
                    decode_only=bool(inputs.meta.decode_only))
@@ -145,7 +148,7 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
         row.update(_sampler(len(inputs.logits_indices), batch, config.vocab_size,
                             max_model_len, devices[0]))
         row["sampler_compile_s"] = row["sampler_compile_s"] if row.pop("_fresh") else 0.0
-        log(f"  {target} {model} tp={tp} {shape.name}: {row['compile_s']} s, "
+        log(f"  {target} {model} tp={tp} kv={kv_cache_dtype} {shape.name}: {row['compile_s']} s, "
             f"{row['kernels']} kernels, spills in {row['spilling'] or 'none'}"
             f"{'  ERROR ' + row['error'][:200] if row['error'] else ''}")
         rows.append(row)

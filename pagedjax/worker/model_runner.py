@@ -417,17 +417,21 @@ class ModelRunner:
             rows = inputs.prev_rows if inputs.prev_rows is not None else np.full(
                 ids.shape, -1, np.int32)
             ids = self._merge_ids(ids, rows, prev)
-        meta = inputs.meta
-        if self.kv_scales is not None:  # device resident: not part of the step's host inputs
-            meta = dataclasses.replace(meta, kv_scales=self.kv_scales)
         logits, self.k_cache, self.v_cache = self._step(
             self.params, self.k_cache, self.v_cache, ids, inputs.positions,
-            meta, inputs.logits_indices)
+            self.step_meta(inputs.meta), inputs.logits_indices)
         if self.mesh is not None:
             # Replicated: this process's first shard is the full [R, vocab] array, so sampling
             # runs on one local device (and only on the leader in multi-process runs).
             logits = logits.addressable_data(0)
         return logits
+
+    def step_meta(self, meta: PagedMeta) -> PagedMeta:
+        """The step's metadata as `_step` takes it: the host-built part plus the quantized
+        cache's scales, which stay on the device (not part of a step's host inputs)."""
+        if self.kv_scales is None:
+            return meta
+        return dataclasses.replace(meta, kv_scales=self.kv_scales)
 
     # ---- async scheduling: token ids that are still on the device ------------
     @partial(jax.jit, static_argnums=0)

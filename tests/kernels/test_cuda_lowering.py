@@ -116,3 +116,34 @@ def test_cache_ops_lower_to_triton(hq, hkv, d, bs, dtype):
                               cache, cache, S((3, 2), jnp.int32))
     assert len(_triton_modules(lowered)) == 1
     assert lowered.as_text().count("output_operand_alias<") >= 2
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantized_cache_kernels_lower_to_triton(kv_dtype):
+    """int8 / FP8 caches: the tiles load in the storage dtype and widen to bf16 in the kernel
+    (an FP8 load's masked lanes need a float fill: Pallas-Triton cannot cast an int splat)."""
+    hq, hkv, d, bs = 9, 3, 64, 16
+    cache = _cache(hkv, d, bs, kv_dtype)
+    scale = S((2, hkv, d), jnp.float32)
+    dec = _lower_for_cuda(
+        lambda q, k, v, bt, lens, layer, sc: paged_decode_attention(
+            q, k, v, bt, lens, scale=0.1, layer=layer, backend="pallas", num_splits=2,
+            kv_scale=sc),
+        S((4, hq, d), jnp.bfloat16), cache, cache, S((4, 20), jnp.int32), S((4,), jnp.int32),
+        S((), jnp.int32), scale)
+    rag = _lower_for_cuda(
+        lambda q, k, v, kl, bt, cu, n, layer, sc: ragged_paged_attention(
+            q, k, v, kl, bt, cu, n, scale=0.1, layer=layer, backend="pallas", kv_scale=sc),
+        S((48, hq, d), jnp.bfloat16), cache, cache, S((5,), jnp.int32), S((5, 20), jnp.int32),
+        S((6,), jnp.int32), S((), jnp.int32), S((), jnp.int32), scale)
+    stored = {jnp.int8: "xi8>", jnp.float8_e4m3fn: "xf8E4M3FN>",
+              jnp.float8_e5m2: "xf8E5M2>"}[kv_dtype]
+    for lowered in (dec, rag):
+        [module] = _triton_modules(lowered)
+        assert "tt.dot" in module and stored in module
+    tok = S((7, hkv, d), jnp.bfloat16)
+    wr = _lower_for_cuda(
+        lambda k, v, kc, vc, slots, layer, sc: write_kv(k, v, kc, vc, slots, layer=layer,
+                                                        backend="pallas", kv_scale=sc),
+        tok, tok, cache, cache, S((7,), jnp.int32), S((), jnp.int32), scale)
+    assert len(_triton_modules(wr)) == 1

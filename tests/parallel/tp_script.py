@@ -61,7 +61,7 @@ def decode_collectives(llm: LLM) -> dict:
     inputs = build_step_inputs([seq], runner.block_size, runner.max_blocks_per_seq,
                                num_groups=runner.num_kv_groups)
     hlo = runner._step.lower(runner, runner.params, runner.k_cache, runner.v_cache,
-                             inputs.input_ids, inputs.positions, inputs.meta,
+                             inputs.input_ids, inputs.positions, runner.step_meta(inputs.meta),
                              inputs.logits_indices).compile().as_text()
     return count_collectives(hlo)
 
