@@ -361,6 +361,8 @@ def paged_decode_attention(
             scale=float(scale), softcap=cap)
     tuned = tuning.lookup("decode", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
+    if kv_scale is not None:
+        tuned = tuning.quantized_launch(tuned)
     impl = {"triton": _decode_pallas}[pallas_lowering()]
     return impl(
         q, k_cache, v_cache, block_tables, context_lens, lay, win, kv_scale,

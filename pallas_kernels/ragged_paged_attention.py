@@ -445,8 +445,10 @@ def ragged_paged_attention(
             kv_scale, scale=float(scale), softcap=cap,
         )
     windowed = has_window(window)
-    tuned = windowed_launch(tuning.lookup(
-        "ragged", q.dtype if kv_scale is not None else k_cache.dtype, q.shape[-1]), windowed)
+    tuned = tuning.lookup("ragged", q.dtype if kv_scale is not None else k_cache.dtype,
+                          q.shape[-1])
+    tuned = windowed_launch(tuning.quantized_launch(tuned) if kv_scale is not None else tuned,
+                            windowed)
     group = q.shape[1] // k_cache.shape[-4]
     impl = {"triton": _ragged_pallas}[pallas_lowering()]
     return impl(

@@ -63,6 +63,8 @@ class KernelCase:
         if self.launch is not None:
             return self.launch
         t = tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
+        if self.kv_dtype is not None:
+            t = tuning.quantized_launch(t)
         return windowed_launch(t, self.windowed) if self.kernel == "ragged" else t
 
     def chunk_tokens(self, arch: str) -> int:
