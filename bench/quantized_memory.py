@@ -5,10 +5,12 @@
 
 Section ``real``: one worker process per setting (resident memory is per process), the same
 demo-model weights (SmolLM2-135M, fp32), the same 256 cache blocks of 16 tokens:
-- resident set size after load (weights + KV cache + runtime) and its peak after the runs;
+- resident set size after load and a warm-up run, with the whole KV cache touched (weights,
+  cache, compiled code, runtime), and at the end;
 - the engine's own accounting (`EngineStats`: KV bytes per token, cache and weight bytes);
 - throughput, 16 chat prompts x 64 greedy tokens, runs rotated across settings (A, B, C, D /
-  B, C, D, A / ...), the 1-minute load recorded before each;
+  B, C, D, A / ...), each started once the CPUs are idle (the busy share of the last
+  half-second window and the 1-minute load recorded);
 - quality against the fp32 setting: teacher-forced top-1 disagreement and mean |d logprob|
   over the fp32 engine's greedy continuations, and perplexity of `QUALITY_TEXT` (written for
   this benchmark; the KV calibration prompt is another text).
@@ -66,6 +68,8 @@ def _rss_mb() -> tuple[float, float]:
 def worker(name: str) -> None:
     from dataclasses import asdict
 
+    import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from bench.offline_throughput import PROMPTS
@@ -77,7 +81,11 @@ def worker(name: str) -> None:
                           max_model_len=MAX_LEN, **SETTINGS[name])
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.chat(msgs[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # compile
+    llm.chat(msgs, greedy, use_tqdm=False)  # compiles every shape the timed runs take
+    # Touch the whole cache so the resident set holds it (zero pages may be mapped lazily).
+    runner = llm.engine.runner
+    runner.k_cache, runner.v_cache = (jax.block_until_ready(jnp.copy(c))
+                                      for c in (runner.k_cache, runner.v_cache))
 
     def teacher_forced(seqs, starts):
         res = llm.generate([{"prompt_token_ids": s} for s in seqs],
@@ -154,6 +162,8 @@ class Worker:
 def real_section(names: list[str], reps: int, logdir: Path) -> dict:
     import numpy as np
 
+    from bench.offline_throughput import wait_quiet
+
     workers = {n: Worker(n, logdir / f"quantized_{n}.log") for n in names}
     try:
         loaded = {n: w.run(op="load") for n, w in workers.items()}
@@ -162,12 +172,15 @@ def real_section(names: list[str], reps: int, logdir: Path) -> dict:
         for r in range(reps):
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
+                busy = wait_quiet()  # the CPUs idle (no other worker still busy) first
                 load = os.getloadavg()[0]
                 res = workers[n].run(op="throughput")
-                runs[n].append({"tok_s": round(res["tok_s"], 2), "load_1m": load})
+                runs[n].append({"tok_s": round(res["tok_s"], 2), "load_1m": load,
+                                "busy_before": round(busy, 3)})
                 if n == "fp32" and ref is None:
                     ref = res
-                print(f"  rep {r} {n}: {res['tok_s']:.1f} tok/s (load {load:.2f})", flush=True)
+                print(f"  rep {r} {n}: {res['tok_s']:.1f} tok/s (load {load:.2f}, busy before "
+                      f"{busy:.2f})", flush=True)
         quality = {n: workers[n].run(op="quality", seqs=ref["seqs"], starts=ref["starts"])
                    for n in names}
         base = quality["fp32"]

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 ENV_DISABLE = "PAGEDJAX_NATIVE_CPU"
 ENV_CACHE = "PAGEDJAX_CACHE_DIR"
 TARGET = "pagedjax_ragged_paged_attention_cpu"
+WRITE_TARGET = "pagedjax_write_kv_bytes_cpu"
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cc"
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
 # shared library with it pulls in crtfastmath.o, which turns on flush-to-zero for the whole
@@ -105,6 +106,8 @@ def _register() -> bool:
     lib = ctypes.cdll.LoadLibrary(str(build()))
     jax.ffi.register_ffi_target(
         TARGET, jax.ffi.pycapsule(lib.PagedjaxRaggedPagedAttentionCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        WRITE_TARGET, jax.ffi.pycapsule(lib.PagedjaxWriteKvBytesCpu), platform="cpu")
     return True
 
 
@@ -143,3 +146,17 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
     return call(q, k_cache, v_cache, i32(kv_lens), i32(block_tables), i32(cu_q_lens),
                 i32(num_seqs).reshape(()), i32(layer).reshape(()), i32(window).reshape(()),
                 scales, scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+
+
+def write_kv_bytes_cpu(k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                       slot_mapping: jax.Array, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter already-quantized 1-byte ``k``/``v`` ``[T, Hkv, D]`` (the cache's dtype) into
+    5-D caches in place (aliased); slots < 0 are padding. For FP8 caches, whose scatter
+    XLA:CPU runs by widening the whole cache (`write_kv`)."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
+                                           jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
+                            input_output_aliases={2: 0, 3: 1})
+    return call(k, v, k_cache, v_cache, jnp.asarray(slot_mapping, jnp.int32),
+                jnp.asarray(layer, jnp.int32).reshape(()))

@@ -349,7 +349,55 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cac
   return ffi::Error::InvalidArgument("dtype must be float32 or bfloat16");
 }
 
+// write_kv for byte caches (FP8: XLA:CPU widens a float8 scatter's whole operand, ~50 ms a
+// layer for the demo model's cache): copies each token's head rows of already-quantized bytes
+// into their slots, in place (the caches are aliased to the results).
+ffi::Error WriteKvBytes(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer k_cache_in,
+                        ffi::AnyBuffer v_cache_in, ffi::Buffer<ffi::S32> slots,
+                        ffi::Buffer<ffi::S32> layer_buf, ffi::Result<ffi::AnyBuffer> k_cache,
+                        ffi::Result<ffi::AnyBuffer> v_cache) {
+  auto kd = k.dimensions(), cd = k_cache->dimensions();
+  if (kd.size() != 3 || cd.size() != 5 || ffi::ByteWidth(k.element_type()) != 1 ||
+      ffi::ByteWidth(k_cache->element_type()) != 1)
+    return ffi::Error::InvalidArgument("expected 1-byte k [T,Hkv,D] and caches [L,Hkv,N,bs,D]");
+  const int64_t T = kd[0], H = kd[1], D = kd[2];
+  const int64_t L = cd[0], N = cd[2], bs = cd[3];
+  if (cd[1] != H || cd[4] != D) return ffi::Error::InvalidArgument("k does not match the cache");
+  const int64_t layer = std::clamp<int64_t>(layer_buf.typed_data()[0], 0, L - 1);
+  const int32_t* sl = slots.typed_data();
+  const auto* ks = static_cast<const uint8_t*>(k.untyped_data());
+  const auto* vs = static_cast<const uint8_t*>(v.untyped_data());
+  auto* kc = static_cast<uint8_t*>(k_cache->untyped_data());
+  auto* vc = static_cast<uint8_t*>(v_cache->untyped_data());
+  // Aliased: results are the inputs' buffers (XLA copies first when it cannot alias).
+  if (kc != k_cache_in.untyped_data())
+    std::memcpy(kc, k_cache_in.untyped_data(), k_cache->size_bytes());
+  if (vc != v_cache_in.untyped_data())
+    std::memcpy(vc, v_cache_in.untyped_data(), v_cache->size_bytes());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = sl[t];
+    if (slot < 0 || slot >= N * bs) continue;  // padding
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t row = ((layer * H + h) * N + slot / bs) * bs + slot % bs;
+      std::memcpy(kc + row * D, ks + (t * H + h) * D, D);
+      std::memcpy(vc + row * D, vs + (t * H + h) * D, D);
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxWriteKvBytesCpu, WriteKvBytes,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // k [T, Hkv, D] bytes
+                                  .Arg<ffi::AnyBuffer>()          // v
+                                  .Arg<ffi::AnyBuffer>()          // k_cache (aliased)
+                                  .Arg<ffi::AnyBuffer>()          // v_cache (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [T] (-1: padding)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Ret<ffi::AnyBuffer>()          // k_cache
+                                  .Ret<ffi::AnyBuffer>());        // v_cache
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionCpu, Dispatch,
                               ffi::Ffi::Bind()

@@ -135,7 +135,7 @@ def test_decode_reads_quantized_cache_bf16_queries(name, backend):
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=1e-2)  # bf16 outputs
 
 
-@pytest.mark.parametrize("backend", ["pallas", "xla"])
+@pytest.mark.parametrize("backend", BACKENDS)  # "cpu": FP8 bytes copied by the native kernel
 @pytest.mark.parametrize("name", list(NP_DTYPES))
 def test_write_kv_stores_numpy_quantization(name, backend):
     rng = np.random.default_rng(3)
