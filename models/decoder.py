@@ -40,6 +40,7 @@ import jax.numpy as jnp
 from models import rope as rope_lib
 from models.config import ModelConfig
 from models.moe import moe_mlp
+from models.qlinear import Linear, dequantize, dequantize_columns, is_packed
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -110,13 +111,15 @@ class DecoderLayer(nn.Module):
     fused: bool = False  # params from `unstack_layers`: qkv_proj and gate_up_proj
     static_layer: int | None = None  # the unrolled loop's layer index (window, rope known)
     moe_fn: Callable[..., jax.Array] | None = None  # routed experts (None: `moe_mlp`)
+    packed_matmul: Callable[..., jax.Array] | None = None  # packed weights (`models.qlinear`)
 
     @nn.compact
     def __call__(self, carry, layer, rope, meta):
         x, kv_cache = carry
         c = self.config
-        dense = lambda feats, name, bias=False: nn.Dense(  # noqa: E731
-            feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        dense = lambda feats, name, bias=False: Linear(  # noqa: E731
+            feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
+            packed_matmul=self.packed_matmul, name=name)
         norm = lambda name, n=c.hidden_size: self.param(  # noqa: E731
             name, nn.initializers.ones, (n,), self.dtype)
         lead = x.shape[:-1]
@@ -190,8 +193,9 @@ class DecoderLayer(nn.Module):
                       act=lambda x: activation(c.hidden_act, x))
         if c.shared_expert_intermediate_size:
             si = c.shared_expert_intermediate_size
-            dense = lambda feats, name: nn.Dense(feats, use_bias=False, dtype=self.dtype,  # noqa: E731
-                                                 param_dtype=self.dtype, name=name)
+            dense = lambda feats, name: Linear(feats, use_bias=False, dtype=self.dtype,  # noqa: E731
+                                               param_dtype=self.dtype,
+                                               packed_matmul=self.packed_matmul, name=name)
             shared = dense(hidden, "shared_down_proj")(
                 activation(c.hidden_act, dense(si, "shared_gate_proj")(flat))
                 * dense(si, "shared_up_proj")(flat))
@@ -208,6 +212,8 @@ class DecoderLM(nn.Module):
     dtype: Any = jnp.float32
     scan_layers: bool = True  # False: params from `unstack_layers`, one graph node per layer
     moe_fn: Callable[..., jax.Array] | None = None  # e.g. `parallel.experts.ExpertParallelMoE`
+    # Multiplies by a packed weight directly (`models.qlinear.Linear`); None: XLA dequantizes.
+    packed_matmul: Callable[..., jax.Array] | None = None
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: Any,
@@ -218,9 +224,17 @@ class DecoderLM(nn.Module):
         step computes vocab logits only for the tokens that are sampled.
         """
         c = self.config
-        embed = self.param("embed", nn.initializers.normal(0.02), (c.vocab_size, c.hidden_size),
-                           self.dtype)
-        x = embed[input_ids].astype(self.dtype)
+        # A packed table (`models.qlinear`) is stored as the LM head's [hidden, vocab].
+        packed_embed = self.has_variable("params", "embed") and is_packed(
+            self.get_variable("params", "embed"))
+        if packed_embed:
+            embed = self.get_variable("params", "embed")
+            x = dequantize_columns(embed, input_ids.reshape(-1), c.hidden_size, self.dtype)
+            x = x.reshape(*input_ids.shape, c.hidden_size)
+        else:
+            embed = self.param("embed", nn.initializers.normal(0.02),
+                               (c.vocab_size, c.hidden_size), self.dtype)
+            x = embed[input_ids].astype(self.dtype)
         if c.embed_scale:  # Gemma; HF rounds the factor to the activation dtype first
             x = x * jnp.asarray(c.hidden_size ** 0.5, self.dtype)
         rope = model_rotary_tables(c, positions)
@@ -232,14 +246,15 @@ class DecoderLM(nn.Module):
                 split_rngs={"params": True},
                 in_axes=(0, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
-            )(c, self.attn_fn, self.dtype, moe_fn=self.moe_fn, name="layers")
+            )(c, self.attn_fn, self.dtype, moe_fn=self.moe_fn, packed_matmul=self.packed_matmul,
+              name="layers")
             (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32),
                                       rope, meta)
         else:
             carry = (x, kv_cache)
             for i in range(c.num_layers):
                 layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True, static_layer=i,
-                                     moe_fn=self.moe_fn,
+                                     moe_fn=self.moe_fn, packed_matmul=self.packed_matmul,
                                      name=f"{UNSTACKED_PREFIX}{i}")
                 carry, _ = layer(carry, jnp.int32(i), rope, meta)
             x, kv_cache = carry
@@ -248,12 +263,23 @@ class DecoderLM(nn.Module):
                      c.rms_norm_eps)
         if logits_indices is not None:
             x = x.reshape(-1, c.hidden_size)[logits_indices]
+        # The LM head: the (tied) embedding [V, H], an untied [H, V], or either packed.
         if c.tie_word_embeddings:
-            logits = jnp.einsum("...h,vh->...v", x, embed, preferred_element_type=jnp.float32)
+            head, layout = embed, "packed" if packed_embed else "vh"
+        elif self.has_variable("params", "lm_head") and is_packed(
+                self.get_variable("params", "lm_head")):
+            head, layout = self.get_variable("params", "lm_head"), "packed"
         else:
-            head = self.param("lm_head", nn.initializers.normal(0.02), (c.hidden_size, c.vocab_size),
-                              self.dtype)
-            logits = jnp.einsum("...h,hv->...v", x, head, preferred_element_type=jnp.float32)
+            head = self.param("lm_head", nn.initializers.normal(0.02),
+                              (c.hidden_size, c.vocab_size), self.dtype)
+            layout = "hv"
+        if layout == "packed" and self.packed_matmul is not None:
+            logits = self.packed_matmul(x, head, c.vocab_size)
+        else:
+            if layout == "packed":
+                head, layout = dequantize(head, c.hidden_size, self.dtype), "hv"
+            logits = jnp.einsum("...h,vh->...v" if layout == "vh" else "...h,hv->...v", x, head,
+                                preferred_element_type=jnp.float32)
         return softcap(logits.astype(jnp.float32), c.final_softcap), kv_cache
 
 

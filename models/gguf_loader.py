@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig, ModelConfigError
+from models.packed import SUPPORTED_TYPES as PACKED_TYPES
+from models.packed import pack_gguf
 from models.weights import WeightError, assemble_params
 
 # Quantization types we dequantize (with the gguf package's reference dequantizers);
@@ -359,7 +361,11 @@ def dequantize(tensor: gguf.ReaderTensor) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
-def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
+def load_gguf(path: str | Path, dtype=jnp.float32, packed: bool = False
+              ) -> tuple[ModelConfig, dict]:
+    """Config and params of a GGUF file. ``packed``: keep quantized tensors packed
+    (`models.packed`; dequantized inside the step by `models.qlinear`) instead of expanding
+    them to ``dtype``: the dense projections, the embedding and the LM head."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -399,5 +405,19 @@ def load_gguf(path: str | Path, dtype=jnp.float32) -> tuple[ModelConfig, dict]:
             arr = arr[None, :]  # llama.cpp's converter squeezes HF's [1, hidden]
         return arr
 
+    def get_packed(name: str):
+        t = by_hf.get(name)
+        if t is None or t.tensor_type.name not in PACKED_TYPES or len(t.shape) != 2:
+            return None
+        k, n = (int(d) for d in t.shape)  # GGUF lists dims fastest-first: in, then out
+        pw = pack_gguf(np.asarray(t.data), t.tensor_type.name, (k, n))
+        heads = (config.num_heads if name.endswith("self_attn.q_proj.weight") else
+                 config.num_kv_heads if name.endswith("self_attn.k_proj.weight") else None)
+        if permuted and heads is not None:  # the rows of HF's [out, in] are our columns
+            order = unpermute_rotary_rows(np.arange(n)[:, None], heads)[:, 0]
+            pw = pw.columns(order)
+        return pw
+
     return config, assemble_params(config, get, dtype,
-                                   norms_offset_applied=arch.startswith("gemma"))
+                                   norms_offset_applied=arch.startswith("gemma"),
+                                   get_packed=get_packed if packed else None)

@@ -56,18 +56,24 @@ def read_config(model: str | Path) -> ModelConfig:
     return ModelConfig.from_hf_dir(path)
 
 
-def load_model(model: str | Path, dtype=None, tensor_parallel_size: int = 1
-               ) -> tuple[ModelConfig, dict, Path]:
+def load_model(model: str | Path, dtype=None, tensor_parallel_size: int = 1,
+               quantization: str | None = None) -> tuple[ModelConfig, dict, Path]:
     """Returns (config, params, resolved path).
 
     With `tensor_parallel_size` > 1, safetensors checkpoints are read shard by shard straight
     onto the mesh (no process materialises the whole model); GGUF and orbax load whole and
-    the runner shards them.
+    the runner shards them. ``quantization``: "gguf" keeps a GGUF file's quantized tensors
+    packed (`models.packed`), "int8" quantizes the dense weights per output channel
+    (`quantize_params_int8`); None loads floats.
     """
     path = resolve_model_path(model)
     dt = resolve_dtype(dtype)
-    if path.is_file() and path.suffix == ".gguf":
-        config, params = load_gguf(path, dt)
+    is_gguf = path.is_file() and path.suffix == ".gguf"
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(f"quantization: 'gguf' keeps a GGUF file's tensors packed; {path} is "
+                         "not a .gguf file (use 'int8' to quantize other checkpoints)")
+    if is_gguf:
+        config, params = load_gguf(path, dt, packed=quantization == "gguf")
     elif path.is_dir() and is_checkpoint(path):
         config, params = load_checkpoint(path)
         params = jax.tree.map(lambda x: x.astype(dt), params)
@@ -76,4 +82,8 @@ def load_model(model: str | Path, dtype=None, tensor_parallel_size: int = 1
     else:
         raise ValueError(f"don't know how to load {path}: expected a .gguf file, an HF directory "
                          "with config.json, or a `pagedjax convert` checkpoint")
+    if quantization == "int8":
+        from models.weights import quantize_params_int8
+
+        params = quantize_params_int8(config, params)
     return config, params, path

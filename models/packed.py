@@ -127,6 +127,24 @@ class PackedWeight:
             return _unpack_nibbles(self.codes)
         return self.codes.view(np.int8) if self.signed else self.codes
 
+    def columns(self, index) -> PackedWeight:
+        """The weight restricted to output columns ``index`` (a slice or an index array):
+        blocks run along K, so any selection of columns keeps them whole (a fused
+        projection's slices, a row permutation of the torch layout)."""
+        take = lambda a: None if a is None else np.ascontiguousarray(a[:, index])  # noqa: E731
+        return PackedWeight(take(self.codes), take(self.scale), take(self.offset), self.group,
+                            self.bits, self.signed)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The params-tree leaves: ``codes`` (int8 when signed, else uint8), ``scale`` and, when
+        present, ``offset``; the model reads bits and group back from the shapes
+        (`models.qlinear`)."""
+        out = {"codes": self.codes.view(np.int8) if self.signed else self.codes,
+               "scale": self.scale}
+        if self.offset is not None:
+            out["offset"] = self.offset
+        return out
+
     def dequantize(self) -> np.ndarray:
         """float32 ``[K, N]``: ``code * scale + offset`` per element."""
         w = self.int_codes().astype(np.float32)
@@ -352,8 +370,11 @@ def pack_gguf(raw: np.ndarray, qtype, shape_kn: tuple[int, int]) -> PackedWeight
     )
 
 
-def repack(weights: list[PackedWeight]) -> list[PackedWeight]:
+def repack(weights: list[PackedWeight], same_shape: bool = True) -> list[PackedWeight]:
     """Make per-layer packings of one tensor uniform so their arrays stack; no dequantized bit changes.
+
+    ``same_shape=False``: weights of different widths (the members of a fused projection,
+    whose arrays concatenate along N) get the same format without the shape check.
 
     * bits: 4 only if every weight is 4-bit, else 4-bit codes are unpacked to one byte each.
     * group: the smallest; larger groups (which must be multiples of it) repeat their rows.
@@ -370,7 +391,7 @@ def repack(weights: list[PackedWeight]) -> list[PackedWeight]:
     if not weights:
         return []
     shapes = {w.shape for w in weights}
-    if len(shapes) != 1:
+    if same_shape and len(shapes) != 1:
         raise ValueError(f"cannot repack weights of different shapes {sorted(shapes)}")
     bits = 4 if all(w.bits == 4 for w in weights) else 8
     group = min(w.group for w in weights)

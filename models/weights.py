@@ -176,14 +176,87 @@ def canonical_getter(config: ModelConfig, get: Getter) -> Getter:
     return resolve
 
 
+# Projections fused in the unrolled layout (`models.decoder.FUSED_PROJECTIONS`): packed
+# members of one group share a format, so their codes and scales concatenate.
+PACKED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def canonical_packed_getter(config: ModelConfig, get: Callable) -> Callable:
+    """`get(name) -> PackedWeight | None` (weights as ``[in, out]``) extended with fused
+    checkpoint tensors (Phi-3's ``qkv_proj`` / ``gate_up_proj``), sliced by output column."""
+    nq, nkv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+
+    def resolve(name: str):
+        pw = get(name)
+        if pw is not None:
+            return pw
+        prefix, _, suffix = name.rpartition(".self_attn.")
+        if suffix in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+            whole = get(f"{prefix}.self_attn.qkv_proj.weight")
+            span = {"q": (0, nq), "k": (nq, nq + nkv), "v": (nq + nkv, nq + 2 * nkv)}[suffix[0]]
+            return None if whole is None else whole.columns(slice(*span))
+        prefix, _, suffix = name.rpartition(".mlp.")
+        if suffix in ("gate_proj.weight", "up_proj.weight"):
+            whole = get(f"{prefix}.mlp.gate_up_proj.weight")
+            cols = slice(0, inter) if suffix.startswith("gate") else slice(inter, 2 * inter)
+            return None if whole is None else whole.columns(cols)
+        return None
+
+    return resolve
+
+
+def _packed_layers(config: ModelConfig, get_packed: Callable) -> dict[tuple[str, ...], list]:
+    """The dense projections every layer of which the source keeps packed, as uniform
+    per-layer `PackedWeight`s (`models.packed.repack`: mixed GGUF types across layers and
+    across a fused group); the others (and MoE experts) load as floats."""
+    from models.packed import repack
+
+    found: dict[tuple[str, ...], list] = {}
+    for t in layer_tensors(config):
+        if not t.transpose or t.experts or t.key[-1] != "kernel":
+            continue
+        pws = [get_packed(f"model.layers.{i}.{t.hf}") for i in range(config.num_layers)]
+        if all(pw is not None for pw in pws):
+            want = t.shape[::-1]
+            for pw in pws:
+                if pw.shape != want:
+                    raise WeightError(f"tensor {t.hf!r} has shape {pw.shape[::-1]}, expected "
+                                      f"{t.shape}")
+            found[t.key] = pws
+    for group in PACKED_GROUPS:
+        keys = [(name, "kernel") for name in group if (name, "kernel") in found]
+        if not keys:
+            continue
+        if len(keys) < len(group) and all((n, "kernel") in {tt.key for tt in layer_tensors(config)}
+                                          for n in group):
+            for k in keys:  # a group fuses only when all its members share one form
+                del found[k]
+            continue
+        flat = repack([pw for k in keys for pw in found[k]], same_shape=False)
+        for j, k in enumerate(keys):
+            found[k] = flat[j * config.num_layers : (j + 1) * config.num_layers]
+    for k, pws in found.items():
+        found[k] = repack(pws)
+    return found
+
+
 def assemble_params(config: ModelConfig, get: Getter, dtype=jnp.float32, *,
-                    norms_offset_applied: bool = False) -> dict:
+                    norms_offset_applied: bool = False, get_packed: Callable | None = None
+                    ) -> dict:
     """Build the params pytree; `get(name)` returns the HF-layout array or None if absent.
 
-    `norms_offset_applied`: the source already stores Gemma norms as ``1 + w`` (GGUF)."""
+    `norms_offset_applied`: the source already stores Gemma norms as ``1 + w`` (GGUF).
+    `get_packed(name)`: a `models.packed.PackedWeight` (``[in, out]``) for tensors the source
+    keeps quantized, or None; dense projections whose every layer it gives, and the embedding
+    and LM head, stay packed in the params (`models.qlinear`), the rest loads as floats."""
     shapes = expected_shapes(config)
     get = canonical_getter(config, get)
     offset = 1.0 if gemma_norms(config) and not norms_offset_applied else 0.0
+    packed = {}
+    if get_packed is not None:
+        get_packed = canonical_packed_getter(config, get_packed)
+        packed = _packed_layers(config, get_packed)
 
     def fetch(name: str) -> np.ndarray:
         arr = get(name)
@@ -206,11 +279,20 @@ def assemble_params(config: ModelConfig, get: Getter, dtype=jnp.float32, *,
 
     layers: dict = {}
     for t in layer_tensors(config):
+        if t.key in packed:
+            for leaf in packed[t.key][0].arrays():
+                _set(layers, (*t.key[:-1], leaf), jnp.asarray(
+                    np.stack([pw.arrays()[leaf] for pw in packed[t.key]])))
+            continue
         stacked = np.stack([one(i, t) for i in range(config.num_layers)])
         _set(layers, t.key, jnp.asarray(stacked, dtype=dtype))
         del stacked
     params: dict = {"layers": layers}
     for name, (key, _) in global_tensors(config).items():
+        pw = get_packed(name) if get_packed is not None and key != "final_norm" else None
+        if pw is not None:  # the embedding too is kept as the LM head's [hidden, vocab]
+            params[key] = {leaf: jnp.asarray(a) for leaf, a in pw.arrays().items()}
+            continue
         arr = fetch(name)
         if key == "final_norm":
             arr = arr + offset
@@ -252,4 +334,38 @@ def params_to_hf(config: ModelConfig, params: dict) -> dict[str, np.ndarray]:
                 arr = arr.T if t.transpose else arr
                 out[f"model.layers.{i}.{t.hf.format(e=e)}"] = np.ascontiguousarray(
                     arr - offset if t.norm else arr)
+    return out
+
+
+def quantize_params_int8(config: ModelConfig, params: dict) -> dict:
+    """Float params with their dense projections, embedding and LM head quantized to int8
+    per output channel (`models.packed.quantize_int8_per_channel`; weights already packed and
+    MoE experts are left as they are). The embedding becomes the LM head's ``[hidden, vocab]``
+    layout, one scale per vocabulary row."""
+    import jax
+
+    from models.packed import quantize_int8_per_channel
+    from models.qlinear import is_packed
+
+    def pack(w) -> dict:
+        w = np.asarray(jax.device_get(w), np.float32)
+        return {k: jnp.asarray(a) for k, a in quantize_int8_per_channel(w).arrays().items()}
+
+    def pack_stacked(w) -> dict:
+        per_layer = [pack(x) for x in np.asarray(jax.device_get(w))]
+        return {k: jnp.stack([p[k] for p in per_layer]) for k in per_layer[0]}
+
+    layers = dict(params["layers"])
+    for t in layer_tensors(config):
+        if not t.transpose or t.experts or t.key[-1] != "kernel":
+            continue
+        sub = dict(_get(layers, t.key[:-1]))
+        if "kernel" in sub:
+            kernel = sub.pop("kernel")
+            layers[t.key[0]] = {**sub, **pack_stacked(kernel)}
+    out = {**params, "layers": layers}
+    if not is_packed(params["embed"]):
+        out["embed"] = pack(np.asarray(jax.device_get(params["embed"])).T)
+    if "lm_head" in params and not is_packed(params["lm_head"]):
+        out["lm_head"] = pack(params["lm_head"])
     return out

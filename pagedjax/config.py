@@ -64,6 +64,11 @@ class EngineConfig:
     # (`pallas_kernels.kv_quant` says why per channel; `worker.kv_calibration`).
     kv_cache_dtype: str = "auto"
     kv_scale_granularity: str = "per_channel"  # "per_channel" | "per_head" | "per_tensor"
+    # Weight-only quantization (vLLM's `quantization`): None expands checkpoints to the
+    # model dtype; "gguf" keeps a GGUF file's quantized tensors packed on the device
+    # (`models.packed`: dense projections, embedding and LM head), dequantized inside the step
+    # next to each matmul; "int8" quantizes those weights per output channel at load.
+    quantization: str | None = None
     # Structured outputs (vLLM's `structured_outputs_config`, a dict or its JSON):
     # {"backend": "auto" | "guidance" | "outlines"} (`pagedjax.structured.backend`); "auto"
     # is llguidance, which serves every kind of constraint.
@@ -95,6 +100,8 @@ class EngineConfig:
         need(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         need(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES, "kv_cache_dtype",
              f"must be one of {KV_CACHE_DTYPE_NAMES}; got {self.kv_cache_dtype!r}")
+        need(self.quantization in (None, "gguf", "int8"), "quantization",
+             f"must be None, 'gguf' or 'int8'; got {self.quantization!r}")
         need(self.kv_scale_granularity in ("per_channel", "per_head", "per_tensor"),
              "kv_scale_granularity", "must be 'per_channel', 'per_head' or 'per_tensor'; got "
              f"{self.kv_scale_granularity!r}")

@@ -173,6 +173,7 @@ class LLMEngine:
         self.model_name = model_name
         self.dtype = dtype
         self.max_model_len = ec.max_model_len or min(config.max_position_embeddings, 4096)
+        params = self._quantized(config, params, ec.quantization)
         self._param_spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         self.runner = ModelRunner(config, params, ec, dtype, self.max_model_len)
         self.kv_scales = self._calibrate_kv_scales()
@@ -284,7 +285,8 @@ class LLMEngine:
 
             validate_tp(read_config(model), tp,
                         expert_parallel=engine_config.enable_expert_parallel)
-        config, params, path = load_model(model, dtype, tensor_parallel_size=tp)
+        config, params, path = load_model(model, dtype, tensor_parallel_size=tp,
+                                          quantization=engine_config.quantization)
         tok = load_tokenizer(tokenizer or path)
         if chat_template is not None:
             p = Path(chat_template)
@@ -1004,6 +1006,23 @@ class LLMEngine:
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
 
+    @staticmethod
+    def _quantized(config: ModelConfig, params: dict, quantization: str | None) -> dict:
+        """``params`` as `EngineConfig.quantization` asks (in-memory params; `from_model`
+        quantizes while loading): "int8" packs float dense weights per channel, "gguf" needs
+        params loaded packed from a GGUF file."""
+        from models.qlinear import is_packed
+
+        if quantization == "int8":
+            from models.weights import quantize_params_int8
+
+            return quantize_params_int8(config, params)
+        if quantization == "gguf" and not is_packed(params["embed"]) and not any(
+                is_packed(v) for v in params["layers"].values()):
+            raise ValueError("quantization: 'gguf' needs params loaded packed from a GGUF file "
+                             "(models.gguf_loader.load_gguf(path, packed=True))")
+        return params
+
     def _calibrate_kv_scales(self) -> np.ndarray | None:
         """A quantized KV cache's static scales, from one full-precision pass over the
         calibration prompt (`worker.kv_calibration`); None for a float cache."""
@@ -1026,6 +1045,8 @@ class LLMEngine:
         All KV was computed with the old weights: in-flight requests are preempted and
         recomputed (tokens generated so far are kept), the prefix cache is reset, and new
         block hashes carry the new weights version, so old KV is never reused."""
+        new_params = self._quantized(self.model_config, new_params,
+                                     self.engine_config.quantization)
         old = jax.tree.map(lambda x: (x.shape, x.dtype), self._param_spec)
         new = jax.tree.map(lambda x: (x.shape, x.dtype), new_params)
         if jax.tree.structure(old) != jax.tree.structure(new) or old != new:

@@ -37,7 +37,10 @@ class LLM:
         from pagedjax.engine import LLMEngine
 
         self = cls.__new__(cls)
-        dt = dtype or jax.tree.leaves(params)[0].dtype
+        # The compute dtype: the final norm's (packed weights hold integer codes and
+        # float16 scales beside the model's own dtype).
+        dt = dtype or (params["final_norm"].dtype if "final_norm" in params
+                       else jax.tree.leaves(params)[0].dtype)
         self._attach(LLMEngine(config, params, tokenizer, EngineConfig(**engine_kwargs), dt, model_name))
         return self
 

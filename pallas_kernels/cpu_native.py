@@ -22,6 +22,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -41,7 +42,11 @@ ENV_DISABLE = "PAGEDJAX_NATIVE_CPU"
 ENV_CACHE = "PAGEDJAX_CACHE_DIR"
 TARGET = "pagedjax_ragged_paged_attention_cpu"
 WRITE_TARGET = "pagedjax_write_kv_bytes_cpu"
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention_cpu.cc"
+PACKED_TARGET = "pagedjax_packed_matmul_cpu"
+# One library: the attention kernel (and its FP8 byte scatter) and the packed-weight matmul.
+SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc"))
+SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
 # shared library with it pulls in crtfastmath.o, which turns on flush-to-zero for the whole
 # process when the library loads (hypothesis noticed: subnormal floats vanished).
@@ -61,7 +66,7 @@ def _compiler() -> str | None:
 def library_path() -> Path:
     import jaxlib
 
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()
                          + jaxlib.__version__.encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
     root = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "pagedjax")
@@ -88,7 +93,7 @@ def build(force: bool = False) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
@@ -108,6 +113,8 @@ def _register() -> bool:
         TARGET, jax.ffi.pycapsule(lib.PagedjaxRaggedPagedAttentionCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         WRITE_TARGET, jax.ffi.pycapsule(lib.PagedjaxWriteKvBytesCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        PACKED_TARGET, jax.ffi.pycapsule(lib.PagedjaxPackedMatmulCpu), platform="cpu")
     return True
 
 
@@ -160,3 +167,24 @@ def write_kv_bytes_cpu(k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: 
                             input_output_aliases={2: 0, 3: 1})
     return call(k, v, k_cache, v_cache, jnp.asarray(slot_mapping, jnp.int32),
                 jnp.asarray(layer, jnp.int32).reshape(()))
+
+
+def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None) -> jax.Array:
+    """``x [..., K] @ w`` for a packed weight ``p`` (`models.qlinear`: ``codes``, ``scale``,
+    optional ``offset``; canonical ``[rows, N]`` or 64-column panels ``[N / 64, rows, 64]``,
+    whose true width ``n`` must be given), widening the weight row by row in registers
+    (`csrc/packed_matmul_cpu.cc`) instead of materialising it. fp32 or bf16 ``x``."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    lead, k = x.shape[:-1], x.shape[-1]
+    codes = p["codes"]
+    n = codes.shape[-1] if codes.ndim == 2 else n
+    if n is None:
+        raise ValueError("packed_matmul_cpu: panels need the output width n")
+    offset = p.get("offset")
+    if offset is None:
+        offset = jnp.zeros((0,), p["scale"].dtype)
+    call = jax.ffi.ffi_call(PACKED_TARGET, jax.ShapeDtypeStruct((math.prod(lead), n), x.dtype))
+    # int8 codes go in as they are (a bitcast to uint8 would copy the weight on XLA:CPU).
+    y = call(x.reshape(-1, k), codes, p["scale"], offset, is_signed=codes.dtype == jnp.int8)
+    return y.reshape(*lead, n)

@@ -112,6 +112,11 @@ _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "shared_gate_pr
 _ROW = ("o_proj", "down_proj", "shared_down_proj")
 
 
+# A packed weight's leaves (`models.qlinear`): [L, K or K/2, N] codes and [L, K/group, N]
+# scales and offsets, split like a kernel.
+_WEIGHT_LEAVES = ("kernel", "codes", "scale", "offset")
+
+
 def _layer_spec(key: str, leaf: str, expert_parallel: bool = False) -> P:
     """Spec of one stacked layer param ``[L, ...]``. Experts are split along their width
     (every device holds a slice of every expert), so routing needs no communication, or with
@@ -120,9 +125,9 @@ def _layer_spec(key: str, leaf: str, expert_parallel: bool = False) -> P:
     if expert_parallel and key in ("expert_gate", "expert_up", "expert_down"):
         return P(None, AXIS, None, None)  # [L, E, ., .]
     if key in _COLUMN:
-        return P(None, None, AXIS) if leaf == "kernel" else P(None, AXIS)
+        return P(None, None, AXIS) if leaf in _WEIGHT_LEAVES else P(None, AXIS)
     if key in _ROW:
-        return P(None, AXIS, None) if leaf == "kernel" else P()
+        return P(None, AXIS, None) if leaf in _WEIGHT_LEAVES else P()
     if key in ("expert_gate", "expert_up"):  # [L, E, H, I]
         return P(None, None, None, AXIS)
     if key == "expert_down":  # [L, E, I, H]
@@ -130,26 +135,62 @@ def _layer_spec(key: str, leaf: str, expert_parallel: bool = False) -> P:
     return P()
 
 
+def _splits(shape: tuple[int, ...], spec: P, n: int, group: int = 1) -> bool:
+    """Whether every sharded axis of ``shape`` splits into n equal parts of whole groups."""
+    return all(ax is None or shape[i] % (n * group) == 0 for i, ax in enumerate(spec))
+
+
+def _packed_specs(sub: dict, spec_of, n: int) -> dict:
+    """A packed weight's leaf specs, or all replicated when its blocks would not split whole
+    across n devices (4-bit codes pair elements 16 apart within 32-element groups, so a
+    row-parallel split must cut K at multiples of 32); XLA then moves activations instead."""
+    specs = {leaf: spec_of(leaf) for leaf in sub}
+    # Codes split in multiples of 16 rows: 32 elements of 4-bit codes, or 16 of 8-bit ones
+    # (scales splitting evenly puts the cut on a group boundary either way).
+    ok = all(_splits(tuple(a.shape), specs[leaf], n, 16 if leaf == "codes" else 1)
+             for leaf, a in sub.items())
+    return specs if ok else {leaf: P() for leaf in sub}
+
+
 def param_specs(config: ModelConfig, n: int, shard_vocab: bool = True,
-                expert_parallel: bool = False) -> dict:
-    """PartitionSpecs matching the params pytree of `models.decoder.DecoderLM`."""
+                expert_parallel: bool = False, params: dict | None = None) -> dict:
+    """PartitionSpecs matching the params pytree of `models.decoder.DecoderLM` (``params``:
+    the actual tree, which may hold packed weights; else the float layout)."""
+    from models.qlinear import is_packed
     from models.weights import abstract_params
 
+    tree = params if params is not None else abstract_params(config)
     vocab = vocab_sharded(config, n, shard_vocab)
-    layers = {key: ({leaf: _layer_spec(key, leaf, expert_parallel) for leaf in sub}
-                    if isinstance(sub, dict) else _layer_spec(key, "", expert_parallel))
-              for key, sub in abstract_params(config)["layers"].items()}
-    specs = {"embed": P(AXIS, None) if vocab else P(), "layers": layers, "final_norm": P()}
-    if not config.tie_word_embeddings:
-        specs["lm_head"] = P(None, AXIS) if vocab else P()
+    layers = {}
+    for key, sub in tree["layers"].items():
+        spec_of = lambda leaf, key=key: _layer_spec(key, leaf, expert_parallel)  # noqa: E731
+        if is_packed(sub):
+            layers[key] = _packed_specs(sub, spec_of, n)
+        elif isinstance(sub, dict):
+            layers[key] = {leaf: spec_of(leaf) for leaf in sub}
+        else:
+            layers[key] = spec_of("")
+    specs = {"layers": layers, "final_norm": P()}
+    # The vocab axis: first of a float embedding [V, H], last of a packed one [H, V] (and
+    # of the LM head [H, V] either way).
+    for name in ("embed", "lm_head"):
+        if name not in tree:
+            continue
+        sub = tree[name]
+        if is_packed(sub):
+            specs[name] = _packed_specs(sub, lambda _: P(None, AXIS) if vocab else P(), n)
+        elif name == "embed":
+            specs[name] = P(AXIS, None) if vocab else P()
+        else:
+            specs[name] = P(None, AXIS) if vocab else P()
     return specs
 
 
 def param_shardings(mesh: Mesh, config: ModelConfig, shard_vocab: bool = True,
-                    expert_parallel: bool = False) -> dict:
+                    expert_parallel: bool = False, params: dict | None = None) -> dict:
     n = mesh.shape[AXIS]
     return jax.tree.map(lambda s: NamedSharding(mesh, s),
-                        param_specs(config, n, shard_vocab, expert_parallel),
+                        param_specs(config, n, shard_vocab, expert_parallel, params),
                         is_leaf=lambda x: isinstance(x, P))
 
 
@@ -189,12 +230,13 @@ def shard_params(params: dict, config: ModelConfig, mesh: Mesh, shard_vocab: boo
     r = kv_replication(config, n)
     layers = dict(params["layers"])
     want_cols = config.num_kv_heads * r * config.head_dim
-    for key in ("k_proj", "v_proj"):
-        if layers[key]["kernel"].shape[-1] != want_cols:
+    for key in ("k_proj", "v_proj"):  # kernels, biases and packed leaves: columns last
+        cols = jax.tree.leaves(layers[key])[0].shape[-1]
+        if cols != want_cols:
             layers[key] = {leaf: replicate_kv_columns(a, config.head_dim, r)
                            for leaf, a in layers[key].items()}
     params = {**params, "layers": layers}
-    shardings = param_shardings(mesh, config, shard_vocab, expert_parallel)
+    shardings = param_shardings(mesh, config, shard_vocab, expert_parallel, params)
     return jax.tree.map(_place, params, shardings)
 
 
@@ -208,7 +250,8 @@ def abstract_sharded_params(params: dict, config: ModelConfig, mesh: Mesh,
                        for leaf, a in layers[key].items()}
     params = {**params, "layers": layers}
     return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        params, param_shardings(mesh, config, shard_vocab, expert_parallel))
+                        params, param_shardings(mesh, config, shard_vocab, expert_parallel,
+                                                params))
 
 
 def _place(x, sharding: NamedSharding):

@@ -90,6 +90,19 @@ def min_step_tokens(engine_config: EngineConfig) -> int:
     return min(MIN_PREFILL_TOKENS, pow2_at_least(1 + sc.num_speculative_tokens, 2))
 
 
+def native_packed_matmul(tp: int, devices=None):
+    """The CPU kernel that multiplies by packed weights in cache
+    (`pallas_kernels.cpu_native.packed_matmul_cpu`) on a single CPU device when the native
+    library builds; None elsewhere, where XLA dequantizes each packed weight before its dot
+    (GPUs, and tensor parallelism, whose partitioner cannot split a custom call)."""
+    platform = (devices[0] if devices else jax.devices()[0]).platform
+    if tp != 1 or platform != "cpu":
+        return None
+    from pallas_kernels import cpu_native
+
+    return cpu_native.packed_matmul_cpu if cpu_native.available() else None
+
+
 def check_kv_dtype_on(kv_dtype, device) -> None:
     """FP8 caches need FP8 conversions in the kernels: NVIDIA GPUs from sm_89 (Ada, Hopper)
     on; an A100 (sm_80) is refused by name rather than failing inside Triton's compile. CPU
@@ -134,7 +147,7 @@ class ModelRunner:
         # identical type before and after a weight swap (no retrace, no recompile).
         if self.mesh is None:
             params = jax.device_put(params, jax.local_devices()[0])
-        self.params = unstack_layers(params) if not self.scan_layers else params
+        self.params = self._panels(unstack_layers(params) if not self.scan_layers else params)
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
                                   // kv_bytes_per_block(config, self.block_size, self.kv_dtype,
@@ -203,7 +216,8 @@ class ModelRunner:
         # step is scheduled (`LLMEngine._launch`); the others overlap as usual.
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
                                                     devices)
-        self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn)
+        self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn,
+                               packed_matmul=native_packed_matmul(self.tp, devices))
 
     @classmethod
     def compile_only(cls, config: ModelConfig, engine_config: EngineConfig, dtype,
@@ -266,7 +280,8 @@ class ModelRunner:
         from pagedjax.worker.kv_calibration import CalibrationAttention, calibrate_amax
 
         model = DecoderLM(self.config, CalibrationAttention(), self.dtype,
-                          scan_layers=self.scan_layers, moe_fn=self.model.moe_fn)
+                          scan_layers=self.scan_layers, moe_fn=self.model.moe_fn,
+                          packed_matmul=self.model.packed_matmul)
         c = self.config
         amax = calibrate_amax(model, self.params, c.num_layers, c.num_kv_heads, c.head_dim,
                               token_ids)
@@ -296,7 +311,16 @@ class ModelRunner:
         else:
             placed = shard_params(params, self.model_config, self.mesh, self.shard_vocab,
                                   expert_parallel=self.expert_parallel)
-        return placed if self.scan_layers else unstack_layers(placed)
+        return self._panels(placed if self.scan_layers else unstack_layers(placed))
+
+    def _panels(self, params: dict) -> dict:
+        """Packed weights in the 64-column panels the native CPU kernel streams
+        (`models.qlinear.panelize`) when the model multiplies with it."""
+        if self.model.packed_matmul is None:
+            return params
+        from models.qlinear import panelize
+
+        return panelize(params)
 
     # ---- sizing ------------------------------------------------------------
     def _profile_num_blocks(self) -> int:

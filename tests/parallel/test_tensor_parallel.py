@@ -103,6 +103,15 @@ def test_int8_kv_cache_tp2_matches_tp1(tiny):
     assert got["preemptions"] > 0 and got["free_blocks_ok"]
 
 
+def test_int8_weights_tp2_match_tp1(tiny):
+    """Packed int8 weights under TP=2 (sharded where their blocks split whole) reproduce
+    TP=1's tokens and logits (the native kernel there, XLA's dequantization here: float
+    reassociation only)."""
+    _assert_matches(tiny["tp1_q8w"], tiny["tp2_q8w"], atol=1e-4)
+    assert tiny["tp2_q8w"]["free_blocks_ok"] and tiny["tp2_q8w"]["preemptions"] > 0
+    assert tiny["tp2_q8w"]["param_bytes"][0] < tiny["tp2"]["param_bytes"][0] / 3
+
+
 def test_preemption_and_prefix_caching_were_exercised(tiny):
     for tp in (1, 2, 4):
         assert tiny[f"tp{tp}"]["preemptions"] > 0, tp  # TP=2 swapped, TP=1/4 recomputed

@@ -118,6 +118,12 @@ def main(mode: str, out_path: str) -> None:
                                   kv_cache_dtype="int8", **common)
         results["tp2_int8"] = run(cfg, params, 2, prompts, 16, num_gpu_blocks=12,
                                   preemption_mode="swap", kv_cache_dtype="int8", **common)
+        # int8 weights (packed per channel): split like kernels where their scales split,
+        # replicated where not; TP=1 multiplies with the native kernel, TP=2 through XLA.
+        results["tp1_q8w"] = run(cfg, params, 1, prompts, 16, num_gpu_blocks=12,
+                                 quantization="int8", **common)
+        results["tp2_q8w"] = run(cfg, params, 2, prompts, 16, num_gpu_blocks=12,
+                                 quantization="int8", **common)
         # The Pallas kernels (interpret mode on CPU) inside shard_map.
         results["tp2_pallas"] = run(cfg, params, 2, prompts[:2], 6, num_gpu_blocks=32,
                                     attention_backend="pallas", **common)
