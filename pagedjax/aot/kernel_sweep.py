@@ -93,6 +93,36 @@ class KernelCase:
         return key if self.softcap is None else (*key, "softcap")
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedCase:
+    """A packed-weight matmul (`pallas_kernels.packed_matmul`, weights kept quantized): bf16
+    activations of ``rows`` tokens times a 4096 x 4096 weight of ``bits``-bit codes with one
+    scale (and offset) per ``group`` input rows."""
+
+    bits: int
+    group: int
+    scale_dtype: str
+    offset: bool
+    rows: int
+    kernel: str = "packed_matmul"
+    dtype: str = "bfloat16"
+
+    def key(self, arch: str) -> tuple:
+        return (self.kernel, self.bits, self.group, self.scale_dtype, self.offset, self.rows)
+
+    def tuned(self, arch: str):
+        return None
+
+
+# The GGUF formats the loader keeps packed (models/packed.py): 4-bit Q4_0/Q4_1 (f16 scale and
+# offset) and Q4_K (f32), 8-bit Q8_0/Q5_0 (f16, no offset), Q5_1 (f16 offset), Q6_K/Q3_K
+# (group 16, f32), Q5_K/Q2_K (f32 offset) and int8 per channel (one group, f32); decode
+# (1 row) and batched (64 rows) launches.
+PACKED_FORMATS = ((4, 32, "float16", True), (4, 32, "float32", True), (8, 32, "float16", False),
+                  (8, 32, "float16", True), (8, 16, "float32", False), (8, 32, "float32", True),
+                  (8, 16, "float32", True), (8, 4096, "float32", False))
+
+
 def engine_cases(arch: str = "sm90") -> list[KernelCase]:
     cases = [KernelCase(k, dt, d, bs, g) for k, dt, d, bs, g in itertools.product(
         ("decode", "ragged"), DTYPES, HEAD_DIMS, BLOCK_SIZES, GROUPS)]
@@ -112,10 +142,29 @@ def engine_cases(arch: str = "sm90") -> list[KernelCase]:
                   ("decode", "ragged"), kv_dtypes, HEAD_DIMS, KV_BLOCK_SIZES, KV_GROUPS)]
     cases += [KernelCase("write_kv", "bfloat16", d, bs, kv_dtype=kv)
               for kv, d, bs in itertools.product(kv_dtypes, HEAD_DIMS, KV_BLOCK_SIZES)]
+    cases += [PackedCase(*fmt, rows) for fmt in PACKED_FORMATS for rows in (1, 64)]
     return cases
 
 
+def _lower_packed(case: PackedCase, device):
+    from pallas_kernels.packed_matmul import packed_matmul
+
+    S = functools.partial(jax.ShapeDtypeStruct, sharding=SingleDeviceSharding(device))
+    k = n = 4096
+    p = {"codes": S((k // 2 if case.bits == 4 else k, n), jnp.uint8 if case.bits == 4
+                    else jnp.int8),
+         "scale": S((k // case.group, n), jnp.dtype(case.scale_dtype))}
+    if case.offset:
+        p["offset"] = S((k // case.group, n), jnp.dtype(case.scale_dtype))
+    with jax.default_device(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return jax.jit(lambda x, p: packed_matmul(x, p, backend="pallas")).lower(
+            S((case.rows, k), jnp.bfloat16), p)
+
+
 def _lower(case: KernelCase, device, table_pages: int, arch: str):
+    if isinstance(case, PackedCase):
+        return _lower_packed(case, device)
     dt = jnp.dtype(case.dtype)
     sh = SingleDeviceSharding(device)
     S = functools.partial(jax.ShapeDtypeStruct, sharding=sh)
@@ -180,7 +229,8 @@ def compile_case(case: KernelCase, target: str, arch: str) -> dict:
 
 
 def _is_ours(name: str) -> bool:
-    return name.startswith(("paged_decode", "ragged_paged_attention", "write_kv", "copy_blocks"))
+    return name.startswith(("paged_decode", "ragged_paged_attention", "write_kv", "copy_blocks",
+                            "packed_matmul"))
 
 
 def _row(r: KernelResources) -> dict:
@@ -191,7 +241,7 @@ def _row(r: KernelResources) -> dict:
 
 
 def _launch_extra(case: KernelCase, arch: str, pages: int) -> dict:
-    if case.kernel not in ("decode", "ragged"):
+    if isinstance(case, PackedCase) or case.kernel not in ("decode", "ragged"):
         return {}
     t = case.tuned(arch)
     chunk = case.chunk_tokens(arch)
@@ -232,9 +282,13 @@ def sweep(target: str, cases: list[KernelCase] | None = None, log=print,
             compiled.append(entry)
             worst = max((k["registers"] for r in entry["rows"] for k in r["kernels"]), default=0)
             bad = any(r["error"] for r in entry["rows"])
-            log(f"  {target} {case.kernel:11s} {case.dtype:8s} {case.kv_dtype or '':13s} "
-                f"d={case.head_dim:3d} bs={case.block_size:3d} g={case.group} regs<={worst} "
-                f"{'ERROR' if bad else 'ok'}{' (reused)' if key in previous else ''}")
+            log(f"  {target} {key} regs<={worst} {'ERROR' if bad else 'ok'}"
+                f"{' (reused)' if key in previous else ''}")
+        if isinstance(case, PackedCase):
+            configs.append(dict(kernel=case.kernel, dtype=case.dtype, bits=case.bits,
+                                group=case.group, scale_dtype=case.scale_dtype,
+                                offset=case.offset, rows=case.rows, compiled=index[key]))
+            continue
         configs.append(dict(kernel=case.kernel, dtype=case.dtype, head_dim=case.head_dim,
                             block_size=case.block_size, group=case.group, compiled=index[key],
                             **({"softcap": case.softcap} if case.softcap else {}),

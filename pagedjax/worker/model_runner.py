@@ -91,16 +91,24 @@ def min_step_tokens(engine_config: EngineConfig) -> int:
 
 
 def native_packed_matmul(tp: int, devices=None):
-    """The CPU kernel that multiplies by packed weights in cache
-    (`pallas_kernels.cpu_native.packed_matmul_cpu`) on a single CPU device when the native
-    library builds; None elsewhere, where XLA dequantizes each packed weight before its dot
-    (GPUs, and tensor parallelism, whose partitioner cannot split a custom call)."""
+    """The kernel that multiplies by packed weights without a float copy of them
+    (`models.qlinear.Linear`): on one CPU device the native one
+    (`pallas_kernels.cpu_native.packed_matmul_cpu`, when the library builds), on one GPU the
+    Pallas one (`pallas_kernels.packed_matmul`: XLA's own version materialises a bf16 copy of
+    the weight for its GEMM). None under tensor parallelism, whose partitioner cannot split a
+    custom call: XLA dequantizes there."""
     platform = (devices[0] if devices else jax.devices()[0]).platform
-    if tp != 1 or platform != "cpu":
+    if tp != 1:
         return None
-    from pallas_kernels import cpu_native
+    if platform == "cpu":
+        from pallas_kernels import cpu_native
 
-    return cpu_native.packed_matmul_cpu if cpu_native.available() else None
+        return cpu_native.packed_matmul_cpu if cpu_native.available() else None
+    if platform == "gpu":
+        from pallas_kernels.packed_matmul import packed_matmul
+
+        return packed_matmul
+    return None
 
 
 def check_kv_dtype_on(kv_dtype, device) -> None:
@@ -316,7 +324,9 @@ class ModelRunner:
     def _panels(self, params: dict) -> dict:
         """Packed weights in the 64-column panels the native CPU kernel streams
         (`models.qlinear.panelize`) when the model multiplies with it."""
-        if self.model.packed_matmul is None:
+        from pallas_kernels import cpu_native
+
+        if self.model.packed_matmul is not cpu_native.packed_matmul_cpu:
             return params
         from models.qlinear import panelize
 

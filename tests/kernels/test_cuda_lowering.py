@@ -147,3 +147,18 @@ def test_quantized_cache_kernels_lower_to_triton(kv_dtype):
                                                         backend="pallas", kv_scale=sc),
         tok, tok, cache, cache, S((7,), jnp.int32), S((), jnp.int32), scale)
     assert len(_triton_modules(wr)) == 1
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packed_matmul_lowers_to_triton(bits):
+    from pallas_kernels.packed_matmul import packed_matmul
+
+    k, n = 256, 192
+    p = {"codes": S((k // 2 if bits == 4 else k, n), jnp.uint8 if bits == 4 else jnp.int8),
+         "scale": S((k // 32, n), jnp.float16)}
+    if bits == 4:
+        p["offset"] = S((k // 32, n), jnp.float16)
+    lowered = _lower_for_cuda(lambda x, p: packed_matmul(x, p, backend="pallas"),
+                              S((3, k), jnp.bfloat16), p)
+    [module] = _triton_modules(lowered)
+    assert "tt.dot" in module and ("xi8>" in module)

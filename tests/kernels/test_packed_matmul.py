@@ -81,3 +81,24 @@ def test_bad_arguments_are_refused():
         cpu_native.packed_matmul_cpu(jnp.ones((1, 48)), leaves)  # K does not match the codes
     with pytest.raises(ValueError, match="output width"):
         cpu_native.packed_matmul_cpu(jnp.ones((1, 64)), to_panels(leaves))
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_pallas_kernel_matches_numpy(m):
+    """The GPU kernel (`pallas_kernels.packed_matmul`), interpreted: codes widened and scaled
+    per 16-row half inside the program, fp32 accumulation; and its XLA reference."""
+    from pallas_kernels.packed_matmul import packed_matmul
+
+    rng = np.random.default_rng(10 + m)
+    k, n = 128, 80  # a partial column block
+    for name, pw in _weights(k, n, rng).items():
+        leaves = {a: jnp.asarray(v) for a, v in pw.arrays().items()}
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        want = x.astype(np.float64) @ pw.dequantize().astype(np.float64)
+        for backend in ("pallas", "xla"):
+            got = np.asarray(packed_matmul(jnp.asarray(x), leaves, backend=backend), np.float64)
+            np.testing.assert_allclose(got, want, atol=3e-5 * np.abs(want).max(), rtol=0,
+                                       err_msg=f"{name} {backend}")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        packed_matmul(jnp.ones((1, 48)), {"codes": jnp.ones((48, 8), jnp.int8),
+                                          "scale": jnp.ones((3, 8))})
