@@ -3,12 +3,13 @@
     .venv/bin/python bench/quantized_memory.py                  # both sections, ~30 min
     .venv/bin/python bench/quantized_memory.py --sections real --reps 3
 
-Section ``real``: one worker process per setting (resident memory is per process), the same
-demo-model weights (SmolLM2-135M, fp32), the same 256 cache blocks of 16 tokens:
+Section ``real``: one worker process per setting (resident memory is per process), the demo
+model (SmolLM2-135M: fp32 from its GGUF, bf16, or the file's Q4_1/Q8_0 tensors kept packed, or
+int8 per channel), the same 256 cache blocks of 16 tokens:
 - resident set size after load and a warm-up run, with the whole KV cache touched (weights,
   cache, compiled code, runtime), and at the end;
 - the engine's own accounting (`EngineStats`: KV bytes per token, cache and weight bytes);
-- throughput, 16 chat prompts x 64 greedy tokens, runs rotated across settings (A, B, C, D /
+- throughput, 16 chat prompts x 64 greedy tokens and 1 x 64, runs rotated across settings (A, B, C, D /
   B, C, D, A / ...), each started once the CPUs are idle (the busy share of the last
   half-second window and the 1-minute load recorded);
 - quality against the fp32 setting: teacher-forced top-1 disagreement and mean |d logprob|
@@ -43,9 +44,13 @@ sys.path.insert(0, str(ROOT))
 
 SETTINGS = {
     "fp32": {},
+    "bf16": {"dtype": "bfloat16"},
     "int8-kv": {"kv_cache_dtype": "int8"},
     "fp8_e4m3-kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2-kv": {"kv_cache_dtype": "fp8_e5m2"},
+    "q4-weights": {"quantization": "gguf"},  # the file's Q4_1 / Q8_0 tensors, packed
+    "int8-weights": {"quantization": "int8"},
+    "q4-weights+int8-kv": {"quantization": "gguf", "kv_cache_dtype": "int8"},
 }
 NUM_BLOCKS, BLOCK_SIZE, MAX_LEN = 256, 16, 512
 QUALITY_TEXT = """\
@@ -76,9 +81,21 @@ def worker(name: str) -> None:
     from bench.paper.engine_setup import demo_model
     from pagedjax import LLM, SamplingParams
 
-    config, params, tok = demo_model()
+    kw = dict(SETTINGS[name])
+    dtype = kw.pop("dtype", None)
+    if kw.get("quantization") == "gguf":
+        from models.demo import ensure_demo_model
+        from models.gguf_loader import load_gguf
+
+        config, params = load_gguf(ensure_demo_model(), packed=True)
+        tok = demo_model()[2]
+    else:
+        config, params, tok = demo_model()
+    if dtype is not None:
+        params = jax.tree.map(lambda a: a.astype(dtype), params)
     llm = LLM.from_params(config, params, tok, num_gpu_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
-                          max_model_len=MAX_LEN, **SETTINGS[name])
+                          max_model_len=MAX_LEN, **kw)
+    del params
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     llm.chat(msgs, greedy, use_tqdm=False)  # compiles every shape the timed runs take
@@ -110,7 +127,7 @@ def worker(name: str) -> None:
                 out["rss_mb"], out["peak_rss_mb"] = _rss_mb()
             elif job["op"] == "throughput":
                 t0 = time.perf_counter()
-                outs = llm.chat(msgs, greedy, use_tqdm=False)
+                outs = llm.chat(msgs[: job.get("n", len(msgs))], greedy, use_tqdm=False)
                 dt = time.perf_counter() - t0
                 n = sum(len(o.outputs[0].token_ids) for o in outs)
                 out = {"tok_s": n / dt, "seconds": dt,
@@ -168,19 +185,21 @@ def real_section(names: list[str], reps: int, logdir: Path) -> dict:
     try:
         loaded = {n: w.run(op="load") for n, w in workers.items()}
         runs: dict[str, list] = {n: [] for n in names}
+        runs1: dict[str, list] = {n: [] for n in names}
         ref = None
         for r in range(reps):
             order = names[r % len(names):] + names[: r % len(names)]
             for n in order:
-                busy = wait_quiet()  # the CPUs idle (no other worker still busy) first
-                load = os.getloadavg()[0]
-                res = workers[n].run(op="throughput")
-                runs[n].append({"tok_s": round(res["tok_s"], 2), "load_1m": load,
-                                "busy_before": round(busy, 3)})
-                if n == "fp32" and ref is None:
-                    ref = res
-                print(f"  rep {r} {n}: {res['tok_s']:.1f} tok/s (load {load:.2f}, busy before "
-                      f"{busy:.2f})", flush=True)
+                for batch, store in ((16, runs), (1, runs1)):
+                    busy = wait_quiet()  # the CPUs idle (no other worker still busy) first
+                    load = os.getloadavg()[0]
+                    res = workers[n].run(op="throughput", n=batch)
+                    store[n].append({"tok_s": round(res["tok_s"], 2), "load_1m": load,
+                                     "busy_before": round(busy, 3)})
+                    if n == "fp32" and batch == 16 and ref is None:
+                        ref = res
+                    print(f"  rep {r} {n} x{batch}: {res['tok_s']:.1f} tok/s (load {load:.2f}, "
+                          f"busy before {busy:.2f})", flush=True)
         quality = {n: workers[n].run(op="quality", seqs=ref["seqs"], starts=ref["starts"])
                    for n in names}
         base = quality["fp32"]
@@ -189,8 +208,9 @@ def real_section(names: list[str], reps: int, logdir: Path) -> dict:
             q = quality[n]
             tops, lps = np.asarray(q["tops"]), np.asarray(q["lps"])
             out[n] = {**loaded[n], **{f"end_{k}": v for k, v in workers[n].run(op="rss").items()},
-                      "settings": SETTINGS[n], "runs": runs[n],
+                      "settings": SETTINGS[n], "runs": runs[n], "runs_batch1": runs1[n],
                       "tok_s_median": float(np.median([x["tok_s"] for x in runs[n]])),
+                      "tok_s_batch1_median": float(np.median([x["tok_s"] for x in runs1[n]])),
                       "top1_disagreement": float(np.mean(tops != np.asarray(base["tops"]))),
                       "mean_abs_dlogprob": float(np.mean(np.abs(lps - np.asarray(base["lps"])))),
                       "positions": len(tops), "perplexity": q["ppl"]}
@@ -260,6 +280,7 @@ def budget_section(names: list[str]) -> dict:
 
 def plot(res: dict, path: Path) -> None:
     import matplotlib
+    import numpy as np
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -281,12 +302,18 @@ def plot(res: dict, path: Path) -> None:
         axes[i].set_title(f"{NUM_BLOCKS} blocks of {BLOCK_SIZE} tokens")
         axes[i].legend(fontsize=8)
         axes[i].tick_params(axis="x", rotation=30)
-        axes[i + 1].bar(names, [real[n]["tok_s_median"] for n in names], color="tab:green")
+        xs = np.arange(len(names))
+        axes[i + 1].bar(xs - 0.2, [real[n]["tok_s_median"] for n in names], 0.4,
+                        color="tab:green", label="16 x 64")
+        axes[i + 1].bar(xs + 0.2, [real[n].get("tok_s_batch1_median", 0) for n in names], 0.4,
+                        color="tab:olive", label="1 x 64")
         for j, n in enumerate(names):
             axes[i + 1].text(j, real[n]["tok_s_median"], f"{100 * real[n]['top1_disagreement']:.1f}%",
                              ha="center", va="bottom", fontsize=8)
+        axes[i + 1].set_xticks(xs, names)
+        axes[i + 1].legend(fontsize=8)
         axes[i + 1].set_ylabel("generated tokens / s (label: top-1 disagreement)")
-        axes[i + 1].set_title("16 x 64 greedy tokens")
+        axes[i + 1].set_title("greedy, 64 new tokens")
         axes[i + 1].tick_params(axis="x", rotation=30)
         i += 2
     if budget:
@@ -337,7 +364,8 @@ def main() -> None:
         res["real"] = real_section(names, args.reps, Path(tempfile.mkdtemp(prefix="qmem-")))
         res["commits"]["real"] = commit
     if "budget" in sections:
-        res["budget"] = budget_section([n for n in names if n.endswith("-kv") or n == "fp32"])
+        res["budget"] = budget_section([n for n in names if n in ("fp32", "int8-kv", "fp8_e4m3-kv",
+                                                                    "fp8_e5m2-kv")])
         res["commits"]["budget"] = commit
     res["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     out.parent.mkdir(parents=True, exist_ok=True)
