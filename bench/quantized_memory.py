@@ -16,6 +16,9 @@ int8 per channel), the same 256 cache blocks of 16 tokens:
   over the fp32 engine's greedy continuations, and perplexity of `QUALITY_TEXT` (written for
   this benchmark; the KV calibration prompt is another text).
 
+Section ``gemma``: quality on Gemma 3 270M (its Q4_K_M file dequantized to fp32 as the
+reference) for each KV dtype and for its tensors kept packed or int8 per channel.
+
 Section ``budget`` (the paper's Fig. 12/13 axes): a fixed KV budget (the bytes of the paper
 harness's CPU pool: 128 blocks of 8 tokens in fp32) buys each KV dtype its number of blocks.
 Per dtype the engine's step cost is fitted on real runs (`bench.paper.run.calibrate`), the
@@ -278,6 +281,62 @@ def budget_section(names: list[str]) -> dict:
     return out
 
 
+def gemma_quality_section() -> dict:
+    """Quality on Gemma 3 270M (its Q4_K_M file dequantized to fp32 as the reference): each KV
+    dtype and weight setting against it, teacher-forced over the reference's greedy
+    continuations of the bench prompts, and the perplexity of `QUALITY_TEXT`."""
+    import numpy as np
+
+    from bench.offline_throughput import PROMPTS
+    from models.demo import GEMMA3_270M, ensure_model
+    from models.gguf_loader import load_gguf
+    from models.tokenizer import load_tokenizer
+    from pagedjax import LLM, SamplingParams
+
+    path = ensure_model(GEMMA3_270M)
+    tok = load_tokenizer(path)
+    config, params = load_gguf(path)
+    settings = {"fp32": {}, "int8-kv": {"kv_cache_dtype": "int8"},
+                "fp8_e4m3-kv": {"kv_cache_dtype": "fp8_e4m3"},
+                "fp8_e5m2-kv": {"kv_cache_dtype": "fp8_e5m2"},
+                "q4_k_m-weights": {"quantization": "gguf"}, "int8-weights": {"quantization": "int8"}}
+    kw = dict(num_gpu_blocks=160, block_size=16, max_model_len=256)
+    msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
+    out, ref = {}, None
+    for name, s in settings.items():
+        cfg, prm = (load_gguf(path, packed=True) if s.get("quantization") == "gguf"
+                    else (config, params))
+        llm = LLM.from_params(cfg, prm, tok, **kw, **s)
+        if ref is None:
+            outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)
+            ref = ([list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs],
+                   [len(o.prompt_token_ids) for o in outs])
+        res = llm.generate([{"prompt_token_ids": q} for q in ref[0]],
+                           SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        tops, lps = [], []
+        for r, q, st in zip(res, ref[0], ref[1], strict=True):
+            for i in range(st, len(q)):
+                d = r.prompt_logprobs[i]
+                tops.append(max(d, key=d.get))
+                lps.append(d[q[i]])
+        ids = tok(QUALITY_TEXT).input_ids
+        pr = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1,
+                                                                      prompt_logprobs=0),
+                          use_tqdm=False)[0]
+        nll = [-d[t] for d, t in zip(pr.prompt_logprobs[1:], ids[1:], strict=True)]
+        out[name] = {"tops": tops, "lps": lps, "ppl": float(np.exp(np.mean(nll))),
+                     "weights_bytes": llm.engine.get_stats().weights_bytes}
+        print(f"  gemma3 {name}: ppl {out[name]['ppl']:.2f}", flush=True)
+        del llm
+    base = out["fp32"]
+    return {n: {"top1_disagreement": float(np.mean(np.asarray(d["tops"]) != np.asarray(base["tops"]))),
+                "mean_abs_dlogprob": float(np.mean(np.abs(np.asarray(d["lps"]) -
+                                                          np.asarray(base["lps"])))),
+                "perplexity": d["ppl"], "positions": len(d["tops"]),
+                "weights_bytes": d["weights_bytes"], "settings": settings[n]}
+            for n, d in out.items()}
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
     import numpy as np
@@ -332,7 +391,7 @@ def plot(res: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--sections", default="real,budget")
+    ap.add_argument("--sections", default="real,gemma,budget")
     ap.add_argument("--settings", default=",".join(SETTINGS))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-load", type=float, default=0.5)
@@ -351,7 +410,8 @@ def main() -> None:
     names = args.settings.split(",")
     out = Path(args.out or RESULTS / device_tag() / "quantized_memory.json")
     sections = set(args.sections.split(","))
-    res = json.loads(out.read_text()) if out.exists() and sections != {"real", "budget"} else {}
+    res = (json.loads(out.read_text()) if out.exists() and sections != {"real", "gemma", "budget"}
+           else {})
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()
     res.update({"what": "bench/quantized_memory.py (see its docstring)",
@@ -363,6 +423,9 @@ def main() -> None:
     if "real" in sections:
         res["real"] = real_section(names, args.reps, Path(tempfile.mkdtemp(prefix="qmem-")))
         res["commits"]["real"] = commit
+    if "gemma" in sections:
+        res["gemma3_quality"] = gemma_quality_section()
+        res["commits"]["gemma3_quality"] = commit
     if "budget" in sections:
         res["budget"] = budget_section([n for n in names if n in ("fp32", "int8-kv", "fp8_e4m3-kv",
                                                                     "fp8_e5m2-kv")])
