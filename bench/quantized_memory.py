@@ -101,7 +101,8 @@ def worker(name: str) -> None:
     del params
     msgs = [[{"role": "user", "content": p}] for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    llm.chat(msgs, greedy, use_tqdm=False)  # compiles every shape the timed runs take
+    llm.chat(msgs, greedy, use_tqdm=False)  # compiles every shape the timed runs take:
+    llm.chat(msgs[:1], greedy, use_tqdm=False)  # the batch of 16 and the batch of 1
     # Touch the whole cache so the resident set holds it (zero pages may be mapped lazily).
     runner = llm.engine.runner
     runner.k_cache, runner.v_cache = (jax.block_until_ready(jnp.copy(c))
