@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import cpu_native, tuning
+from pallas_kernels import cpu_native, mosaic_decode_attention, tuning
 from pallas_kernels._common import (
     MASK_VALUE,
     apply_softcap,
@@ -359,12 +359,16 @@ def paged_decode_attention(
         return paged_decode_attention_ref(
             q, k_cache, v_cache, block_tables, context_lens, lay, win, kv_scale,
             scale=float(scale), softcap=cap)
+    if pallas_lowering() == "mosaic" and mosaic_decode_attention.supports(
+            q, k_cache, windowed=has_window(window), softcap=cap, quantized=kv_scale is not None):
+        return mosaic_decode_attention.mosaic_paged_decode(
+            q, k_cache, v_cache, block_tables, context_lens, lay, scale=float(scale),
+            num_splits=num_splits, interpret=interpret_mode())
     tuned = tuning.lookup("decode", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
     if kv_scale is not None:
         tuned = tuning.quantized_launch(tuned)
-    impl = {"triton": _decode_pallas}[pallas_lowering()]
-    return impl(
+    return _decode_pallas(
         q, k_cache, v_cache, block_tables, context_lens, lay, win, kv_scale,
         scale=float(scale), softcap=cap, windowed=has_window(window), num_splits=num_splits,
         chunk_tokens=resolve_chunk_tokens(chunk_tokens, pages_per_chunk, k_cache.shape[-2],

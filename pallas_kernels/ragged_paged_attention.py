@@ -42,7 +42,6 @@ from pallas_kernels._common import (
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import (
     interpret_mode,
-    pallas_lowering,
     resolve_backend,
     triton_params,
 )
@@ -450,7 +449,7 @@ def ragged_paged_attention(
     tuned = windowed_launch(tuning.quantized_launch(tuned) if kv_scale is not None else tuned,
                             windowed)
     group = q.shape[1] // k_cache.shape[-4]
-    impl = {"triton": _ragged_pallas}[pallas_lowering()]
+    impl = _ragged_pallas  # Triton under either lowering (no Mosaic ragged kernel yet)
     return impl(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win, kv_scale,
         scale=float(scale), softcap=cap, windowed=windowed,

@@ -1,0 +1,215 @@
+"""Paged decode attention for Hopper in Mosaic GPU (`plgpu.kernel`): TMA page gathers, wgmma.
+
+The same contract as :mod:`pallas_kernels.paged_decode_attention` (one query token per
+sequence, flash-decoding splits, combined by its `combine_splits`), written for the Pallas
+backend that replaces Pallas-Triton. One CUDA block (one warpgroup) handles one
+``(sequence, KV head, split)``:
+
+- the GQA group's queries fill the rows of a 64-row tile (wgmma's M; unused rows are zero);
+- the context is walked in chunks of ``max(64, block_size)`` tokens: each chunk's pages are
+  copied by TMA, one bulk copy per block-table entry, into a slot of a two-stage SMEM ring
+  (one barrier per slot counts the chunk's copies), so the next chunk's gather overlaps this
+  one's math;
+- ``q k^T`` and ``p v`` run on wgmma with fp32 accumulators; the online softmax (base 2) stays
+  in registers; ``p`` is staged through SMEM for the second wgmma (the GPU interpreter's wgmma
+  takes only an SMEM left operand, and one code path is what the interpreter tests).
+
+Masking is by length, never by block contents: logits of positions at or past the context
+are replaced (``where``) before the softmax, and because TMA copies whole pages, V rows past
+the context in the last chunk are zeroed in SMEM before ``p v`` (``0 * NaN`` would otherwise
+leak a stale NaN). Table entries past the sequence's last page are not dereferenced: page 0
+of the same head is copied instead (and masked), so a junk id cannot be read.
+
+Scope (the rest falls back to the Triton kernel, `supports`): bf16/fp16 caches, head dims 64
+and 128, block sizes 16-128 dividing 64 or multiples of 64, no sliding window or soft-cap,
+no quantized cache. Chunks under 64 tokens and head dim 256 fail Mosaic GPU's layout
+inference in jax 0.12 (checked with the deviceless H100 compile).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._common import as_5d, cdiv
+
+ROWS = 64  # wgmma's M: the GQA group is padded to it
+STAGES = 2  # SMEM ring depth
+HEAD_DIMS = (64, 128)
+BLOCK_SIZES = (16, 32, 64, 128)
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100, as the Triton kernel
+
+
+def supports(q: jax.Array, k_cache: jax.Array, *, windowed: bool, softcap: float | None,
+             quantized: bool) -> bool:
+    """Whether this kernel serves the call (else the caller takes the Triton kernel)."""
+    group = q.shape[1] // k_cache.shape[-4]
+    return (jnp.dtype(k_cache.dtype) in DTYPES and q.dtype == k_cache.dtype
+            and q.shape[-1] in HEAD_DIMS and k_cache.shape[-2] in BLOCK_SIZES
+            and group <= ROWS and not windowed and softcap is None and not quantized)
+
+
+def chunk_tokens(block_size: int) -> int:
+    return max(ROWS, block_size)
+
+
+def _smem_transforms(cols: int, dtype):
+    """Tiling + swizzle for a wgmma operand whose rows hold ``cols`` elements."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    width = cols * jnp.dtype(dtype).itemsize
+    swizzle = next(s for s in (128, 64, 32) if width % s == 0)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (GMEM)
+            acc_out, m_out, l_out,  # outputs (GMEM)
+            q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar,  # scratch
+            *, num_kv_heads: int, num_blocks: int, block_size: int, chunks_per_split: int,
+            scale: float):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    seq, head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
+    chunk = k_smem.shape[1]
+    pages_per_chunk = chunk // block_size
+    dtype = q_smem.dtype
+    ctx = lens_ref[seq]
+    used_pages = lax.div(ctx + block_size - 1, jnp.int32(block_size))
+    used_chunks = lax.div(ctx + chunk - 1, jnp.int32(chunk))
+    first = split * chunks_per_split
+    n = jnp.maximum(jnp.minimum(first + chunks_per_split, used_chunks) - first, 0)
+    base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
+
+    def issue(c, slot):
+        """TMA the chunk's pages into ``slot`` (one arrival per page on its barriers)."""
+        for j in range(pages_per_chunk):
+            idx = (first + c) * pages_per_chunk + j
+            page = jnp.where(idx < used_pages, tables_ref[seq, idx], 0)
+            page = base + jnp.clip(page, 0, num_blocks - 1)
+            rows = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot, rows], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot, rows], v_bar.at[slot])
+
+    for s in range(STAGES):
+        pl.when(s < n)(functools.partial(issue, s, s))
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
+    log2e = math.log2(math.e)
+
+    def step(c, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(c, jnp.int32(STAGES))
+        start = (first + c) * chunk
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk_scope(ref):
+            plgpu.wgmma(ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            return ref[...]
+
+        s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, chunk), jnp.float32)) * (scale * log2e)
+        tok = start + plgpu.broadcasted_iota(jnp.int32, (ROWS, chunk), 1,
+                                             layout=plgpu.Layout.WGMMA)
+        s = jnp.where(tok < ctx, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        plgpu.barrier_wait(v_bar.at[slot])
+
+        @pl.when(start + chunk > ctx)
+        def _zero_tail():  # whole pages arrived: rows past the context may hold anything
+            v = v_smem[slot]
+            row = start + plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
+                                                 layout=plgpu.Layout.WGMMA)
+            v_smem[slot] = jnp.where(row < ctx, v, jnp.zeros_like(v))
+
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+
+        def pv_scope(ref):
+            plgpu.wgmma(ref, p_smem, v_smem.at[slot])
+            return ref[...]
+
+        pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, v_smem.shape[-1]), jnp.float32))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
+        pl.when(c + STAGES < n)(functools.partial(issue, c + STAGES, slot))
+        return acc, m_new, l_i
+
+    d = q_smem.shape[-1]
+    init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
+                              plgpu.Layout.WGMMA.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
+    acc, m_i, l_i = lax.fori_loop(0, n, step, init)
+    o_smem[...] = acc
+    ml_smem[0] = m_i
+    ml_smem[1] = l_i
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, acc_out.at[split, seq, head])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[split, seq, head])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[split, seq, head])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
+    return max(1, min(max_chunks, cdiv(_TARGET_PROGRAMS, num_seqs * num_kv_heads)))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+                        block_tables: jax.Array, context_lens: jax.Array, layer: jax.Array, *,
+                        scale: float, num_splits: int | None = None,
+                        interpret: bool = False) -> jax.Array:
+    """``paged_decode_attention`` (no window, soft-cap or quantized cache) in Mosaic GPU.
+    ``interpret``: run in the GPU interpreter (`plgpu.InterpretGPUParams`) on CPU."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.paged_decode_attention import combine_splits
+
+    k5, v5 = as_5d(k_cache), as_5d(v_cache)
+    num_layers, hkv, num_blocks, block_size, d = k5.shape
+    num_seqs, hq, _ = q.shape
+    group = hq // hkv
+    chunk = chunk_tokens(block_size)
+    max_chunks = max(1, cdiv(block_tables.shape[1] * block_size, chunk))
+    splits = max(1, min(num_splits or decode_splits(num_seqs, hkv, max_chunks), max_chunks))
+    per_split = cdiv(max_chunks, splits)
+    pages = splits * per_split * (chunk // block_size)  # every index a chunk can form
+    tables = jnp.pad(block_tables.astype(jnp.int32),
+                     ((0, 0), (0, max(0, pages - block_tables.shape[1]))))
+    qg = jnp.pad(q.reshape(num_seqs, hkv, group, d), ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+    flat = (num_layers * hkv * num_blocks, block_size, d)
+    f32 = jnp.float32
+    kernel = functools.partial(_kernel, num_kv_heads=hkv, num_blocks=num_blocks,
+                               block_size=block_size, chunks_per_split=per_split,
+                               scale=float(scale))
+    acc, m, lsum = plgpu.kernel(
+        kernel,
+        out_type=(jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS, d), f32),
+                  jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS), f32),
+                  jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS), f32)),
+        scratch_types=(
+            plgpu.SMEM((ROWS, d), q.dtype, transforms=_smem_transforms(d, q.dtype)),
+            plgpu.SMEM((STAGES, chunk, d), q.dtype, transforms=_smem_transforms(d, q.dtype)),
+            plgpu.SMEM((STAGES, chunk, d), q.dtype, transforms=_smem_transforms(d, q.dtype)),
+            plgpu.SMEM((ROWS, chunk), q.dtype, transforms=_smem_transforms(chunk, q.dtype)),
+            plgpu.SMEM((ROWS, d), f32),
+            plgpu.SMEM((2, ROWS), f32),
+            plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=chunk // block_size, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=chunk // block_size, num_barriers=STAGES),
+        ),
+        grid=(num_seqs, hkv, splits), grid_names=("seq", "head", "split"),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), context_lens.astype(jnp.int32), tables, qg,
+      k5.reshape(flat), v5.reshape(flat))
+    # The kernel's running max is in base 2: scale it to base e for the shared combine.
+    out = combine_splits(acc, m * math.log(2.0), lsum)[:, :, :group]
+    return out.reshape(num_seqs, hq, d).astype(q.dtype)

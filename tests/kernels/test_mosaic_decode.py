@@ -1,0 +1,115 @@
+"""The Mosaic GPU paged decode kernel, run in jax's GPU interpreter on CPU, against the
+float64 numpy reference, with poisoned unused blocks and page tails; its selection behind
+``paged_decode_attention`` (PAGEDJAX_PALLAS_LOWERING=mosaic) and the Triton fallback."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import mosaic_decode_attention as mdec
+from pallas_kernels import paged_decode_attention
+from pallas_kernels.backend import ENV_LOWERING
+
+from ._paged import DTYPES, TOL, dense_kv, make_paged, np_attention
+
+# (ctx lens, group, head_dim, block_size, dtype, num_kv_heads, splits): lengths 1, bs - 1,
+# bs, bs + 1, chunk (64) +- 1 and several chunks; pages under, at and over the 64-token
+# chunk; GQA 1/3/4/8; one split, several and the automatic count.
+CASES = [
+    ([1, 15, 16, 17], 1, 64, 16, "bfloat16", 2, 1),
+    ([63, 64, 65], 4, 128, 16, "float16", 1, 2),
+    ([31, 32, 33, 200], 3, 64, 32, "bfloat16", 2, None),
+    ([70, 5], 8, 64, 64, "bfloat16", 1, 1),
+    ([129, 300], 2, 128, 128, "float16", 1, 3),
+    ([257, 40, 1], 4, 128, 64, "bfloat16", 2, 2),
+]
+
+
+def _call(case, q, layer, **kw):
+    k, v, tables, lens = case
+    out = mdec.mosaic_paged_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                   jnp.asarray(tables), jnp.asarray(lens), jnp.int32(layer),
+                                   interpret=True, **kw)
+    return np.asarray(out.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("idx", range(len(CASES)))
+def test_mosaic_decode_matches_reference_and_ignores_poison(idx):
+    lens, group, d, bs, dtype, hkv, splits = CASES[idx]
+    rng = np.random.default_rng(4000 + idx)
+    pc = make_paged(rng, ctx_lens=lens, num_layers=2, num_kv_heads=hkv, block_size=bs,
+                    head_dim=d, dtype=dtype, share_prefix=len(lens) > 1)
+    q = rng.standard_normal((len(lens), hkv * group, d)).astype(np.float32)
+    q = np.asarray(jnp.asarray(q, DTYPES[dtype]))
+    scale, layer = d ** -0.5, 1
+    expect = np.stack([
+        np_attention(q[s], dense_kv(pc.k_clean, layer, pc.block_tables[s], c),
+                     dense_kv(pc.v_clean, layer, pc.block_tables[s], c), scale)
+        for s, c in enumerate(lens)])
+    clean = _call((pc.k_clean, pc.v_clean, pc.block_tables, pc.ctx_lens), q, layer,
+                  scale=scale, num_splits=splits)
+    poisoned = _call((pc.k_poison, pc.v_poison, pc.block_tables, pc.ctx_lens), q, layer,
+                     scale=scale, num_splits=splits)
+    np.testing.assert_allclose(clean, expect, atol=TOL[dtype], rtol=0)
+    # NaN / huge values in unowned blocks, in page tails and junk table ids change nothing.
+    np.testing.assert_array_equal(poisoned, clean)
+
+
+def test_padding_rows_are_zero():
+    rng = np.random.default_rng(5)
+    pc = make_paged(rng, ctx_lens=[40, 1], num_layers=1, num_kv_heads=1, block_size=16,
+                    head_dim=64, dtype="bfloat16")
+    lens = np.array([40, 0], np.int32)  # row 1: a padding row of the decode batch
+    q = np.asarray(jnp.asarray(rng.standard_normal((2, 2, 64)), jnp.bfloat16))
+    out = _call((pc.k_poison, pc.v_poison, pc.block_tables, lens), q, 0, scale=0.125)
+    assert np.all(out[1] == 0) and np.all(np.isfinite(out[0]))
+
+
+def test_selected_by_lowering_and_falls_back(monkeypatch):
+    """PAGEDJAX_PALLAS_LOWERING=mosaic routes what the kernel covers to it; windowed,
+    soft-capped, fp32 and quantized calls keep the Triton kernel, with the same results."""
+    rng = np.random.default_rng(6)
+    pc = make_paged(rng, ctx_lens=[50, 20], num_layers=1, num_kv_heads=1, block_size=16,
+                    head_dim=64, dtype="bfloat16")
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.bfloat16)
+    args = (q, jnp.asarray(pc.k_poison), jnp.asarray(pc.v_poison), jnp.asarray(pc.block_tables),
+            jnp.asarray(pc.ctx_lens))
+    calls = []
+    real = mdec.mosaic_paged_decode
+    monkeypatch.setattr(mdec, "mosaic_paged_decode",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv(ENV_LOWERING, "mosaic")
+    out = paged_decode_attention(*args, scale=0.125, backend="pallas")
+    assert calls == [1]
+    windowed = paged_decode_attention(*args, scale=0.125, backend="pallas", window=8)
+    capped = paged_decode_attention(*args, scale=0.125, backend="pallas", softcap=20.0)
+    assert calls == [1]
+    monkeypatch.setenv(ENV_LOWERING, "triton")
+    triton = paged_decode_attention(*args, scale=0.125, backend="pallas")
+    assert calls == [1]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(triton, np.float32),
+                               atol=TOL["bfloat16"], rtol=0)
+    ref = paged_decode_attention(*args, scale=0.125, backend="xla", window=8)
+    np.testing.assert_array_equal(np.asarray(windowed), np.asarray(
+        paged_decode_attention(*args, scale=0.125, backend="pallas", window=8)))
+    np.testing.assert_allclose(np.asarray(windowed, np.float32), np.asarray(ref, np.float32),
+                               atol=TOL["bfloat16"], rtol=0)
+    assert np.isfinite(np.asarray(capped, np.float32)).all()
+
+
+def test_supports_scope():
+    bf = jnp.zeros((2, 8, 128), jnp.bfloat16)
+    cache = jnp.zeros((1, 2, 4, 16, 128), jnp.bfloat16)
+    assert mdec.supports(bf, cache, windowed=False, softcap=None, quantized=False)
+    assert not mdec.supports(bf, cache, windowed=True, softcap=None, quantized=False)
+    assert not mdec.supports(bf, cache, windowed=False, softcap=30.0, quantized=False)
+    assert not mdec.supports(bf, cache, windowed=False, softcap=None, quantized=True)
+    assert not mdec.supports(bf.astype(jnp.float32), cache.astype(jnp.float32),
+                             windowed=False, softcap=None, quantized=False)
+    assert not mdec.supports(jnp.zeros((2, 8, 256), jnp.bfloat16),
+                             jnp.zeros((1, 2, 4, 16, 256), jnp.bfloat16),
+                             windowed=False, softcap=None, quantized=False)
+    assert not mdec.supports(bf, jnp.zeros((1, 2, 4, 8, 128), jnp.bfloat16),
+                             windowed=False, softcap=None, quantized=False)
