@@ -1,0 +1,147 @@
+"""Compile tier for the Mosaic GPU kernels (`pallas_kernels.mosaic_decode_attention`).
+
+Every configuration the kernel accepts (dtype x head dim x page size; the GQA group only
+changes how many of the 64 query rows are real) is compiled deviceless for the H100 target
+with ``MOSAIC_GPU_DUMP_PTXAS=1``, which makes Mosaic GPU print ptxas' register and spill
+report to stdout. The driver runs the compiles in a child process (the report is written by
+native code to file descriptor 1) and parses it; SMEM is the kernel's scratch, computed from
+its shapes (ptxas reports only static SMEM). Hopper only: the kernel issues wgmma, which
+sm_100 replaced. The report lives beside the Triton one:
+``bench/results/aot-h100/mosaic.json``.
+
+    JAX_PLATFORMS=cpu .venv-aot/bin/python -m pagedjax.aot.mosaic --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TARGET = "h100"
+SMEM_LIMIT = 227 * 1024
+_MARK = "@@mosaic-config "
+_USED = re.compile(r"ptxas info\s*: Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def configs() -> list[dict]:
+    from pallas_kernels import mosaic_decode_attention as m
+
+    return [{"kernel": "mosaic_decode", "dtype": dt.name, "head_dim": d, "block_size": bs}
+            for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES]
+
+
+def scratch_bytes(cfg: dict) -> int:
+    """The kernel's SMEM scratch (see `mosaic_paged_decode`'s scratch_types)."""
+    from pallas_kernels import mosaic_decode_attention as m
+
+    d, rows, chunk = cfg["head_dim"], m.ROWS, m.chunk_tokens(cfg["block_size"])
+    half = 2  # bf16 / fp16
+    return (rows * d * half + 2 * m.STAGES * chunk * d * half + rows * chunk * half
+            + rows * d * 4 + 2 * rows * 4 + 8 * (1 + 2 * m.STAGES))
+
+
+def _compile_all() -> None:
+    """Child: compile every configuration, a marker line before each."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from pagedjax.aot.target import compile_only_devices
+    from pallas_kernels.mosaic_decode_attention import mosaic_paged_decode
+
+    dev = compile_only_devices(TARGET)[0]
+    for cfg in configs():
+        print(_MARK + json.dumps(cfg), flush=True)
+        dt, d, bs = jnp.dtype(cfg["dtype"]), cfg["head_dim"], cfg["block_size"]
+
+        def S(shape, dtype):
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev))
+
+        t0 = time.perf_counter()
+        try:
+            with jax.default_device(dev):
+                jax.jit(lambda q, k, v, t, n, layer: mosaic_paged_decode(
+                    q, k, v, t, n, layer, scale=0.1)).lower(
+                    S((8, 32, d), dt), S((2, 8, 1024, bs, d), dt), S((2, 8, 1024, bs, d), dt),
+                    S((8, 64), jnp.int32), S((8,), jnp.int32), S((), jnp.int32)).compile()
+            err = None
+        except Exception as e:  # noqa: BLE001 - reported per configuration
+            err = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+        sys.stdout.flush()
+        print(_MARK + json.dumps({"done": round(time.perf_counter() - t0, 2), "error": err}),
+              flush=True)
+
+
+def build() -> dict:
+    """Compile in a child process and parse its ptxas report: one row per configuration."""
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", JAX_PLATFORMS="cpu")
+    env.pop("MOSAIC_GPU_DUMP_PTX", None)
+    env.pop("MOSAIC_GPU_DUMP_TO", None)
+    proc = subprocess.run([sys.executable, "-m", "pagedjax.aot.mosaic", "--child"], env=env,
+                          cwd=ROOT, capture_output=True, text=True, errors="replace",
+                          timeout=1200)
+    rows, cur = [], None
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            info = json.loads(line[len(_MARK):])
+            if "done" in info:
+                cur.update(compile_s=info["done"], error=info["error"])
+                rows.append(cur)
+                cur = None
+            else:
+                cur = {**info, "registers": None, "spill_bytes": 0,
+                       "smem_bytes": scratch_bytes(info)}
+        elif cur is not None:
+            if (m := _USED.search(line)) is not None:
+                cur["registers"] = max(cur["registers"] or 0, int(m.group(1)))
+            if (m := _SPILL.search(line)) is not None:
+                cur["spill_bytes"] += int(m.group(2)) + int(m.group(3))
+    if proc.returncode != 0 or len(rows) != len(configs()):
+        raise RuntimeError(f"mosaic compile child failed (rc {proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return {"target": TARGET, "rows": rows, "summary": {
+        "configs": len(rows),
+        "failures": [r for r in rows if r["error"]],
+        "spilling": [r for r in rows if r["spill_bytes"]],
+        "no_ptxas_report": [r for r in rows if r["registers"] is None and not r["error"]],
+        "over_smem": [r for r in rows if r["smem_bytes"] > SMEM_LIMIT],
+        "max_registers": max((r["registers"] or 0) for r in rows),
+        "max_smem": max(r["smem_bytes"] for r in rows)}}
+
+
+def report_path() -> Path:
+    return ROOT / "bench" / "results" / f"aot-{TARGET}" / "mosaic.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--write", action="store_true", help="write the committed report")
+    args = ap.parse_args()
+    if args.child:
+        _compile_all()
+        return
+    res = build()
+    for r in res["rows"]:
+        print(f"  {r['dtype']} d{r['head_dim']} bs{r['block_size']}: registers {r['registers']}, "
+              f"spills {r['spill_bytes']} B, smem {r['smem_bytes']} B, {r['compile_s']} s"
+              f"{'  ERROR ' + r['error'] if r['error'] else ''}")
+    print(json.dumps({k: v for k, v in res["summary"].items()}, default=str))
+    if args.write:
+        stable = {"target": res["target"], "rows": [
+            {k: v for k, v in r.items() if k != "compile_s"} for r in res["rows"]],
+            "summary": res["summary"]}
+        report_path().write_text(json.dumps(stable, indent=1) + "\n")
+        print("->", report_path())
+
+
+if __name__ == "__main__":
+    main()
