@@ -45,13 +45,29 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100, as the Triton kernel
 
 
+def hopper_target() -> bool:
+    """Whether the GPU the trace targets is a Hopper (sm_90): wgmma exists nowhere else. A
+    device that does not say (a deviceless compile target) is taken at its word: its compile
+    fails if it is not."""
+    dev = jax.config.jax_default_device
+    if dev is None or isinstance(dev, str):
+        try:
+            dev = jax.devices()[0]
+        except RuntimeError:
+            return False
+    cc = getattr(dev, "compute_capability", None)
+    return cc is None or str(cc).startswith("9")
+
+
 def supports(q: jax.Array, k_cache: jax.Array, *, windowed: bool, softcap: float | None,
-             quantized: bool) -> bool:
-    """Whether this kernel serves the call (else the caller takes the Triton kernel)."""
+             quantized: bool, interpret: bool = True) -> bool:
+    """Whether this kernel serves the call (else the caller takes the Triton kernel); a
+    compiled (not interpreted) call also needs a Hopper target."""
     group = q.shape[1] // k_cache.shape[-4]
     return (jnp.dtype(k_cache.dtype) in DTYPES and q.dtype == k_cache.dtype
             and q.shape[-1] in HEAD_DIMS and k_cache.shape[-2] in BLOCK_SIZES
-            and group <= ROWS and not windowed and softcap is None and not quantized)
+            and group <= ROWS and not windowed and softcap is None and not quantized
+            and (interpret or hopper_target()))
 
 
 def chunk_tokens(block_size: int) -> int:
