@@ -59,14 +59,22 @@ def hopper_target() -> bool:
     return cc is None or str(cc).startswith("9")
 
 
+def ragged_shape_ok(head_dim: int, block_size: int) -> bool:
+    """The ragged kernel's register budget: with 128-token chunks at head dim 128 its logits,
+    accumulator and mask spill (212 bytes on sm_90a, `pagedjax.aot.mosaic`), so that shape
+    keeps the Triton kernel."""
+    return not (head_dim == 128 and chunk_tokens(block_size) > ROWS)
+
+
 def supports(q: jax.Array, k_cache: jax.Array, *, windowed: bool, softcap: float | None,
-             quantized: bool, interpret: bool = True) -> bool:
-    """Whether this kernel serves the call (else the caller takes the Triton kernel); a
+             quantized: bool, interpret: bool = True, ragged: bool = False) -> bool:
+    """Whether a Mosaic kernel serves the call (else the caller takes the Triton kernel); a
     compiled (not interpreted) call also needs a Hopper target."""
     group = q.shape[1] // k_cache.shape[-4]
     return (jnp.dtype(k_cache.dtype) in DTYPES and q.dtype == k_cache.dtype
             and q.shape[-1] in HEAD_DIMS and k_cache.shape[-2] in BLOCK_SIZES
             and group <= ROWS and not windowed and softcap is None and not quantized
+            and (not ragged or ragged_shape_ok(q.shape[-1], k_cache.shape[-2]))
             and (interpret or hopper_target()))
 
 
@@ -84,40 +92,19 @@ def _smem_transforms(cols: int, dtype):
             plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (GMEM)
-            acc_out, m_out, l_out,  # outputs (GMEM)
-            q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar,  # scratch
-            *, num_kv_heads: int, num_blocks: int, block_size: int, chunks_per_split: int,
-            scale: float):
+def attend_chunks(n, first, issue, visible, kv_end, q_smem, k_smem, v_smem, p_smem, k_bar,
+                  v_bar, *, scale: float, m_init: float):
+    """The chunk loop both Mosaic kernels share: ``n`` chunks of ``k_smem.shape[1]`` keys,
+    chunk ``first + c`` copied into slot ``c % STAGES`` by ``issue(c, slot)`` (the first
+    STAGES already issued by the caller); ``visible(key_pos)`` masks the ``[ROWS, chunk]``
+    logits; V rows at or past ``kv_end`` are zeroed in SMEM. Returns the unnormalised
+    accumulator ``[ROWS, D]`` and the base-2 running max and denominator ``[ROWS]``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    seq, head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
-    chunk = k_smem.shape[1]
-    pages_per_chunk = chunk // block_size
-    dtype = q_smem.dtype
-    ctx = lens_ref[seq]
-    used_pages = lax.div(ctx + block_size - 1, jnp.int32(block_size))
-    used_chunks = lax.div(ctx + chunk - 1, jnp.int32(chunk))
-    first = split * chunks_per_split
-    n = jnp.maximum(jnp.minimum(first + chunks_per_split, used_chunks) - first, 0)
-    base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
-
-    def issue(c, slot):
-        """TMA the chunk's pages into ``slot`` (one arrival per page on its barriers)."""
-        for j in range(pages_per_chunk):
-            idx = (first + c) * pages_per_chunk + j
-            page = jnp.where(idx < used_pages, tables_ref[seq, idx], 0)
-            page = base + jnp.clip(page, 0, num_blocks - 1)
-            rows = pl.ds(j * block_size, block_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot, rows], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot, rows], v_bar.at[slot])
-
-    for s in range(STAGES):
-        pl.when(s < n)(functools.partial(issue, s, s))
-    plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
+    chunk, d = k_smem.shape[1], q_smem.shape[-1]
     log2e = math.log2(math.e)
+    wgmma = plgpu.Layout.WGMMA
 
     def step(c, carry):
         acc, m_i, l_i = carry
@@ -130,40 +117,84 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
             return ref[...]
 
         s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, chunk), jnp.float32)) * (scale * log2e)
-        tok = start + plgpu.broadcasted_iota(jnp.int32, (ROWS, chunk), 1,
-                                             layout=plgpu.Layout.WGMMA)
-        s = jnp.where(tok < ctx, s, -jnp.inf)
+        key = start + plgpu.broadcasted_iota(jnp.int32, (ROWS, chunk), 1, layout=wgmma)
+        s = jnp.where(visible(key), s, m_init)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
         l_i = l_i * alpha + p.sum(axis=1)
         plgpu.barrier_wait(v_bar.at[slot])
 
-        @pl.when(start + chunk > ctx)
+        @pl.when(start + chunk > kv_end)
         def _zero_tail():  # whole pages arrived: rows past the context may hold anything
             v = v_smem[slot]
-            row = start + plgpu.broadcasted_iota(jnp.int32, v.shape, 0,
-                                                 layout=plgpu.Layout.WGMMA)
-            v_smem[slot] = jnp.where(row < ctx, v, jnp.zeros_like(v))
+            row = start + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=wgmma)
+            v_smem[slot] = jnp.where(row < kv_end, v, jnp.zeros_like(v))
 
-        p_smem[...] = p.astype(dtype)
+        p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
 
         def pv_scope(ref):
             plgpu.wgmma(ref, p_smem, v_smem.at[slot])
             return ref[...]
 
-        pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, v_smem.shape[-1]), jnp.float32))
+        pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, d), jnp.float32))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
         pl.when(c + STAGES < n)(functools.partial(issue, c + STAGES, slot))
         return acc, m_new, l_i
 
-    d = q_smem.shape[-1]
-    init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
-            plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32),
-                              plgpu.Layout.WGMMA.reduce(1)),
-            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1)))
-    acc, m_i, l_i = lax.fori_loop(0, n, step, init)
+    init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), wgmma),
+            plgpu.layout_cast(jnp.full((ROWS,), m_init, jnp.float32), wgmma.reduce(1)),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma.reduce(1)))
+    return lax.fori_loop(0, n, step, init)
+
+
+def page_copier(tables_ref, row, first, used_pages, base, num_blocks: int, block_size: int,
+                k_ref, v_ref, k_smem, v_smem, k_bar, v_bar):
+    """``issue(c, slot)``: TMA chunk ``first + c``'s pages of table row ``row`` into ``slot``,
+    one arrival per page on the slot's barriers; entries past ``used_pages`` are never read
+    (page 0 of the head is copied instead, and masked)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    pages_per_chunk = k_smem.shape[1] // block_size
+
+    def issue(c, slot):
+        for j in range(pages_per_chunk):
+            idx = (first + c) * pages_per_chunk + j
+            page = jnp.where(idx < used_pages, tables_ref[row, idx], 0)
+            page = base + jnp.clip(page, 0, num_blocks - 1)
+            rows = pl.ds(j * block_size, block_size)
+            plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot, rows], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot, rows], v_bar.at[slot])
+
+    return issue
+
+
+def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (GMEM)
+            acc_out, m_out, l_out,  # outputs (GMEM)
+            q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar,  # scratch
+            *, num_kv_heads: int, num_blocks: int, block_size: int, chunks_per_split: int,
+            scale: float):
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    seq, head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
+    chunk = k_smem.shape[1]
+    ctx = lens_ref[seq]
+    used_pages = lax.div(ctx + block_size - 1, jnp.int32(block_size))
+    used_chunks = lax.div(ctx + chunk - 1, jnp.int32(chunk))
+    first = split * chunks_per_split
+    n = jnp.maximum(jnp.minimum(first + chunks_per_split, used_chunks) - first, 0)
+    base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
+    issue = page_copier(tables_ref, seq, first, used_pages, base, num_blocks, block_size,
+                        k_ref, v_ref, k_smem, v_smem, k_bar, v_bar)
+    for s in range(STAGES):
+        pl.when(s < n)(functools.partial(issue, s, s))
+    plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
+    acc, m_i, l_i = attend_chunks(n, first, issue, lambda key: key < ctx, ctx, q_smem, k_smem,
+                                  v_smem, p_smem, k_bar, v_bar, scale=scale, m_init=-jnp.inf)
     o_smem[...] = acc
     ml_smem[0] = m_i
     ml_smem[1] = l_i
@@ -172,6 +203,31 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[split, seq, head])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[split, seq, head])
     plgpu.wait_smem_to_gmem(0)
+
+
+def scratch_types(d: int, chunk: int, dtype, *, stats: bool) -> tuple:
+    """SMEM of a Mosaic attention program: the q tile, the K/V rings, p and the fp32 output
+    tile (``stats``: also the running max and denominator, which decode splits write out)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    tail = [plgpu.SMEM((ROWS, d), jnp.float32)]
+    if stats:
+        tail.append(plgpu.SMEM((2, ROWS), jnp.float32))
+    return (plgpu.SMEM((ROWS, d), dtype, transforms=_smem_transforms(d, dtype)),
+            plgpu.SMEM((STAGES, chunk, d), dtype, transforms=_smem_transforms(d, dtype)),
+            plgpu.SMEM((STAGES, chunk, d), dtype, transforms=_smem_transforms(d, dtype)),
+            plgpu.SMEM((ROWS, chunk), dtype, transforms=_smem_transforms(chunk, dtype)),
+            *tail)
+
+
+def barriers(pages_per_chunk: int) -> tuple:
+    """The q copy's barrier and one per ring slot for K and for V (a chunk's page copies
+    each arrive once)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return (plgpu.Barrier(),
+            plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=pages_per_chunk, num_barriers=STAGES))
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
@@ -211,17 +267,8 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS, d), f32),
                   jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS), f32),
                   jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS), f32)),
-        scratch_types=(
-            plgpu.SMEM((ROWS, d), q.dtype, transforms=_smem_transforms(d, q.dtype)),
-            plgpu.SMEM((STAGES, chunk, d), q.dtype, transforms=_smem_transforms(d, q.dtype)),
-            plgpu.SMEM((STAGES, chunk, d), q.dtype, transforms=_smem_transforms(d, q.dtype)),
-            plgpu.SMEM((ROWS, chunk), q.dtype, transforms=_smem_transforms(chunk, q.dtype)),
-            plgpu.SMEM((ROWS, d), f32),
-            plgpu.SMEM((2, ROWS), f32),
-            plgpu.Barrier(),
-            plgpu.Barrier(num_arrivals=chunk // block_size, num_barriers=STAGES),
-            plgpu.Barrier(num_arrivals=chunk // block_size, num_barriers=STAGES),
-        ),
+        scratch_types=(*scratch_types(d, chunk, q.dtype, stats=True),
+                       *barriers(chunk // block_size)),
         grid=(num_seqs, hkv, splits), grid_names=("seq", "head", "split"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), context_lens.astype(jnp.int32), tables, qg,

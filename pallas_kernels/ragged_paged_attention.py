@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import cpu_native, tuning
+from pallas_kernels import cpu_native, mosaic_decode_attention, mosaic_ragged_attention, tuning
 from pallas_kernels._common import (
     MASK_VALUE,
     apply_softcap,
@@ -42,6 +42,7 @@ from pallas_kernels._common import (
 from pallas_kernels._kv_chunks import chunk_layout, load_kv_chunk, resolve_chunk_tokens
 from pallas_kernels.backend import (
     interpret_mode,
+    pallas_lowering,
     resolve_backend,
     triton_params,
 )
@@ -444,13 +445,18 @@ def ragged_paged_attention(
             kv_scale, scale=float(scale), softcap=cap,
         )
     windowed = has_window(window)
+    if pallas_lowering() == "mosaic" and mosaic_decode_attention.supports(
+            q, k_cache, windowed=windowed, softcap=cap, quantized=kv_scale is not None,
+            interpret=interpret_mode(), ragged=True):
+        return mosaic_ragged_attention.mosaic_ragged_attention(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
+            scale=float(scale), interpret=interpret_mode())
     tuned = tuning.lookup("ragged", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
     tuned = windowed_launch(tuning.quantized_launch(tuned) if kv_scale is not None else tuned,
                             windowed)
     group = q.shape[1] // k_cache.shape[-4]
-    impl = _ragged_pallas  # Triton under either lowering (no Mosaic ragged kernel yet)
-    return impl(
+    return _ragged_pallas(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win, kv_scale,
         scale=float(scale), softcap=cap, windowed=windowed,
         block_q=ragged_block_q(block_q, group, tuned.q_rows),

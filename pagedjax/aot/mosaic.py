@@ -1,7 +1,10 @@
-"""Compile tier for the Mosaic GPU kernels (`pallas_kernels.mosaic_decode_attention`).
+"""Compile tier for the Mosaic GPU kernels (`pallas_kernels.mosaic_decode_attention`,
+`pallas_kernels.mosaic_ragged_attention`).
 
-Every configuration the kernel accepts (dtype x head dim x page size; the GQA group only
-changes how many of the 64 query rows are real) is compiled deviceless for the H100 target
+Every configuration the kernels accept is compiled deviceless for the H100 target: decode
+over dtype x head dim x page size (the GQA group only changes how many of the 64 query rows
+are real), ragged also over the padded group (1, 2, 4, 8: it sets the causal mask's rows;
+fp16 at group 4 only, its kernels differ from bf16's in the element type alone),
 with ``MOSAIC_GPU_DUMP_PTXAS=1``, which makes Mosaic GPU print ptxas' register and spill
 report to stdout. The driver runs the compiles in a child process (the report is written by
 native code to file descriptor 1) and parses it; SMEM is the kernel's scratch, computed from
@@ -34,8 +37,14 @@ _SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) b
 def configs() -> list[dict]:
     from pallas_kernels import mosaic_decode_attention as m
 
-    return [{"kernel": "mosaic_decode", "dtype": dt.name, "head_dim": d, "block_size": bs}
-            for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES]
+    decode = [{"kernel": "mosaic_decode", "dtype": dt.name, "head_dim": d, "block_size": bs}
+              for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES]
+    ragged = [{"kernel": "mosaic_ragged", "dtype": dt.name, "head_dim": d, "block_size": bs,
+               "group": g}
+              for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES
+              if m.ragged_shape_ok(d, bs)
+              for g in ((1, 2, 4, 8) if dt.name == "bfloat16" else (4,))]
+    return decode + ragged
 
 
 def scratch_bytes(cfg: dict) -> int:
@@ -44,8 +53,9 @@ def scratch_bytes(cfg: dict) -> int:
 
     d, rows, chunk = cfg["head_dim"], m.ROWS, m.chunk_tokens(cfg["block_size"])
     half = 2  # bf16 / fp16
+    stats = 2 * rows * 4 if cfg["kernel"] == "mosaic_decode" else 0
     return (rows * d * half + 2 * m.STAGES * chunk * d * half + rows * chunk * half
-            + rows * d * 4 + 2 * rows * 4 + 8 * (1 + 2 * m.STAGES))
+            + rows * d * 4 + stats + 8 * (1 + 2 * m.STAGES))
 
 
 def _compile_all() -> None:
@@ -56,6 +66,7 @@ def _compile_all() -> None:
 
     from pagedjax.aot.target import compile_only_devices
     from pallas_kernels.mosaic_decode_attention import mosaic_paged_decode
+    from pallas_kernels.mosaic_ragged_attention import mosaic_ragged_attention
 
     dev = compile_only_devices(TARGET)[0]
     for cfg in configs():
@@ -67,11 +78,18 @@ def _compile_all() -> None:
 
         t0 = time.perf_counter()
         try:
+            cache = S((2, 8, 1024, bs, d), dt)
+            i32 = jnp.int32
             with jax.default_device(dev):
-                jax.jit(lambda q, k, v, t, n, layer: mosaic_paged_decode(
-                    q, k, v, t, n, layer, scale=0.1)).lower(
-                    S((8, 32, d), dt), S((2, 8, 1024, bs, d), dt), S((2, 8, 1024, bs, d), dt),
-                    S((8, 64), jnp.int32), S((8,), jnp.int32), S((), jnp.int32)).compile()
+                if cfg["kernel"] == "mosaic_decode":
+                    jax.jit(lambda q, k, v, t, n, layer: mosaic_paged_decode(
+                        q, k, v, t, n, layer, scale=0.1)).lower(
+                        S((8, 32, d), dt), cache, cache, S((8, 64), i32), S((8,), i32),
+                        S((), i32)).compile()
+                else:
+                    jax.jit(lambda *a: mosaic_ragged_attention(*a, scale=0.1)).lower(
+                        S((256, 8 * cfg["group"], d), dt), cache, cache, S((16,), i32),
+                        S((16, 64), i32), S((17,), i32), S((), i32), S((), i32)).compile()
             err = None
         except Exception as e:  # noqa: BLE001 - reported per configuration
             err = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -131,7 +149,8 @@ def main() -> None:
         return
     res = build()
     for r in res["rows"]:
-        print(f"  {r['dtype']} d{r['head_dim']} bs{r['block_size']}: registers {r['registers']}, "
+        print(f"  {r['kernel']} {r['dtype']} d{r['head_dim']} bs{r['block_size']} "
+              f"g{r.get('group', '-')}: registers {r['registers']}, "
               f"spills {r['spill_bytes']} B, smem {r['smem_bytes']} B, {r['compile_s']} s"
               f"{'  ERROR ' + r['error'] if r['error'] else ''}")
     print(json.dumps({k: v for k, v in res["summary"].items()}, default=str))

@@ -13,7 +13,7 @@ from pagedjax.aot import mosaic
 def test_mosaic_kernels_compile_clean_and_match_committed_report():
     fresh = mosaic.build()
     s = fresh["summary"]
-    assert s["configs"] == len(mosaic.configs()) == 16
+    assert s["configs"] == len(mosaic.configs()) == 16 + 35
     assert s["failures"] == [] and s["spilling"] == [] and s["over_smem"] == []
     assert s["no_ptxas_report"] == []  # every row parsed a register count
     assert 0 < s["max_registers"] <= 255
@@ -23,18 +23,24 @@ def test_mosaic_kernels_compile_clean_and_match_committed_report():
         f"{mosaic.report_path()} is stale: rebuild it (see this module's docstring)")
 
 
-def test_engine_decode_step_compiles_with_mosaic_for_h100(monkeypatch):
+def test_engine_steps_compile_with_mosaic_for_h100(monkeypatch):
     """The whole bf16 engine step (layers under the scan) lowers and compiles for H100 with
-    PAGEDJAX_PALLAS_LOWERING=mosaic, and its decode attention is no longer a Triton kernel."""
+    PAGEDJAX_PALLAS_LOWERING=mosaic, decode and mixed prefill + decode, and its attention is
+    no longer a Triton kernel (write_kv still is)."""
     from pagedjax.aot.step import compile_step, step_shapes
     from pallas_kernels.backend import ENV_LOWERING
 
-    shapes = [s for s in step_shapes(4096) if s.name == "decode_b64"]
-    monkeypatch.setenv(ENV_LOWERING, "triton")
-    (triton,) = compile_step("smollm2-135m", "h100", shapes=shapes, log=lambda *_: None)
-    monkeypatch.setenv(ENV_LOWERING, "mosaic")
-    (mosaic,) = compile_step("smollm2-135m", "h100", shapes=shapes, log=lambda *_: None)
-    assert triton["error"] is None and mosaic["error"] is None
-    assert any(n.startswith("paged_decode") for n in triton["attention_kernels"])
-    assert not any(n.startswith("paged_decode") for n in mosaic["attention_kernels"])
-    assert mosaic["spilling"] == []
+    shapes = [s for s in step_shapes(4096) if s.name in ("decode_b64", "mixed_512+63")]
+    assert len(shapes) == 2
+    rows = {}
+    for lowering in ("triton", "mosaic"):
+        monkeypatch.setenv(ENV_LOWERING, lowering)
+        rows[lowering] = compile_step("smollm2-135m", "h100", shapes=shapes,
+                                      log=lambda *_: None)
+    for tri, mos in zip(rows["triton"], rows["mosaic"], strict=True):
+        assert tri["error"] is None and mos["error"] is None
+        attn = ("paged_decode", "ragged_paged")
+        assert any(n.startswith(attn) for n in tri["attention_kernels"])
+        assert not any(n.startswith(attn) for n in mos["attention_kernels"])
+        assert any(n.startswith("write_kv") for n in mos["attention_kernels"])
+        assert mos["spilling"] == []

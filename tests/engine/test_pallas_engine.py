@@ -34,9 +34,9 @@ def test_pallas_backend_engine_matches_reference():
     assert bm.get_num_free_gpu_blocks() == 24
 
 
-def test_mosaic_decode_in_engine_keeps_greedy_outputs(monkeypatch):
-    """bf16, head dim 64: decode steps on the Mosaic GPU kernel (interpreted) give the same
-    greedy tokens as the Triton kernel (interpreted), with three sequences sharing a small
+def test_mosaic_kernels_in_engine_keep_greedy_outputs(monkeypatch):
+    """bf16, head dim 64: prefill and decode steps on the Mosaic GPU kernels (interpreted)
+    give the same greedy tokens as the Triton kernels (interpreted), with three sequences sharing a small
     pool; the pool is whole afterwards. The layers run unrolled: the interpreter's callbacks
     are effects, which flax's layer scan refuses (the compiled kernel lowers under the scan:
     the H100 step in pagedjax.aot does)."""
@@ -44,6 +44,7 @@ def test_mosaic_decode_in_engine_keeps_greedy_outputs(monkeypatch):
     import jax.numpy as jnp
 
     from pallas_kernels import mosaic_decode_attention as mdec
+    from pallas_kernels import mosaic_ragged_attention as mrag
     from pallas_kernels.backend import ENV_LOWERING
 
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIG, "hidden_size": 128, "num_attention_heads": 2,
@@ -53,11 +54,13 @@ def test_mosaic_decode_in_engine_keeps_greedy_outputs(monkeypatch):
     rng = np.random.default_rng(1)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (5, 30, 17)]
     calls = []
-    real = mdec.mosaic_paged_decode
-    monkeypatch.setattr(mdec, "mosaic_paged_decode",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    for mod, name in ((mdec, "mosaic_paged_decode"), (mrag, "mosaic_ragged_attention")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: calls.append(_n)
+                            or _r(*a, **k))
     outs = {}
     for lowering in ("mosaic", "triton"):
+        calls.clear()
         monkeypatch.setenv(ENV_LOWERING, lowering)
         llm = LLM.from_params(cfg, params, _NoTokenizer(), num_gpu_blocks=5, block_size=16,
                               max_num_seqs=3, max_num_batched_tokens=64,
@@ -69,5 +72,5 @@ def test_mosaic_decode_in_engine_keeps_greedy_outputs(monkeypatch):
         bm.check_invariants()
         assert bm.get_num_free_gpu_blocks() == 5
         if lowering == "mosaic":
-            assert calls, "no decode step ran the Mosaic kernel"
+            assert set(calls) == {"mosaic_paged_decode", "mosaic_ragged_attention"}
     assert outs["mosaic"] == outs["triton"]
