@@ -16,14 +16,17 @@ backend that replaces Pallas-Triton. One CUDA block (one warpgroup) handles one
 
 Masking is by length, never by block contents: logits of positions at or past the context
 are replaced (``where``) before the softmax, and because TMA copies whole pages, V rows past
-the context in the last chunk are zeroed in SMEM before ``p v`` (``0 * NaN`` would otherwise
-leak a stale NaN). Table entries past the sequence's last page are not dereferenced: page 0
-of the same head is copied instead (and masked), so a junk id cannot be read.
+the context (or behind a window) in an edge chunk are zeroed in SMEM before ``p v``
+(``0 * NaN`` would otherwise leak a stale NaN). Table entries past the sequence's last page
+are not dereferenced: page 0 of the same head is copied instead (and masked), so a junk id
+cannot be read.
 
-Scope (the rest falls back to the Triton kernel, `supports`): bf16/fp16 caches, head dims 64
-and 128, block sizes 16-128 dividing 64 or multiples of 64, no sliding window or soft-cap,
-no quantized cache. Chunks under 64 tokens and head dim 256 fail Mosaic GPU's layout
-inference in jax 0.12 (checked with the deviceless H100 compile).
+Sliding windows (data: one compilation serves windowed and global layers) skip chunks
+wholly before the window and mask the rest by position; soft-capping (static) applies
+``c * tanh(s / c)`` before the mask. Scope (the rest falls back to the Triton kernel,
+`supports`): bf16/fp16 caches, head dims 64 and 128, block sizes 16-128, no quantized cache.
+Chunks under 64 tokens and head dim 256 fail Mosaic GPU's layout inference in jax 0.12
+(checked with the deviceless H100 compile).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import as_5d, cdiv
+from pallas_kernels._common import as_5d, cdiv, window_span
 
 ROWS = 64  # wgmma's M: the GQA group is padded to it
 STAGES = 2  # SMEM ring depth
@@ -66,14 +69,14 @@ def ragged_shape_ok(head_dim: int, block_size: int) -> bool:
     return not (head_dim == 128 and chunk_tokens(block_size) > ROWS)
 
 
-def supports(q: jax.Array, k_cache: jax.Array, *, windowed: bool, softcap: float | None,
-             quantized: bool, interpret: bool = True, ragged: bool = False) -> bool:
+def supports(q: jax.Array, k_cache: jax.Array, *, quantized: bool, interpret: bool = True,
+             ragged: bool = False) -> bool:
     """Whether a Mosaic kernel serves the call (else the caller takes the Triton kernel); a
     compiled (not interpreted) call also needs a Hopper target."""
     group = q.shape[1] // k_cache.shape[-4]
     return (jnp.dtype(k_cache.dtype) in DTYPES and q.dtype == k_cache.dtype
             and q.shape[-1] in HEAD_DIMS and k_cache.shape[-2] in BLOCK_SIZES
-            and group <= ROWS and not windowed and softcap is None and not quantized
+            and group <= ROWS and not quantized
             and (not ragged or ragged_shape_ok(q.shape[-1], k_cache.shape[-2]))
             and (interpret or hopper_target()))
 
@@ -92,13 +95,15 @@ def _smem_transforms(cols: int, dtype):
             plgpu.SwizzleTransform(swizzle))
 
 
-def attend_chunks(n, first, issue, visible, kv_end, q_smem, k_smem, v_smem, p_smem, k_bar,
-                  v_bar, *, scale: float, m_init: float):
+def attend_chunks(n, first, issue, visible, kv_lo, kv_end, q_smem, k_smem, v_smem, p_smem,
+                  k_bar, v_bar, *, scale: float, softcap: float | None, m_init: float):
     """The chunk loop both Mosaic kernels share: ``n`` chunks of ``k_smem.shape[1]`` keys,
     chunk ``first + c`` copied into slot ``c % STAGES`` by ``issue(c, slot)`` (the first
-    STAGES already issued by the caller); ``visible(key_pos)`` masks the ``[ROWS, chunk]``
-    logits; V rows at or past ``kv_end`` are zeroed in SMEM. Returns the unnormalised
-    accumulator ``[ROWS, D]`` and the base-2 running max and denominator ``[ROWS]``."""
+    STAGES already issued by the caller); logits soft-capped (``softcap``), then masked by
+    ``visible(key_pos)`` (``[ROWS, chunk]``); V rows outside ``[kv_lo, kv_end)`` (past the
+    context, or behind a window, where blocks may have been released) are zeroed in SMEM.
+    Returns the unnormalised accumulator ``[ROWS, D]`` and the base-2 running max and
+    denominator ``[ROWS]``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -116,7 +121,10 @@ def attend_chunks(n, first, issue, visible, kv_end, q_smem, k_smem, v_smem, p_sm
             plgpu.wgmma(ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             return ref[...]
 
-        s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, chunk), jnp.float32)) * (scale * log2e)
+        s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, chunk), jnp.float32)) * scale
+        if softcap is not None:
+            s = softcap * jnp.tanh(s * (1.0 / softcap))
+        s = s * log2e
         key = start + plgpu.broadcasted_iota(jnp.int32, (ROWS, chunk), 1, layout=wgmma)
         s = jnp.where(visible(key), s, m_init)
         m_new = jnp.maximum(m_i, s.max(axis=1))
@@ -125,11 +133,11 @@ def attend_chunks(n, first, issue, visible, kv_end, q_smem, k_smem, v_smem, p_sm
         l_i = l_i * alpha + p.sum(axis=1)
         plgpu.barrier_wait(v_bar.at[slot])
 
-        @pl.when(start + chunk > kv_end)
-        def _zero_tail():  # whole pages arrived: rows past the context may hold anything
+        @pl.when((start + chunk > kv_end) | (start < kv_lo))
+        def _zero_edges():  # whole pages arrived: rows outside the keys may hold anything
             v = v_smem[slot]
             row = start + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=wgmma)
-            v_smem[slot] = jnp.where(row < kv_end, v, jnp.zeros_like(v))
+            v_smem[slot] = jnp.where((row < kv_end) & (row >= kv_lo), v, jnp.zeros_like(v))
 
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
@@ -175,7 +183,7 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
             acc_out, m_out, l_out,  # outputs (GMEM)
             q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar,  # scratch
             *, num_kv_heads: int, num_blocks: int, block_size: int, chunks_per_split: int,
-            scale: float):
+            scale: float, softcap: float | None, windowed: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -184,8 +192,13 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
     ctx = lens_ref[seq]
     used_pages = lax.div(ctx + block_size - 1, jnp.int32(block_size))
     used_chunks = lax.div(ctx + chunk - 1, jnp.int32(chunk))
+    # The query (position ctx - 1) sees [lo, ctx); chunks wholly before lo are not read.
+    lo = jnp.maximum(ctx - scalars_ref[1], 0) if windowed else jnp.int32(0)
     first = split * chunks_per_split
-    n = jnp.maximum(jnp.minimum(first + chunks_per_split, used_chunks) - first, 0)
+    end = jnp.minimum(first + chunks_per_split, used_chunks)
+    if windowed:
+        first = jnp.maximum(first, lax.div(lo, jnp.int32(chunk)))
+    n = jnp.maximum(end - first, 0)
     base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
     issue = page_copier(tables_ref, seq, first, used_pages, base, num_blocks, block_size,
                         k_ref, v_ref, k_smem, v_smem, k_bar, v_bar)
@@ -193,8 +206,9 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
         pl.when(s < n)(functools.partial(issue, s, s))
     plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_bar)
     plgpu.barrier_wait(q_bar)
-    acc, m_i, l_i = attend_chunks(n, first, issue, lambda key: key < ctx, ctx, q_smem, k_smem,
-                                  v_smem, p_smem, k_bar, v_bar, scale=scale, m_init=-jnp.inf)
+    acc, m_i, l_i = attend_chunks(n, first, issue, lambda key: (key < ctx) & (key >= lo), lo,
+                                  ctx, q_smem, k_smem, v_smem, p_smem, k_bar, v_bar,
+                                  scale=scale, softcap=softcap, m_init=-jnp.inf)
     o_smem[...] = acc
     ml_smem[0] = m_i
     ml_smem[1] = l_i
@@ -234,13 +248,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
     return max(1, min(max_chunks, cdiv(_TARGET_PROGRAMS, num_seqs * num_kv_heads)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "windowed", "num_splits",
+                                             "interpret"))
 def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                        block_tables: jax.Array, context_lens: jax.Array, layer: jax.Array, *,
-                        scale: float, num_splits: int | None = None,
-                        interpret: bool = False) -> jax.Array:
-    """``paged_decode_attention`` (no window, soft-cap or quantized cache) in Mosaic GPU.
-    ``interpret``: run in the GPU interpreter (`plgpu.InterpretGPUParams`) on CPU."""
+                        block_tables: jax.Array, context_lens: jax.Array, layer: jax.Array,
+                        window: jax.Array | int = 0, *, scale: float,
+                        softcap: float | None = None, windowed: bool = False,
+                        num_splits: int | None = None, interpret: bool = False) -> jax.Array:
+    """``paged_decode_attention`` (not for quantized caches) in Mosaic GPU. ``window`` is
+    data (0: the whole context) read when ``windowed``; ``interpret``: run in the GPU
+    interpreter (`plgpu.InterpretGPUParams`) on CPU."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.paged_decode_attention import combine_splits
@@ -261,7 +278,7 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     f32 = jnp.float32
     kernel = functools.partial(_kernel, num_kv_heads=hkv, num_blocks=num_blocks,
                                block_size=block_size, chunks_per_split=per_split,
-                               scale=float(scale))
+                               scale=float(scale), softcap=softcap, windowed=windowed)
     acc, m, lsum = plgpu.kernel(
         kernel,
         out_type=(jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS, d), f32),
@@ -271,7 +288,8 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                        *barriers(chunk // block_size)),
         grid=(num_seqs, hkv, splits), grid_names=("seq", "head", "split"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), context_lens.astype(jnp.int32), tables, qg,
+    )(jnp.stack([jnp.reshape(layer, ()), window_span(window)]).astype(jnp.int32),
+      context_lens.astype(jnp.int32), tables, qg,
       k5.reshape(flat), v5.reshape(flat))
     # The kernel's running max is in base 2: scale it to base e for the shared combine.
     out = combine_splits(acc, m * math.log(2.0), lsum)[:, :, :group]

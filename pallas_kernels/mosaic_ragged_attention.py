@@ -8,14 +8,15 @@ item's queries times its group fill wgmma's 64 rows (row ``r`` is token ``r // G
 ``r % G``). One warpgroup per (item, KV head) walks the item's keys, ``[0, last position]``,
 through the chunk loop the decode kernel uses (`mosaic_decode_attention.attend_chunks`: TMA
 page gathers into a two-slot SMEM ring, wgmma, base-2 online softmax), with the causal mask
-by position: row ``r`` sees keys ``<= pos0 + r // G``. Rows past the item's tokens or the
+by position: row ``r`` sees keys ``<= pos0 + r // G`` (and, windowed, the last ``window`` of
+them; chunks wholly before the item's first window are not read). Rows past the item's tokens or the
 group are computed on zeros and dropped. The mask value is finite so a fully masked row
 stays finite (and is dropped), never NaN.
 
 The items' queries are gathered into ``[items, Hkv, 64, D]`` tiles and the outputs scattered
 back by XLA around the kernel: a copy of the step's queries and outputs, small beside the
-KV traffic. Scope as the decode kernel (`supports`), less head dim 128 with 128-token pages
-(it spills: `ragged_shape_ok`); Triton serves the rest.
+KV traffic. Soft-capping as the decode kernel. Scope as the decode kernel (`supports`), less
+head dim 128 with 128-token pages (it spills: `ragged_shape_ok`); Triton serves the rest.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, next_pow2
+from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, next_pow2, window_span
 from pallas_kernels.mosaic_decode_attention import (
     ROWS,
     STAGES,
@@ -41,18 +42,22 @@ from pallas_kernels.mosaic_decode_attention import (
 def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (GMEM)
             out_ref,  # output (GMEM)
             q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar,  # scratch
-            *, num_kv_heads: int, num_blocks: int, block_size: int, group_p: int, scale: float):
+            *, num_kv_heads: int, num_blocks: int, block_size: int, group_p: int, scale: float,
+            softcap: float | None, windowed: bool):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     item, head = lax.axis_index("item"), lax.axis_index("head")
     chunk = k_smem.shape[1]
     seq, n_rows, pos0 = items_ref[0, item], items_ref[2, item], items_ref[3, item]
-    kv_end = pos0 + n_rows  # keys [0, kv_end): the item's last query sees them all
-    n = jnp.where(n_rows > 0, lax.div(kv_end + chunk - 1, jnp.int32(chunk)), 0)
+    kv_end = pos0 + n_rows  # keys [kv_lo, kv_end): what the item's queries see together
+    span = scalars_ref[1]
+    kv_lo = jnp.maximum(pos0 - span + 1, 0) if windowed else jnp.int32(0)
+    first = lax.div(kv_lo, jnp.int32(chunk))
+    n = jnp.where(n_rows > 0, lax.div(kv_end + chunk - 1, jnp.int32(chunk)) - first, 0)
     used_pages = lax.div(kv_end + block_size - 1, jnp.int32(block_size))
     base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
-    issue = page_copier(tables_ref, seq, 0, used_pages, base, num_blocks, block_size,
+    issue = page_copier(tables_ref, seq, first, used_pages, base, num_blocks, block_size,
                         k_ref, v_ref, k_smem, v_smem, k_bar, v_bar)
     for s in range(STAGES):
         pl.when(s < n)(functools.partial(issue, s, s))
@@ -63,10 +68,12 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
         row_pos = pos0 + lax.div(plgpu.broadcasted_iota(jnp.int32, key.shape, 0,
                                                         layout=plgpu.Layout.WGMMA),
                                  jnp.int32(group_p))
-        return (key <= row_pos) & (key < kv_end)
+        seen = (key <= row_pos) & (key < kv_end)
+        return seen & (key > row_pos - span) if windowed else seen
 
-    acc, _, l_i = attend_chunks(n, 0, issue, visible, kv_end, q_smem, k_smem, v_smem, p_smem,
-                                k_bar, v_bar, scale=scale, m_init=MASK_VALUE)
+    acc, _, l_i = attend_chunks(n, first, issue, visible, kv_lo, kv_end, q_smem, k_smem, v_smem,
+                                p_smem, k_bar, v_bar, scale=scale, softcap=softcap,
+                                m_init=MASK_VALUE)
     l_safe = jnp.where(l_i > 0, l_i, 1.0)
     o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
     plgpu.commit_smem()
@@ -74,13 +81,15 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "windowed", "interpret"))
 def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                             kv_lens: jax.Array, block_tables: jax.Array, cu_q_lens: jax.Array,
-                            num_seqs: jax.Array, layer: jax.Array, *, scale: float,
-                            interpret: bool = False) -> jax.Array:
-    """``ragged_paged_attention`` (no window, soft-cap or quantized cache) in Mosaic GPU;
-    rows past ``cu_q_lens[num_seqs]`` are zero. ``interpret``: the GPU interpreter."""
+                            num_seqs: jax.Array, layer: jax.Array, window: jax.Array | int = 0,
+                            *, scale: float, softcap: float | None = None,
+                            windowed: bool = False, interpret: bool = False) -> jax.Array:
+    """``ragged_paged_attention`` (not for quantized caches) in Mosaic GPU; rows past
+    ``cu_q_lens[num_seqs]`` are zero. ``window`` is data, read when ``windowed``;
+    ``interpret``: the GPU interpreter."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.ragged_paged_attention import live_q_lens, work_items
@@ -112,7 +121,8 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                      ((0, 0), (0, pages - block_tables.shape[1])))
     flat = (num_layers * hkv * num_blocks, block_size, d)
     kernel = functools.partial(_kernel, num_kv_heads=hkv, num_blocks=num_blocks,
-                               block_size=block_size, group_p=group_p, scale=float(scale))
+                               block_size=block_size, group_p=group_p, scale=float(scale),
+                               softcap=softcap, windowed=windowed)
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_items, hkv, ROWS, d), jnp.float32),
@@ -120,8 +130,8 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
                        *barriers(chunk // block_size)),
         grid=(num_items, hkv), grid_names=("item", "head"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(jnp.reshape(layer, (1,)).astype(jnp.int32), items, tables, qt, k5.reshape(flat),
-      v5.reshape(flat))
+    )(jnp.stack([jnp.reshape(layer, ()), window_span(window)]).astype(jnp.int32), items, tables,
+      qt, k5.reshape(flat), v5.reshape(flat))
 
     # Scatter back: token t of sequence s is row (t - cu[s]) % T_item of item starts[s] + ...
     max_seqs = kv_lens.shape[0]

@@ -446,11 +446,11 @@ def ragged_paged_attention(
         )
     windowed = has_window(window)
     if pallas_lowering() == "mosaic" and mosaic_decode_attention.supports(
-            q, k_cache, windowed=windowed, softcap=cap, quantized=kv_scale is not None,
-            interpret=interpret_mode(), ragged=True):
+            q, k_cache, quantized=kv_scale is not None, interpret=interpret_mode(),
+            ragged=True):
         return mosaic_ragged_attention.mosaic_ragged_attention(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-            scale=float(scale), interpret=interpret_mode())
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
+            scale=float(scale), softcap=cap, windowed=windowed, interpret=interpret_mode())
     tuned = tuning.lookup("ragged", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
     tuned = windowed_launch(tuning.quantized_launch(tuned) if kv_scale is not None else tuned,

@@ -4,7 +4,8 @@
 Every configuration the kernels accept is compiled deviceless for the H100 target: decode
 over dtype x head dim x page size (the GQA group only changes how many of the 64 query rows
 are real), ragged also over the padded group (1, 2, 4, 8: it sets the causal mask's rows;
-fp16 at group 4 only, its kernels differ from bf16's in the element type alone),
+fp16 at group 4 only, its kernels differ from bf16's in the element type alone), plus the
+windowed variants (bf16, groups 1 and 4) and soft-capped windowed ones (head dim 128),
 with ``MOSAIC_GPU_DUMP_PTXAS=1``, which makes Mosaic GPU print ptxas' register and spill
 report to stdout. The driver runs the compiles in a child process (the report is written by
 native code to file descriptor 1) and parses it; SMEM is the kernel's scratch, computed from
@@ -44,7 +45,14 @@ def configs() -> list[dict]:
               for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES
               if m.ragged_shape_ok(d, bs)
               for g in ((1, 2, 4, 8) if dt.name == "bfloat16" else (4,))]
-    return decode + ragged
+    # Windowed (the window is data; the flag a static variant) on bf16, and soft-capped
+    # windowed kernels (Gemma 2's pair) at head dim 128.
+    windowed = [{**c, "windowed": True} for c in decode + ragged
+                if c["dtype"] == "bfloat16" and c.get("group", 1) in (1, 4)]
+    capped = [{**c, "windowed": True, "softcap": 50.0} for c in decode + ragged
+              if c["dtype"] == "bfloat16" and c["head_dim"] == 128
+              and c["block_size"] in (16, 64) and c.get("group", 2) == 2]
+    return decode + ragged + windowed + capped
 
 
 def scratch_bytes(cfg: dict) -> int:
@@ -81,15 +89,16 @@ def _compile_all() -> None:
             cache = S((2, 8, 1024, bs, d), dt)
             i32 = jnp.int32
             with jax.default_device(dev):
+                flags = dict(windowed=cfg.get("windowed", False), softcap=cfg.get("softcap"))
                 if cfg["kernel"] == "mosaic_decode":
-                    jax.jit(lambda q, k, v, t, n, layer: mosaic_paged_decode(
-                        q, k, v, t, n, layer, scale=0.1)).lower(
+                    jax.jit(lambda *a, f=flags: mosaic_paged_decode(*a, scale=0.1, **f)).lower(
                         S((8, 32, d), dt), cache, cache, S((8, 64), i32), S((8,), i32),
-                        S((), i32)).compile()
+                        S((), i32), S((), i32)).compile()
                 else:
-                    jax.jit(lambda *a: mosaic_ragged_attention(*a, scale=0.1)).lower(
+                    jax.jit(lambda *a, f=flags: mosaic_ragged_attention(*a, scale=0.1, **f)).lower(
                         S((256, 8 * cfg["group"], d), dt), cache, cache, S((16,), i32),
-                        S((16, 64), i32), S((17,), i32), S((), i32), S((), i32)).compile()
+                        S((16, 64), i32), S((17,), i32), S((), i32), S((), i32),
+                        S((), i32)).compile()
             err = None
         except Exception as e:  # noqa: BLE001 - reported per configuration
             err = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
@@ -150,7 +159,8 @@ def main() -> None:
     res = build()
     for r in res["rows"]:
         print(f"  {r['kernel']} {r['dtype']} d{r['head_dim']} bs{r['block_size']} "
-              f"g{r.get('group', '-')}: registers {r['registers']}, "
+              f"g{r.get('group', '-')}{' w' if r.get('windowed') else ''}"
+              f"{' cap' if r.get('softcap') else ''}: registers {r['registers']}, "
               f"spills {r['spill_bytes']} B, smem {r['smem_bytes']} B, {r['compile_s']} s"
               f"{'  ERROR ' + r['error'] if r['error'] else ''}")
     print(json.dumps({k: v for k, v in res["summary"].items()}, default=str))

@@ -81,8 +81,8 @@ def test_no_live_sequences_gives_zeros():
 
 
 def test_selected_by_lowering(monkeypatch):
-    """PAGEDJAX_PALLAS_LOWERING=mosaic routes ragged calls the kernel covers to it and
-    windowed ones to Triton; results agree with Triton's."""
+    """PAGEDJAX_PALLAS_LOWERING=mosaic routes ragged calls the kernel covers to it, windowed
+    and soft-capped ones included; results agree with Triton's."""
     _skip_off_hopper()
     seqs, d, dtype, pc, q, cu, kv_lens, tables = _build(0)
     calls = []
@@ -91,12 +91,12 @@ def test_selected_by_lowering(monkeypatch):
                         lambda *a, **k: calls.append(1) or real(*a, **k))
     args = (jnp.asarray(q), jnp.asarray(pc.k_poison), jnp.asarray(pc.v_poison),
             jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu), jnp.int32(len(seqs)))
-    monkeypatch.setenv(ENV_LOWERING, "mosaic")
-    out = ragged_paged_attention(*args, scale=0.125, layer=0, backend="pallas")
-    ragged_paged_attention(*args, scale=0.125, layer=0, backend="pallas", window=8)
-    assert calls == [1]
-    monkeypatch.setenv(ENV_LOWERING, "triton")
-    triton = ragged_paged_attention(*args, scale=0.125, layer=0, backend="pallas")
-    assert calls == [1]
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(triton, np.float32),
-                               atol=TOL[dtype], rtol=0)
+    outs = {}
+    for lowering in ("mosaic", "triton"):
+        monkeypatch.setenv(ENV_LOWERING, lowering)
+        outs[lowering] = [np.asarray(ragged_paged_attention(
+            *args, scale=0.125, layer=0, backend="pallas", **kw), np.float32)
+            for kw in ({}, {"window": 8}, {"softcap": 5.0})]
+        assert len(calls) == 3
+    for m, t in zip(outs["mosaic"], outs["triton"], strict=True):
+        np.testing.assert_allclose(m, t, atol=TOL[dtype], rtol=0)

@@ -28,7 +28,13 @@ CASES = [
     ([(5, 300), (1, 260)], 2, 64, 64, "float16", 2, 100, None),
     ([(1, 31), (12, 12)], 3, 128, 16, "float32", 1, 4096, 30.0),  # window wider than context
     ([(40, 200)], 8, 64, 8, "bfloat16", 1, 0, 3.0),  # no window, soft-cap only
+    # In the Mosaic GPU kernels' scope (bf16/fp16, head dim 64/128, pages 16-128) as well:
+    ([(1, 100), (20, 70), (1, 5)], 2, 64, 16, "bfloat16", 2, 24, None),
+    ([(33, 90), (1, 64)], 4, 128, 32, "float16", 1, 17, 2.0),
+    ([(5, 300), (70, 260)], 1, 64, 64, "bfloat16", 1, 100, 30.0),
+    ([(40, 200)], 8, 64, 16, "bfloat16", 1, 0, 3.0),
 ]
+MOSAIC_CASES = range(len(CASES) - 4, len(CASES))
 PAD_TOKENS = 3
 PAD_SEQS = 1
 
@@ -64,6 +70,27 @@ def build(idx):
             freed_tables[s, p] = rng.integers(-3, num_blocks + 50)
     return seqs, head_dim, dtype, window, softcap, pc, q, cu, kv_lens, tables, freed_tables, \
         k_bad, v_bad
+
+
+def _mosaic(monkeypatch):
+    """Route the Pallas backend to the Mosaic GPU kernels (interpreted on CPU)."""
+    from pallas_kernels import mosaic_decode_attention as mdec
+    from pallas_kernels.backend import ENV_LOWERING, interpret_mode
+
+    if not interpret_mode() and not mdec.hopper_target():
+        pytest.skip("the Mosaic kernels issue wgmma: Hopper (sm_90) only")
+    monkeypatch.setenv(ENV_LOWERING, "mosaic")
+    return "pallas"
+
+
+@pytest.mark.parametrize("idx", MOSAIC_CASES)
+def test_mosaic_ragged_window_softcap(idx, monkeypatch):
+    test_ragged_window_softcap(idx, _mosaic(monkeypatch))
+
+
+@pytest.mark.parametrize("idx", MOSAIC_CASES)
+def test_mosaic_decode_window_softcap(idx, monkeypatch):
+    test_decode_window_softcap(idx, _mosaic(monkeypatch))
 
 
 @pytest.mark.parametrize("backend", ["pallas", "xla", "cpu"])
