@@ -76,6 +76,11 @@ def decode_fn(variant: str, bs: int, ctx: int, scale: float, backend: str | None
     if variant in ("paged", "contiguous"):
         return jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
             q, k, v, bt, lens, scale=scale, layer=0, backend=backend))
+    if variant == "mosaic":  # the Mosaic GPU decode kernel (Hopper only), compiled
+        from pallas_kernels.mosaic_decode_attention import mosaic_paged_decode
+
+        return jax.jit(lambda q, k, v, bt, lens: mosaic_paged_decode(
+            q, k, v, bt, lens, jnp.int32(0), scale=scale))
     if variant == "xla_ref":
         return jax.jit(lambda q, k, v, bt, lens: paged_decode_attention(
             q, k, v, bt, lens, scale=scale, layer=0, backend="xla"))
@@ -171,6 +176,16 @@ def run_ragged(args, hkv, hq, d, dtype, prefill_len, prefill_ctx, num_decode, de
                num_decode=num_decode, decode_ctx=decode_ctx, block_size=bs,
                mixed_ms=t_mixed * 1e3, prefill_ms=t_pre * 1e3, decode_ms=t_dec * 1e3,
                separate_ms=(t_pre + t_dec) * 1e3)
+    if getattr(args, "mosaic", False):  # the same mixed launch on the Mosaic GPU kernel
+        from pallas_kernels.mosaic_ragged_attention import mosaic_ragged_attention
+
+        try:
+            mos = jax.jit(lambda q, k, v, kl, bt, cu, n: mosaic_ragged_attention(
+                q, k, v, kl, bt, cu, n, jnp.int32(0), scale=scale))
+            row["mosaic_mixed_ms"] = bench(
+                lambda: mos(q, k, v, kv_lens, bt, cu, jnp.int32(len(seqs))), args.iters) * 1e3
+        except Exception as e:  # recorded: one failing variant must not stop the run
+            row["mosaic_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     print(json.dumps(row))
     return row
 

@@ -1,11 +1,13 @@
 """Stage ``bench``: the kernel benchmark sweep and a launch-parameter tuning sweep.
 
 1. Decode (``bench/kernels.py``'s variants: our paged kernel, the same kernel over a contiguous
-   cache, jax's upstream Pallas ``paged_attention``, the XLA reference): batch 1-256 x context
+   cache, jax's upstream Pallas ``paged_attention``, on a Hopper our Mosaic GPU kernel, the
+   XLA reference): batch 1-256 x context
    1K-32K, bf16, head_dim 128, 8/32 heads, block 16, plus block sizes 8/32 at one point.
    Points whose K+V exceed 20 GiB are dropped; the XLA reference (which gathers K/V into fp32)
    only runs up to 2 GiB. Points run coarse grid first, so a short budget still spans it.
-2. Ragged: one mixed launch vs separate prefill + decode launches (run first: two points).
+2. Ragged: one mixed launch vs separate prefill + decode launches (run first: two points),
+   and on a Hopper the mixed launch on the Mosaic GPU kernel.
 3. Tuning: ``num_warps`` x ``num_stages`` x ``pages_per_chunk`` (x ``block_q`` for ragged) for
    each kernel at the two head dims the engine serves (64: demo model, 128: Llama-3-8B),
    bf16, block 16; the best per shape class goes to ``tuning_<device>.json``, rows as
@@ -195,7 +197,13 @@ def run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
     rec.set("copy_gbps", copy_gbps)
     rec.set("decode_shape", {"num_kv_heads": hkv, "num_q_heads": hq, "head_dim": d,
                              "dtype": jnp.dtype(dtype).name, "backend": backend})
-    variants = ["paged", "contiguous", *(["upstream"] if on_gpu else []), "xla_ref"]
+    from pallas_kernels.mosaic_decode_attention import hopper_target
+
+    # The Mosaic GPU kernels (issue 21) beside Triton's where the GPU is a Hopper.
+    mosaic = on_gpu and hopper_target()
+    args.mosaic = mosaic
+    variants = ["paged", "contiguous", *(["upstream"] if on_gpu else []),
+                *(["mosaic"] if mosaic else []), "xla_ref"]
 
     ragged_cfgs = ([dict(prefill_len=16, prefill_ctx=48, num_decode=2, decode_ctx=64, bs=16)]
                    if dry_run else
@@ -242,7 +250,7 @@ def _summaries(rec: Recorder, copy_gbps: float) -> None:
         rec.summarize("decode paged, best % of copy BW",
                       f"{top['pct_of_copy']:.0f}% ({top['gbps']:.0f} GB/s) at batch {top['batch']} "
                       f"ctx {top['context']}", "info")
-    for other in ("contiguous", "upstream", "xla_ref"):
+    for other in ("contiguous", "upstream", "mosaic", "xla_ref"):
         ratios = [by[(o, b, c, bs)]["time_ms"] / r["time_ms"] for r in paged
                   for o, b, c, bs in [(other, r["batch"], r["context"], r["block_size"])]
                   if (o, b, c, bs) in by]
@@ -256,5 +264,10 @@ def _summaries(rec: Recorder, copy_gbps: float) -> None:
         if "mixed_ms" in r:
             rec.summarize(f"ragged mixed vs separate ({r['prefill_len']}+{r['num_decode']})",
                           f"{r['mixed_ms']:.3f} vs {r['separate_ms']:.3f} ms", "info")
+            if "mosaic_mixed_ms" in r or "mosaic_error" in r:
+                rec.summarize(f"ragged mixed, Mosaic vs Triton ({r['prefill_len']}+"
+                              f"{r['num_decode']})",
+                              f"{r['mosaic_mixed_ms']:.3f} vs {r['mixed_ms']:.3f} ms"
+                              if "mosaic_mixed_ms" in r else r["mosaic_error"], "info")
         else:
             rec.summarize("ragged", r.get("error", "?"), "FAIL")
