@@ -25,8 +25,11 @@ Sliding windows (data: one compilation serves windowed and global layers) skip c
 wholly before the window and mask the rest by position; soft-capping (static) applies
 ``c * tanh(s / c)`` before the mask. Scope (the rest falls back to the Triton kernel,
 `supports`): bf16/fp16 caches, head dims 64 and 128, block sizes 16-128, no quantized cache.
-Chunks under 64 tokens and head dim 256 fail Mosaic GPU's layout inference in jax 0.12
-(checked with the deviceless H100 compile).
+Chunks under 64 tokens fail Mosaic GPU's layout inference in jax 0.12 (checked with the
+deviceless H100 compile). Head dim 256 compiles once the output leaves through SMEM in
+128-column slices (`store_tile`; whole, it overflowed SMEM beside the K/V rings), but one
+warpgroup then holds a 64 x 256 fp32 accumulator (128 registers a thread) and spills ~400
+bytes: it needs the head dim split across two warpgroups, so it keeps Triton for now.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pallas_kernels._common import as_5d, cdiv, window_span
 
 ROWS = 64  # wgmma's M: the GQA group is padded to it
 STAGES = 2  # SMEM ring depth
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)  # 256: see the module docstring
 BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100, as the Triton kernel
@@ -209,14 +212,29 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
     acc, m_i, l_i = attend_chunks(n, first, issue, lambda key: (key < ctx) & (key >= lo), lo,
                                   ctx, q_smem, k_smem, v_smem, p_smem, k_bar, v_bar,
                                   scale=scale, softcap=softcap, m_init=-jnp.inf)
-    o_smem[...] = acc
+    store_tile(acc, o_smem, acc_out.at[split, seq, head])
     ml_smem[0] = m_i
     ml_smem[1] = l_i
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, acc_out.at[split, seq, head])
     plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[split, seq, head])
     plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[split, seq, head])
     plgpu.wait_smem_to_gmem(0)
+
+
+def store_tile(acc, o_smem, dst) -> None:
+    """Write the fp32 ``[ROWS, D]`` tile ``acc`` to the GMEM ref ``dst`` through ``o_smem``
+    (``[ROWS, min(D, 128)]``: at head dim 256 a whole fp32 tile would not fit in SMEM beside
+    the K/V rings), a column slice at a time. Leaves its copies in flight."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    w = o_smem.shape[-1]
+    for j in range(acc.shape[-1] // w):
+        if j:
+            plgpu.wait_smem_to_gmem(0)  # the previous slice has left o_smem
+        o_smem[...] = acc[:, j * w:(j + 1) * w]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, dst.at[:, pl.ds(j * w, w)])
 
 
 def scratch_types(d: int, chunk: int, dtype, *, stats: bool) -> tuple:
@@ -224,7 +242,7 @@ def scratch_types(d: int, chunk: int, dtype, *, stats: bool) -> tuple:
     tile (``stats``: also the running max and denominator, which decode splits write out)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tail = [plgpu.SMEM((ROWS, d), jnp.float32)]
+    tail = [plgpu.SMEM((ROWS, min(d, 128)), jnp.float32)]
     if stats:
         tail.append(plgpu.SMEM((2, ROWS), jnp.float32))
     return (plgpu.SMEM((ROWS, d), dtype, transforms=_smem_transforms(d, dtype)),

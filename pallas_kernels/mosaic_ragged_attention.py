@@ -36,6 +36,7 @@ from pallas_kernels.mosaic_decode_attention import (
     chunk_tokens,
     page_copier,
     scratch_types,
+    store_tile,
 )
 
 
@@ -75,9 +76,7 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
                                 p_smem, k_bar, v_bar, scale=scale, softcap=softcap,
                                 m_init=MASK_VALUE)
     l_safe = jnp.where(l_i > 0, l_i, 1.0)
-    o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[item, head])
+    store_tile(acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), o_smem, out_ref.at[item, head])
     plgpu.wait_smem_to_gmem(0)
 
 
