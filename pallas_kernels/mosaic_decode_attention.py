@@ -51,6 +51,21 @@ DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100, as the Triton kernel
 
 
+@functools.cache
+def mosaic_available() -> bool:
+    """Whether the installed jax has the Mosaic GPU API these kernels are written against
+    (jax 0.12: ``plgpu.kernel(out_type=..., scratch_types=...)``; the lent GPU machine
+    carries jax 0.11.2, where the kernels fall back to Triton and their tests say why)."""
+    import inspect
+
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError:
+        return False
+    params = inspect.signature(plgpu.kernel).parameters
+    return "out_type" in params and "scratch_types" in params and hasattr(plgpu, "ACC")
+
+
 def hopper_target() -> bool:
     """Whether the GPU the trace targets is a Hopper (sm_90): wgmma exists nowhere else. A
     device that does not say (a deviceless compile target) is taken at its word: its compile
@@ -81,7 +96,7 @@ def supports(q: jax.Array, k_cache: jax.Array, *, quantized: bool, interpret: bo
             and q.shape[-1] in HEAD_DIMS and k_cache.shape[-2] in BLOCK_SIZES
             and group <= ROWS and not quantized
             and (not ragged or ragged_shape_ok(q.shape[-1], k_cache.shape[-2]))
-            and (interpret or hopper_target()))
+            and mosaic_available() and (interpret or hopper_target()))
 
 
 def chunk_tokens(block_size: int) -> int:
