@@ -49,7 +49,7 @@ def test_mosaic_kernels_in_engine_keep_greedy_outputs(monkeypatch):
     from pallas_kernels.backend import ENV_LOWERING, interpret_mode
 
     if not mdec.mosaic_available() or not (interpret_mode() or mdec.hopper_target()):
-        pytest.skip("the Mosaic kernels need jax 0.12's Mosaic GPU API and, compiled, a Hopper")
+        pytest.skip("the Mosaic kernels need the Mosaic GPU API (jax >= 0.11.2) and, compiled, a Hopper")
 
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIG, "hidden_size": 128, "num_attention_heads": 2,
                                "num_key_value_heads": 1, "head_dim": 64})

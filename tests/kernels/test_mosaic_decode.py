@@ -30,7 +30,7 @@ CASES = [
 def _call(case, q, layer, **kw):
     """Interpreted on CPU; compiled on a lent Hopper GPU (the GPU suite's kernel stage)."""
     if not mdec.mosaic_available():
-        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax 0.12)")
+        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax >= 0.11.2)")
     if not interpret_mode() and not mdec.hopper_target():
         pytest.skip("the Mosaic decode kernel issues wgmma: Hopper (sm_90) only")
     k, v, tables, lens = case
@@ -77,7 +77,7 @@ def test_selected_by_lowering_and_falls_back(monkeypatch):
     it (windowed and soft-capped calls included) and fp32 or quantized calls to Triton; the
     results agree with Triton's."""
     if not mdec.mosaic_available():
-        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax 0.12)")
+        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax >= 0.11.2)")
     if not interpret_mode() and not mdec.hopper_target():
         pytest.skip("the Mosaic decode kernel issues wgmma: Hopper (sm_90) only")
     rng = np.random.default_rng(6)
@@ -107,14 +107,14 @@ def test_selected_by_lowering_and_falls_back(monkeypatch):
 
 def test_mosaic_api_present_where_interpreted():
     """On CPU (CI) the Mosaic tests must run, never skip: the jax the project pins has the
-    API (only an older jax on a lent GPU machine may lack it)."""
+    API."""
     if interpret_mode():
         assert mdec.mosaic_available()
 
 
 def test_supports_scope():
     if not mdec.mosaic_available():
-        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax 0.12)")
+        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax >= 0.11.2)")
     bf = jnp.zeros((2, 8, 128), jnp.bfloat16)
     cache = jnp.zeros((1, 2, 4, 16, 128), jnp.bfloat16)
     assert mdec.supports(bf, cache, quantized=False)

@@ -78,7 +78,7 @@ def _mosaic(monkeypatch):
     from pallas_kernels.backend import ENV_LOWERING, interpret_mode
 
     if not mdec.mosaic_available():
-        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax 0.12)")
+        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax >= 0.11.2)")
     if not interpret_mode() and not mdec.hopper_target():
         pytest.skip("the Mosaic kernels issue wgmma: Hopper (sm_90) only")
     monkeypatch.setenv(ENV_LOWERING, "mosaic")
