@@ -28,10 +28,9 @@ ENV_BACKEND = "PAGEDJAX_ATTENTION_BACKEND"
 ENV_INTERPRET = "PAGEDJAX_PALLAS_INTERPRET"
 # Which Pallas GPU lowering runs the attention kernels. Triton is the portable path (Ampere
 # and up; deprecated upstream since jax 0.11 but shipped through 0.12) and the default;
-# "mosaic" runs the Mosaic GPU decode kernel (Hopper: TMA, wgmma;
-# `pallas_kernels.mosaic_decode_attention`) where it covers the call, Triton elsewhere (the
-# ragged kernel has no Mosaic variant yet). It is opt-in until a GPU session has timed it
-# against Triton.
+# "mosaic" runs the Mosaic GPU kernels (Hopper: TMA, wgmma; `pallas_kernels.mosaic_decode_
+# attention`, `mosaic_ragged_attention`) where they cover the call, Triton elsewhere. It is
+# opt-in until a GPU session has timed it against Triton.
 ENV_LOWERING = "PAGEDJAX_PALLAS_LOWERING"
 LOWERINGS: tuple[str, ...] = ("triton", "mosaic")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
