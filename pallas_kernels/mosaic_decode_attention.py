@@ -114,11 +114,13 @@ def _smem_transforms(cols: int, dtype):
             plgpu.SwizzleTransform(swizzle))
 
 
-def attend_chunks(n, first, issue, visible, kv_lo, kv_end, q_smem, k_smem, v_smem, p_smem,
-                  k_bar, v_bar, *, scale: float, softcap: float | None, m_init: float):
-    """The chunk loop both Mosaic kernels share: ``n`` chunks of ``k_smem.shape[1]`` keys,
-    chunk ``first + c`` copied into slot ``c % STAGES`` by ``issue(c, slot)`` (the first
-    STAGES already issued by the caller); logits soft-capped (``softcap``), then masked by
+def attend_chunks(n, first, issue, q_src, q_bar, visible, kv_lo, kv_end, q_smem, k_smem,
+                  v_smem, p_smem, k_bar, v_bar, *, scale: float, softcap: float | None,
+                  m_init: float):
+    """The pipeline both Mosaic kernels share: the first STAGES chunks' copies are issued and
+    the query tile ``q_src`` loaded into ``q_smem``, then ``n`` chunks of ``k_smem.shape[1]``
+    keys are walked, chunk ``first + c`` copied into slot ``c % STAGES`` by
+    ``issue(c, slot)``; logits soft-capped (``softcap``), then masked by
     ``visible(key_pos)`` (``[ROWS, chunk]``); V rows outside ``[kv_lo, kv_end)`` (past the
     context, or behind a window, where blocks may have been released) are zeroed in SMEM.
     Returns the unnormalised accumulator ``[ROWS, D]`` and the base-2 running max and
@@ -129,6 +131,10 @@ def attend_chunks(n, first, issue, visible, kv_lo, kv_end, q_smem, k_smem, v_sme
     chunk, d = k_smem.shape[1], q_smem.shape[-1]
     log2e = math.log2(math.e)
     wgmma = plgpu.Layout.WGMMA
+    for s in range(STAGES):
+        pl.when(s < n)(functools.partial(issue, s, s))
+    plgpu.copy_gmem_to_smem(q_src, q_smem, q_bar)
+    plgpu.barrier_wait(q_bar)
 
     def step(c, carry):
         acc, m_i, l_i = carry
@@ -203,7 +209,6 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
             q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar,  # scratch
             *, num_kv_heads: int, num_blocks: int, block_size: int, chunks_per_split: int,
             scale: float, softcap: float | None, windowed: bool):
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     seq, head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
@@ -221,13 +226,10 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
     base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
     issue = page_copier(tables_ref, seq, first, used_pages, base, num_blocks, block_size,
                         k_ref, v_ref, k_smem, v_smem, k_bar, v_bar)
-    for s in range(STAGES):
-        pl.when(s < n)(functools.partial(issue, s, s))
-    plgpu.copy_gmem_to_smem(q_ref.at[seq, head], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
-    acc, m_i, l_i = attend_chunks(n, first, issue, lambda key: (key < ctx) & (key >= lo), lo,
-                                  ctx, q_smem, k_smem, v_smem, p_smem, k_bar, v_bar,
-                                  scale=scale, softcap=softcap, m_init=-jnp.inf)
+    acc, m_i, l_i = attend_chunks(n, first, issue, q_ref.at[seq, head], q_bar,
+                                  lambda key: (key < ctx) & (key >= lo), lo, ctx, q_smem, k_smem,
+                                  v_smem, p_smem, k_bar, v_bar, scale=scale, softcap=softcap,
+                                  m_init=-jnp.inf)
     store_tile(acc, o_smem, acc_out.at[split, seq, head])
     ml_smem[0] = m_i
     ml_smem[1] = l_i

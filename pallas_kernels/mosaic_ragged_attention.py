@@ -30,7 +30,6 @@ from jax import lax
 from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, next_pow2, window_span
 from pallas_kernels.mosaic_decode_attention import (
     ROWS,
-    STAGES,
     attend_chunks,
     barriers,
     chunk_tokens,
@@ -45,7 +44,6 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
             q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar,  # scratch
             *, num_kv_heads: int, num_blocks: int, block_size: int, group_p: int, scale: float,
             softcap: float | None, windowed: bool):
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     item, head = lax.axis_index("item"), lax.axis_index("head")
@@ -60,10 +58,6 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
     base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
     issue = page_copier(tables_ref, seq, first, used_pages, base, num_blocks, block_size,
                         k_ref, v_ref, k_smem, v_smem, k_bar, v_bar)
-    for s in range(STAGES):
-        pl.when(s < n)(functools.partial(issue, s, s))
-    plgpu.copy_gmem_to_smem(q_ref.at[item, head], q_smem, q_bar)
-    plgpu.barrier_wait(q_bar)
 
     def visible(key):
         row_pos = pos0 + lax.div(plgpu.broadcasted_iota(jnp.int32, key.shape, 0,
@@ -72,9 +66,9 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
         seen = (key <= row_pos) & (key < kv_end)
         return seen & (key > row_pos - span) if windowed else seen
 
-    acc, _, l_i = attend_chunks(n, first, issue, visible, kv_lo, kv_end, q_smem, k_smem, v_smem,
-                                p_smem, k_bar, v_bar, scale=scale, softcap=softcap,
-                                m_init=MASK_VALUE)
+    acc, _, l_i = attend_chunks(n, first, issue, q_ref.at[item, head], q_bar, visible, kv_lo,
+                                kv_end, q_smem, k_smem, v_smem, p_smem, k_bar, v_bar,
+                                scale=scale, softcap=softcap, m_init=MASK_VALUE)
     l_safe = jnp.where(l_i > 0, l_i, 1.0)
     store_tile(acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), o_smem, out_ref.at[item, head])
     plgpu.wait_smem_to_gmem(0)
