@@ -8,9 +8,13 @@ Times, interleaved (A, B, C, ... repeated), the median of:
   memory-bandwidth floor of a batch-1 decode step, which must read every weight once;
 - `matvec_chain`: every weight matmul of the model (the layers' fused projections and the LM
   head) at one row, chained, with nothing else: what XLA's GEMVs take;
+- `matvec_chain_native`, `matmuls_8_native`: the same chain through the native panel matmul
+  (`pallas_kernels/csrc/dense_matmul_cpu.cc`, the unrolled fp32 model's default on CPU) at one
+  and eight rows (a speculative verification step's), and `matmuls_8` through XLA;
 - `decode_step_1`, `decode_step_64`: the engine's jitted step (`ModelRunner.execute`, unrolled
   layers, native CPU attention) at 1 and 64 decoding sequences of 128-token contexts;
-- `matmuls_64`: the same weight matmuls at 64 rows, with the GFLOP/s they reach.
+- `matmuls_64`, `matmuls_64_native`: the same weight matmuls at 64 rows, with the GFLOP/s
+  they reach.
 
 Writes bench/results/cpu/cpu_floor.json with the load average at the start and versions.
 """
@@ -40,20 +44,38 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from models.decoder import unstack_layers
     from models.loader import load_model
     from pagedjax.config import EngineConfig
     from pagedjax.core.scheduler import ScheduledSeq
     from pagedjax.worker.model_runner import ModelRunner
     from pagedjax.worker.step_inputs import build_step_inputs
+    from pallas_kernels.cpu_native import dense_matmul_cpu
 
     config, params, _ = load_model("smollm2", None)
     runner = ModelRunner(config, params, EngineConfig(num_gpu_blocks=1024, max_model_len=1024,
                                                       warmup=False), jnp.float32, 1024)
-    p = runner.params
+    p = jax.device_put(unstack_layers(params))  # canonical [K, N] kernels, for XLA's dots
     layers = [p[f"layer_{i}"] for i in range(config.num_layers)]
-    emb = jax.tree.leaves(p["embed"])[0]
+    emb = p["embed"]
     n_weights = sum(x.size for x in jax.tree.leaves(p))
     hidden, inter = config.hidden_size, config.intermediate_size
+    panels = [runner.params[f"layer_{i}"] for i in range(config.num_layers)]
+    head_panels = runner.params["embed"]["panels"]
+    widths = {name: lp[name]["kernel"].shape[1] for name, lp in
+              (("qkv_proj", layers[0]), ("o_proj", layers[0]), ("gate_up_proj", layers[0]),
+               ("down_proj", layers[0]))}
+
+    def native_chain(h, layers, head):
+        mm = lambda h, lp, name: dense_matmul_cpu(h, lp[name]["panels"], widths[name])  # noqa: E731
+        for lp in layers:
+            h = h + mm(h, lp, "qkv_proj")[:, :hidden]
+            h = h + mm(h, lp, "o_proj")
+            g = mm(h, lp, "gate_up_proj")
+            h = h + mm(g[:, :inter], lp, "down_proj")
+        return dense_matmul_cpu(h, head, config.vocab_size)
+
+    native_j = jax.jit(native_chain)
 
     def chain(h, layers, emb):
         for lp in layers:
@@ -70,6 +92,7 @@ def main() -> None:
     weights = jax.device_put(np.ones(n_weights, np.float32))
     total = jax.jit(jnp.sum)
     h1 = jnp.full((1, hidden), 1e-3, jnp.float32)
+    h8 = jnp.full((8, hidden), 1e-3, jnp.float32)
     h64 = jnp.full((64, hidden), 1e-3, jnp.float32)
 
     def step_inputs(n, ctx=128):
@@ -85,6 +108,10 @@ def main() -> None:
         "decode_step_1": lambda: runner.execute(in1),
         "decode_step_64": lambda: runner.execute(in64),
         "matmuls_64": lambda: chain_j(h64, layers, emb),
+        "matvec_chain_native": lambda: native_j(h1, panels, head_panels),
+        "matmuls_8": lambda: chain_j(h8, layers, emb),
+        "matmuls_8_native": lambda: native_j(h8, panels, head_panels),
+        "matmuls_64_native": lambda: native_j(h64, panels, head_panels),
     }
     for f in calls.values():
         jax.block_until_ready(f())
@@ -102,7 +129,8 @@ def main() -> None:
                        "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load},
            "versions": {"jax": jax.__version__}, "weights_gb_fp32": gb, "ms": ms,
            "stream_gb_per_s": gb / ms["stream_weights"] * 1e3,
-           "matmuls_64_gflop_per_s": flops_64 / ms["matmuls_64"] / 1e6}
+           "matmuls_64_gflop_per_s": flops_64 / ms["matmuls_64"] / 1e6,
+           "matmuls_64_native_gflop_per_s": flops_64 / ms["matmuls_64_native"] / 1e6}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)

@@ -40,7 +40,14 @@ import jax.numpy as jnp
 from models import rope as rope_lib
 from models.config import ModelConfig
 from models.moe import moe_mlp
-from models.qlinear import Linear, dequantize, dequantize_columns, is_packed
+from models.qlinear import (
+    Linear,
+    dense_panel_rows,
+    dequantize,
+    dequantize_columns,
+    is_dense_panels,
+    is_packed,
+)
 
 KVCache = tuple[jax.Array, jax.Array]
 
@@ -225,11 +232,16 @@ class DecoderLM(nn.Module):
         """
         c = self.config
         # A packed table (`models.qlinear`) is stored as the LM head's [hidden, vocab].
-        packed_embed = self.has_variable("params", "embed") and is_packed(
-            self.get_variable("params", "embed"))
+        stored = (self.get_variable("params", "embed") if self.has_variable("params", "embed")
+                  else None)
+        packed_embed, panel_embed = is_packed(stored), is_dense_panels(stored)
         if packed_embed:
-            embed = self.get_variable("params", "embed")
+            embed = stored
             x = dequantize_columns(embed, input_ids.reshape(-1), c.hidden_size, self.dtype)
+            x = x.reshape(*input_ids.shape, c.hidden_size)
+        elif panel_embed:  # kept as the LM head's panels (`models.qlinear.dense_panelize`)
+            embed = stored
+            x = dense_panel_rows(embed["panels"], input_ids.reshape(-1)).astype(self.dtype)
             x = x.reshape(*input_ids.shape, c.hidden_size)
         else:
             embed = self.param("embed", nn.initializers.normal(0.02),
@@ -264,11 +276,12 @@ class DecoderLM(nn.Module):
         if logits_indices is not None:
             x = x.reshape(-1, c.hidden_size)[logits_indices]
         # The LM head: the (tied) embedding [V, H], an untied [H, V], or either packed.
+        untied = (self.get_variable("params", "lm_head")
+                  if self.has_variable("params", "lm_head") else None)
         if c.tie_word_embeddings:
-            head, layout = embed, "packed" if packed_embed else "vh"
-        elif self.has_variable("params", "lm_head") and is_packed(
-                self.get_variable("params", "lm_head")):
-            head, layout = self.get_variable("params", "lm_head"), "packed"
+            head, layout = embed, ("packed" if packed_embed or panel_embed else "vh")
+        elif is_packed(untied) or is_dense_panels(untied):
+            head, layout = untied, "packed"
         else:
             head = self.param("lm_head", nn.initializers.normal(0.02),
                               (c.hidden_size, c.vocab_size), self.dtype)

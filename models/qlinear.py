@@ -89,6 +89,48 @@ def panelize(params: dict) -> dict:
     return walk(params)
 
 
+def is_dense_panels(p: Any) -> bool:
+    """A float weight kept in 64-column panels (`to_dense_panels`) in place of ``kernel``."""
+    return isinstance(p, dict) and "panels" in p
+
+
+def to_dense_panels(w: jax.Array) -> jax.Array:
+    """A float32 weight ``[K, N]`` as 64-column panels ``[ceil(N / 64), K, 64]`` (N padded
+    with zeros): each panel one contiguous stream, the layout the native CPU matmul reads
+    (`pallas_kernels/csrc/dense_matmul_cpu.cc` says why)."""
+    pad = -w.shape[1] % PANEL
+    return jnp.pad(w, ((0, 0), (0, pad))).reshape(w.shape[0], -1, PANEL).transpose(1, 0, 2)
+
+
+def dense_panel_rows(panels: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows ``rows`` of the weight's transpose, ``[len(rows), K]``: an embedding lookup from a
+    tied ``[vocab, hidden]`` table kept as the LM head's panels."""
+    return panels[rows // PANEL, :, rows % PANEL]
+
+
+def dense_panelize(params: dict) -> dict:
+    """Every per-layer float32 `Linear` kernel ``[K, N]`` of ``params`` (a dict holding
+    ``kernel``) as ``{"panels"}``, and the LM head: a tied ``embed [V, H]`` or an untied
+    ``lm_head [H, V]`` as the panels of ``[H, V]``. Only for the unrolled (per-layer)
+    layout on one CPU device, where `pallas_kernels.cpu_native.dense_matmul_cpu` runs it."""
+    def walk(node):
+        if isinstance(node, dict):
+            kernel = node.get("kernel")
+            if (kernel is not None and getattr(kernel, "ndim", 0) == 2
+                    and kernel.dtype == jnp.float32):
+                return {**{k: v for k, v in node.items() if k != "kernel"},
+                        "panels": to_dense_panels(kernel)}
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    out = walk(params)
+    for name, transpose in (("embed", True), ("lm_head", False)):
+        w = out.get(name)
+        if w is not None and not isinstance(w, dict) and w.ndim == 2 and w.dtype == jnp.float32:
+            out[name] = {"panels": to_dense_panels(w.T if transpose else w)}
+    return out
+
+
 def is_panels_stacked(p: dict) -> bool:
     return p["codes"].ndim == 4
 
@@ -119,6 +161,13 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "panels"):  # float32 panels: the native CPU matmul
+            y = self.packed_matmul(x.astype(jnp.float32),
+                                   {"panels": self.get_variable("params", "panels")},
+                                   self.features)
+            if self.use_bias:
+                y += self.get_variable("params", "bias").astype(y.dtype)
+            return y.astype(self.dtype)
         if self.has_variable("params", "codes"):
             p = {n: self.get_variable("params", n) for n in ("codes", "scale", "offset")
                  if self.has_variable("params", n)}

@@ -43,9 +43,12 @@ ENV_CACHE = "PAGEDJAX_CACHE_DIR"
 TARGET = "pagedjax_ragged_paged_attention_cpu"
 WRITE_TARGET = "pagedjax_write_kv_bytes_cpu"
 PACKED_TARGET = "pagedjax_packed_matmul_cpu"
-# One library: the attention kernel (and its FP8 byte scatter) and the packed-weight matmul.
+DENSE_TARGET = "pagedjax_dense_matmul_cpu"
+# One library: the attention kernel (and its FP8 byte scatter), the packed-weight matmul and
+# the float32 panel matmul.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc"))
+                for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
+                             "dense_matmul_cpu.cc"))
 SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
 # shared library with it pulls in crtfastmath.o, which turns on flush-to-zero for the whole
@@ -115,6 +118,8 @@ def _register() -> bool:
         WRITE_TARGET, jax.ffi.pycapsule(lib.PagedjaxWriteKvBytesCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         PACKED_TARGET, jax.ffi.pycapsule(lib.PagedjaxPackedMatmulCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        DENSE_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulCpu), platform="cpu")
     return True
 
 
@@ -173,7 +178,11 @@ def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None) -> jax.Array:
     """``x [..., K] @ w`` for a packed weight ``p`` (`models.qlinear`: ``codes``, ``scale``,
     optional ``offset``; canonical ``[rows, N]`` or 64-column panels ``[N / 64, rows, 64]``,
     whose true width ``n`` must be given), widening the weight row by row in registers
-    (`csrc/packed_matmul_cpu.cc`) instead of materialising it. fp32 or bf16 ``x``."""
+    (`csrc/packed_matmul_cpu.cc`) instead of materialising it. fp32 or bf16 ``x``. A float32
+    weight in panels (``{"panels"}``, `models.qlinear.to_dense_panels`) goes to
+    `dense_matmul_cpu`."""
+    if "panels" in p:
+        return dense_matmul_cpu(x, p["panels"], n)
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -188,3 +197,17 @@ def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None) -> jax.Array:
     # int8 codes go in as they are (a bitcast to uint8 would copy the weight on XLA:CPU).
     y = call(x.reshape(-1, k), codes, p["scale"], offset, is_signed=codes.dtype == jnp.int8)
     return y.reshape(*lead, n)
+
+
+def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """``x [..., K] @ w`` for a float32 weight ``w [K, n]`` held as 64-column panels
+    ``[ceil(n / 64), K, 64]`` (`models.qlinear.to_dense_panels`; `csrc/dense_matmul_cpu.cc`
+    says why: up to six rows cost one pass over the weight, where XLA's GEMM packs it per
+    call). float32 only; each row's result does not depend on how many rows come with it."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
+        raise TypeError(f"dense_matmul_cpu: float32 only, got x {x.dtype}, w {panels.dtype}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((math.prod(lead), n), x.dtype))
+    return call(x.reshape(-1, k), panels).reshape(*lead, n)

@@ -323,14 +323,22 @@ class ModelRunner:
 
     def _panels(self, params: dict) -> dict:
         """Packed weights in the 64-column panels the native CPU kernel streams
-        (`models.qlinear.panelize`) when the model multiplies with it."""
+        (`models.qlinear.panelize`) when the model multiplies with it; with the unrolled
+        layers of a float32 model, its dense kernels and LM head too
+        (`models.qlinear.dense_panelize`: a step of a few rows, a decode or a speculative
+        verification, then reads each weight once instead of XLA's per-call GEMM packing;
+        ``PAGEDJAX_DENSE_PANELS=0`` keeps XLA's dots, for comparisons)."""
         from pallas_kernels import cpu_native
 
         if self.model.packed_matmul is not cpu_native.packed_matmul_cpu:
             return params
-        from models.qlinear import panelize
+        from models.qlinear import dense_panelize, panelize
 
-        return panelize(params)
+        params = panelize(params)
+        if (not self.scan_layers and self.model.dtype == jnp.float32
+                and os.environ.get("PAGEDJAX_DENSE_PANELS", "1") not in ("0", "false")):
+            params = dense_panelize(params)
+        return params
 
     # ---- sizing ------------------------------------------------------------
     def _profile_num_blocks(self) -> int:

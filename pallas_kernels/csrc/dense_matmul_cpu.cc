@@ -1,0 +1,160 @@
+// y[M, N] = x[M, K] @ w[K, N] for a float32 weight kept in 64-column panels, as an XLA FFI
+// call (`pallas_kernels.cpu_native.dense_matmul_cpu`).
+//
+// Why native code: XLA:CPU hands every dot to Eigen, whose GEMM packs the weight matrix on
+// each call. For the few rows of a decode or speculative-verification step that packing
+// costs more than the arithmetic: on the demo model the layers' matmuls took 21 ms at one
+// row and 41 ms at eight (the weights are the same bytes either way), and the LM head 3.3 ms
+// at one row but 7.5 ms at two to eight. Here each panel [K, 64] of the weight is one
+// contiguous stream (`models.qlinear.to_dense_panels`) that is read once per block of up to
+// six rows and used straight from the cache lines: up to six rows cost what one costs, which
+// is what a speculative step's k + 1 rows need.
+//
+// Work items are (panel, chunk of rows) pairs over XLA's intra-op thread pool (the calling
+// thread too). With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; without
+// it, a portable loop. Each output is one fused multiply-add chain over k = 0 .. K-1 in
+// order, the same whichever block or chunk holds its row: results do not depend on the
+// number of rows (a row scores the same in a decode step as in a verification step) and
+// differ from a float dot only by reassociation.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 64;        // output columns per panel
+constexpr int64_t kBlockRows = 6;    // rows sharing one pass over a panel (register block)
+constexpr int64_t kChunkRows = 48;
+constexpr int64_t kAhead = 32;   // rows per work item: 8 blocks over a panel held in L2
+
+struct Dense {
+  int64_t M, K, N;
+  const float* x;  // [M, K]
+  const float* w;  // [ceil(N / 64), K, 64]
+  float* y;        // [M, N]
+  int64_t cols(int64_t b) const { return std::min(kCols, N - b * kCols); }
+};
+
+#if defined(__AVX512F__)
+inline __mmask16 lane_mask(int64_t nc, int i) {
+  const int64_t left = nc - 16 * i;
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
+// Rows [m0, m0 + MR) of panel b.
+template <int MR>
+void block(const Dense& p, int64_t b, int64_t m0) {
+  const float* w = p.w + b * p.K * kCols;
+  const float* x = p.x + m0 * p.K;
+  __m512 c[MR][4];
+  for (int q = 0; q < MR; ++q)
+    for (int i = 0; i < 4; ++i) c[q][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.K; ++k) {
+    const float* wk = w + k * kCols;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 48), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
+                 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int q = 0; q < MR; ++q) {
+      const __m512 a = _mm512_set1_ps(x[q * p.K + k]);
+      c[q][0] = _mm512_fmadd_ps(a, w0, c[q][0]);
+      c[q][1] = _mm512_fmadd_ps(a, w1, c[q][1]);
+      c[q][2] = _mm512_fmadd_ps(a, w2, c[q][2]);
+      c[q][3] = _mm512_fmadd_ps(a, w3, c[q][3]);
+    }
+  }
+  const int64_t nc = p.cols(b);
+  for (int q = 0; q < MR; ++q)
+    for (int i = 0; i < 4; ++i)
+      _mm512_mask_storeu_ps(p.y + (m0 + q) * p.N + b * kCols + 16 * i, lane_mask(nc, i),
+                            c[q][i]);
+}
+
+void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1) {
+  int64_t m = m0;
+  for (; m + kBlockRows <= m1; m += kBlockRows) block<kBlockRows>(p, b, m);
+  switch (m1 - m) {
+    case 5: block<5>(p, b, m); break;
+    case 4: block<4>(p, b, m); break;
+    case 3: block<3>(p, b, m); break;
+    case 2: block<2>(p, b, m); break;
+    case 1: block<1>(p, b, m); break;
+    default: break;
+  }
+}
+#else
+// Portable: the same chain per output (a fused multiply-add where the target has one).
+void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1) {
+  const float* w = p.w + b * p.K * kCols;
+  const int64_t nc = p.cols(b);
+  for (int64_t m = m0; m < m1; ++m) {
+    float acc[kCols] = {};
+    const float* x = p.x + m * p.K;
+    for (int64_t k = 0; k < p.K; ++k)
+      for (int64_t c = 0; c < kCols; ++c) acc[c] = __builtin_fmaf(x[k], w[k * kCols + c], acc[c]);
+    for (int64_t c = 0; c < nc; ++c) p.y[m * p.N + b * kCols + c] = acc[c];
+  }
+}
+#endif
+
+// Shared by the calling thread and pool tasks; heap-held so a task that starts after the work
+// is done (and finds nothing to claim) never touches a dead stack frame.
+struct Shared {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};
+};
+
+void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t panels, int64_t chunks) {
+  for (int64_t i = sh->next.fetch_add(1); i < panels * chunks; i = sh->next.fetch_add(1)) {
+    // Panel-major: a panel's chunks run back to back (on this thread or the other), so the
+    // panel comes from memory once and from cache for its other chunks.
+    const int64_t b = i / chunks, m0 = (i % chunks) * kChunkRows;
+    rows(p, b, m0, std::min(p.M, m0 + kChunkRows));
+  }
+}
+
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0])
+    return ffi::Error::InvalidArgument("expected x [M, K] and y [M, N]");
+  if (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || wd[0] * kCols < yd[1] ||
+      (wd[0] - 1) * kCols >= yd[1])
+    return ffi::Error::InvalidArgument("expected w in panels [ceil(N / 64), K, 64]");
+  Dense p{xd[0], xd[1], yd[1], x.typed_data(), w.typed_data(), y->typed_data()};
+  if (p.M == 0 || p.N == 0) return ffi::Error::Success();
+  const int64_t panels = wd[0], chunks = (p.M + kChunkRows - 1) / kChunkRows;
+  auto sh = std::make_shared<Shared>();
+  // The calling thread works too: one helper fewer than the pool's threads (one per core).
+  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, panels * chunks - 1);
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([sh, p, panels, chunks] {
+      sh->active.fetch_add(1);
+      work(sh, p, panels, chunks);
+      sh->active.fetch_sub(1);
+    });
+  }
+  work(sh, p, panels, chunks);
+  while (sh->active.load() > 0) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDenseMatmulCpu, DenseMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w panels [P, K, 64]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
