@@ -40,7 +40,7 @@ from pagedjax.parallel.mesh import (
 )
 from pagedjax.worker.host_heap import keep_freed_memory
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
-from pagedjax.worker.shapes import MIN_PREFILL_TOKENS, ShapePlan, pow2_at_least
+from pagedjax.worker.shapes import MIN_PREFILL_TOKENS, ShapePlan
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
 from pallas_kernels.backend import cost_follows_length
@@ -87,7 +87,7 @@ def min_step_tokens(engine_config: EngineConfig) -> int:
     sc = engine_config.speculative_config
     if sc is None:
         return MIN_PREFILL_TOKENS
-    return min(MIN_PREFILL_TOKENS, pow2_at_least(1 + sc.num_speculative_tokens, 2))
+    return min(MIN_PREFILL_TOKENS, max(2, 1 + sc.num_speculative_tokens))
 
 
 def native_packed_matmul(tp: int, devices=None):

@@ -9,7 +9,8 @@ compiles. A step shape is ``(T, S, M, R, decode_only)``:
   bucket: powers of two to 8 (a lone decode padded to 8 rows is 1.5x slower on CPU), then
   steps of 8 to 64, 16 to 256 and 32 beyond (`seq_bucket_list`; a decode step's cost grows
   with its rows, and power-of-two buckets made 33 sequences pay for 64: 1.7x on CPU);
-- steps with prefill tokens: ``T`` = tokens rounded up to a power of two >= 16, and ``S`` and
+- steps with prefill tokens: ``T`` = tokens rounded up to a power of two >= 16 (with
+  speculative decoding, first to a lone sequence's 1 + k tokens), and ``S`` and
   ``R`` follow from ``T`` (``min(T, seq cap)``, ``R + T`` when prompt logprobs are scored),
   so mixed batches add one shape per token bucket, not one per combination;
 - ``M``, the block-table width: the Pallas kernels' and the native CPU kernel's cost follows
@@ -62,8 +63,9 @@ class ShapePlan:
     fixed_width: bool  # True where attention cost follows real lengths (Pallas, native CPU)
     block_size: int = 16
     # Smallest token bucket of a step with more than one token per sequence. Speculative
-    # decoding lowers it to fit a lone sequence's 1 + k tokens: padded tokens cost full
-    # compute, and 5 tokens padded to 16 made a batch-1 speculative step 3x the work.
+    # decoding lowers it to a lone sequence's 1 + k tokens exactly: padded tokens cost full
+    # compute (5 tokens padded to 16 made a batch-1 speculative step 3x the work; padded to
+    # 8, 1.2x on CPU with the native matmul). The buckets after it are powers of two.
     min_tokens: int = MIN_PREFILL_TOKENS
     # Speculative decoding's k: a sequence samples up to 1 + k rows per step, so steps may
     # have more sampled rows than sequences (never more than tokens).
@@ -79,7 +81,10 @@ class ShapePlan:
 
     @property
     def token_buckets(self) -> list[int]:
-        return _pow2_range(self.min_tokens, self.max_num_batched_tokens)
+        """min_tokens, then powers of two up to the first >= max_num_batched_tokens."""
+        first = pow2_at_least(self.min_tokens)
+        head = [self.min_tokens] if first != self.min_tokens else []
+        return head + _pow2_range(first, self.max_num_batched_tokens)
 
     @property
     def widths(self) -> list[int]:
@@ -103,10 +108,17 @@ class ShapePlan:
             raise ValueError(f"{num_seqs} sequences exceed max_num_seqs={self.max_num_seqs}")
         return s, s, s
 
+    def mixed_seqs(self, t: int) -> int:
+        """S of a step of T = t tokens: min(t, seq cap), rounded up to a sequence bucket (the
+        sampler's batch sizes; only a speculative 1 + k bucket is not one already)."""
+        s = min(t, self.seq_cap)
+        return next(b for b in self.seq_buckets if b >= s)
+
     def mixed(self, num_tokens: int, num_seqs: int, extra_rows: int) -> tuple[int, int, int]:
         """(T, S, R) of a step with prefill tokens; ``extra_rows`` (prompt logprobs) <= T."""
-        t = pow2_at_least(num_tokens, self.min_tokens)
-        s = min(t, self.seq_cap)
+        t = (self.min_tokens if num_tokens <= self.min_tokens
+             else pow2_at_least(num_tokens, pow2_at_least(self.min_tokens)))
+        s = self.mixed_seqs(t)
         if num_seqs > s or extra_rows > t:
             raise ValueError(f"step of {num_tokens} tokens has {num_seqs} sequences and "
                              f"{extra_rows} extra rows")
@@ -119,7 +131,7 @@ class ShapePlan:
             for s in self.seq_buckets:
                 shapes.append((s, s, m, s, True))
             for t in self.token_buckets:
-                s = min(t, self.seq_cap)
+                s = self.mixed_seqs(t)
                 # More than half of t tokens (the bucket's least) cannot fit in s sequences
                 # of m blocks each: no step has this shape.
                 if t // 2 + 1 > min(s, self.max_num_seqs) * m * self.block_size:

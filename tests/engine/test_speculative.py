@@ -467,15 +467,19 @@ def test_stop_strings_stop_at_the_same_token(tiny):
 
 
 def test_speculative_steps_use_small_token_buckets(tiny):
-    """A lone sequence's 1 + k tokens are padded to 8, not to the 16-token prefill minimum
-    (padded tokens cost full compute)."""
+    """A lone sequence's 1 + k tokens are not padded (to the 16-token prefill minimum, or to
+    a power of two): padded tokens cost full compute. Larger steps take powers of two."""
     from pagedjax.worker.shapes import ShapePlan
 
     config, params = tiny
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=32, block_size=8,
                           max_model_len=128, speculative_config=SPEC)
     plan = llm.engine.runner.shape_plan
-    assert plan.min_tokens == 8 and plan.mixed(5, 1, 0)[0] == 8
+    assert plan.min_tokens == 5 and plan.mixed(5, 1, 0)[0] == 5
+    assert plan.mixed(2, 1, 0)[0] == 5 and plan.mixed(6, 2, 0)[0] == 8
+    assert plan.mixed(10, 2, 0)[0] == 16 and plan.token_buckets[:3] == [5, 8, 16]
+    assert plan.mixed(5, 1, 0) == (5, 8, 8)  # sequences padded to a sampler batch size
+    assert (5, 8, plan.max_blocks_per_seq, 8, False) in plan.step_shapes()
     assert ShapePlan(8, 64, 16, True).mixed(5, 1, 0)[0] == 16  # without speculation
     plain = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=32, block_size=8,
                             max_model_len=128)
