@@ -24,12 +24,16 @@ cannot be read.
 Sliding windows (data: one compilation serves windowed and global layers) skip chunks
 wholly before the window and mask the rest by position; soft-capping (static) applies
 ``c * tanh(s / c)`` before the mask. Scope (the rest falls back to the Triton kernel,
-`supports`): bf16/fp16 caches, head dims 64 and 128, block sizes 16-128, no quantized cache.
-Chunks under 64 tokens fail Mosaic GPU's layout inference in jax 0.12 (checked with the
-deviceless H100 compile). Head dim 256 compiles once the output leaves through SMEM in
-128-column slices (`store_tile`; whole, it overflowed SMEM beside the K/V rings), but one
-warpgroup then holds a 64 x 256 fp32 accumulator (128 registers a thread) and spills ~400
-bytes: it needs the head dim split across two warpgroups, so it keeps Triton for now.
+`supports`): bf16/fp16 caches, head dims 64, 128 and 256, block sizes 16-128 (16-64 at head
+dim 256), no quantized cache. Chunks under 64 tokens fail Mosaic GPU's layout inference in
+jax 0.12 (checked with the deviceless H100 compile).
+
+Head dim 256: one warpgroup holding a 64 x 256 fp32 accumulator (128 registers a thread)
+spilled ~400 bytes, so the output columns are split over two programs (`V_COLS`, folded into
+the grid's split axis): each computes the whole ``q k^T`` (its softmax statistics are then
+the same in both) and ``p v`` for its 128 columns, gathering only those columns of V. The
+price is K read twice: 1.5x the KV bytes of one program, traded for no spills and the same
+register footprint as head dim 128. 128-token chunks would need 272 KiB of SMEM there.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ from pallas_kernels._common import as_5d, cdiv, window_span
 
 ROWS = 64  # wgmma's M: the GQA group is padded to it
 STAGES = 2  # SMEM ring depth
-HEAD_DIMS = (64, 128)  # 256: see the module docstring
+HEAD_DIMS = (64, 128, 256)
+V_COLS = 128  # output (and V) columns per program: head dim 256 takes two (module docstring)
 BLOCK_SIZES = (16, 32, 64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _TARGET_PROGRAMS = 264  # about two waves on a 132-SM H100, as the Triton kernel
@@ -81,11 +86,25 @@ def hopper_target() -> bool:
     return cc is None or str(cc).startswith("9")
 
 
+def shape_ok(head_dim: int, block_size: int, *, ragged: bool) -> bool:
+    """Shapes the kernels serve. Head dim 256 with 128-token chunks needs 272 KiB of SMEM
+    (K and V rings); the ragged kernel with 128-token chunks at head dim 128 spills its
+    logits, accumulator and mask (212 bytes on sm_90a, `pagedjax.aot.mosaic`). Those keep
+    the Triton kernel."""
+    if head_dim not in HEAD_DIMS or block_size not in BLOCK_SIZES:
+        return False
+    if head_dim == 256 and chunk_tokens(block_size) > ROWS:
+        return False
+    return not (ragged and head_dim == 128 and chunk_tokens(block_size) > ROWS)
+
+
 def ragged_shape_ok(head_dim: int, block_size: int) -> bool:
-    """The ragged kernel's register budget: with 128-token chunks at head dim 128 its logits,
-    accumulator and mask spill (212 bytes on sm_90a, `pagedjax.aot.mosaic`), so that shape
-    keeps the Triton kernel."""
-    return not (head_dim == 128 and chunk_tokens(block_size) > ROWS)
+    return shape_ok(head_dim, block_size, ragged=True)
+
+
+def col_parts(head_dim: int) -> int:
+    """Programs that share one (sequence or item, KV head): one per `V_COLS` columns."""
+    return max(1, head_dim // V_COLS)
 
 
 def supports(q: jax.Array, k_cache: jax.Array, *, quantized: bool, interpret: bool = True,
@@ -94,9 +113,8 @@ def supports(q: jax.Array, k_cache: jax.Array, *, quantized: bool, interpret: bo
     compiled (not interpreted) call also needs a Hopper target."""
     group = q.shape[1] // k_cache.shape[-4]
     return (jnp.dtype(k_cache.dtype) in DTYPES and q.dtype == k_cache.dtype
-            and q.shape[-1] in HEAD_DIMS and k_cache.shape[-2] in BLOCK_SIZES
+            and shape_ok(q.shape[-1], k_cache.shape[-2], ragged=ragged)
             and group <= ROWS and not quantized
-            and (not ragged or ragged_shape_ok(q.shape[-1], k_cache.shape[-2]))
             and mosaic_available() and (interpret or hopper_target()))
 
 
@@ -123,12 +141,13 @@ def attend_chunks(n, first, issue, q_src, q_bar, visible, kv_lo, kv_end, q_smem,
     ``issue(c, slot)``; logits soft-capped (``softcap``), then masked by
     ``visible(key_pos)`` (``[ROWS, chunk]``); V rows outside ``[kv_lo, kv_end)`` (past the
     context, or behind a window, where blocks may have been released) are zeroed in SMEM.
-    Returns the unnormalised accumulator ``[ROWS, D]`` and the base-2 running max and
-    denominator ``[ROWS]``."""
+    Returns the unnormalised accumulator ``[ROWS, DV]`` (``DV``: the V ring's columns, all of
+    the head dim or a `V_COLS` slice of it) and the base-2 running max and denominator
+    ``[ROWS]``."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    chunk, d = k_smem.shape[1], q_smem.shape[-1]
+    chunk, dv = k_smem.shape[1], v_smem.shape[-1]
     log2e = math.log2(math.e)
     wgmma = plgpu.Layout.WGMMA
     for s in range(STAGES):
@@ -171,26 +190,28 @@ def attend_chunks(n, first, issue, q_src, q_bar, visible, kv_lo, kv_end, q_smem,
             plgpu.wgmma(ref, p_smem, v_smem.at[slot])
             return ref[...]
 
-        pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, d), jnp.float32))
+        pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, dv), jnp.float32))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv
         pl.when(c + STAGES < n)(functools.partial(issue, c + STAGES, slot))
         return acc, m_new, l_i
 
-    init = (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), wgmma),
+    init = (plgpu.layout_cast(jnp.zeros((ROWS, dv), jnp.float32), wgmma),
             plgpu.layout_cast(jnp.full((ROWS,), m_init, jnp.float32), wgmma.reduce(1)),
             plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wgmma.reduce(1)))
     return lax.fori_loop(0, n, step, init)
 
 
 def page_copier(tables_ref, row, first, used_pages, base, num_blocks: int, block_size: int,
-                k_ref, v_ref, k_smem, v_smem, k_bar, v_bar):
+                k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, v_col0=0):
     """``issue(c, slot)``: TMA chunk ``first + c``'s pages of table row ``row`` into ``slot``,
     one arrival per page on the slot's barriers; entries past ``used_pages`` are never read
-    (page 0 of the head is copied instead, and masked)."""
+    (page 0 of the head is copied instead, and masked). V pages are copied from column
+    ``v_col0`` on, as many columns as the V ring holds."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     pages_per_chunk = k_smem.shape[1] // block_size
+    dv, d = v_smem.shape[-1], k_smem.shape[-1]
 
     def issue(c, slot):
         for j in range(pages_per_chunk):
@@ -199,7 +220,8 @@ def page_copier(tables_ref, row, first, used_pages, base, num_blocks: int, block
             page = base + jnp.clip(page, 0, num_blocks - 1)
             rows = pl.ds(j * block_size, block_size)
             plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot, rows], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot, rows], v_bar.at[slot])
+            v_src = v_ref.at[page] if dv == d else v_ref.at[page, :, pl.ds(v_col0, dv)]
+            plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot, rows], v_bar.at[slot])
 
     return issue
 
@@ -211,7 +233,9 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
             scale: float, softcap: float | None, windowed: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    seq, head, split = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
+    seq, head, program = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
+    parts = k_smem.shape[-1] // v_smem.shape[-1]  # column programs per split (head dim 256)
+    split, part = lax.div(program, jnp.int32(parts)), lax.rem(program, jnp.int32(parts))
     chunk = k_smem.shape[1]
     ctx = lens_ref[seq]
     used_pages = lax.div(ctx + block_size - 1, jnp.int32(block_size))
@@ -225,17 +249,18 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
     n = jnp.maximum(end - first, 0)
     base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
     issue = page_copier(tables_ref, seq, first, used_pages, base, num_blocks, block_size,
-                        k_ref, v_ref, k_smem, v_smem, k_bar, v_bar)
+                        k_ref, v_ref, k_smem, v_smem, k_bar, v_bar,
+                        v_col0=part * v_smem.shape[-1])
     acc, m_i, l_i = attend_chunks(n, first, issue, q_ref.at[seq, head], q_bar,
                                   lambda key: (key < ctx) & (key >= lo), lo, ctx, q_smem, k_smem,
                                   v_smem, p_smem, k_bar, v_bar, scale=scale, softcap=softcap,
                                   m_init=-jnp.inf)
-    store_tile(acc, o_smem, acc_out.at[split, seq, head])
+    store_tile(acc, o_smem, acc_out.at[program, seq, head])
     ml_smem[0] = m_i
     ml_smem[1] = l_i
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[split, seq, head])
-    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[split, seq, head])
+    plgpu.copy_smem_to_gmem(ml_smem.at[0], m_out.at[program, seq, head])
+    plgpu.copy_smem_to_gmem(ml_smem.at[1], l_out.at[program, seq, head])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -256,16 +281,18 @@ def store_tile(acc, o_smem, dst) -> None:
 
 
 def scratch_types(d: int, chunk: int, dtype, *, stats: bool) -> tuple:
-    """SMEM of a Mosaic attention program: the q tile, the K/V rings, p and the fp32 output
-    tile (``stats``: also the running max and denominator, which decode splits write out)."""
+    """SMEM of a Mosaic attention program: the q tile, the K ring, the V ring (its program's
+    columns), p and the fp32 output tile (``stats``: also the running max and denominator,
+    which decode splits write out)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    tail = [plgpu.SMEM((ROWS, min(d, 128)), jnp.float32)]
+    dv = d // col_parts(d)
+    tail = [plgpu.SMEM((ROWS, dv), jnp.float32)]
     if stats:
         tail.append(plgpu.SMEM((2, ROWS), jnp.float32))
     return (plgpu.SMEM((ROWS, d), dtype, transforms=_smem_transforms(d, dtype)),
             plgpu.SMEM((STAGES, chunk, d), dtype, transforms=_smem_transforms(d, dtype)),
-            plgpu.SMEM((STAGES, chunk, d), dtype, transforms=_smem_transforms(d, dtype)),
+            plgpu.SMEM((STAGES, chunk, dv), dtype, transforms=_smem_transforms(dv, dtype)),
             plgpu.SMEM((ROWS, chunk), dtype, transforms=_smem_transforms(chunk, dtype)),
             *tail)
 
@@ -306,6 +333,8 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     max_chunks = max(1, cdiv(block_tables.shape[1] * block_size, chunk))
     splits = max(1, min(num_splits or decode_splits(num_seqs, hkv, max_chunks), max_chunks))
     per_split = cdiv(max_chunks, splits)
+    parts = col_parts(d)  # programs per split, one per V_COLS output columns
+    dv = d // parts
     pages = splits * per_split * (chunk // block_size)  # every index a chunk can form
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, max(0, pages - block_tables.shape[1]))))
@@ -317,16 +346,21 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                                scale=float(scale), softcap=softcap, windowed=windowed)
     acc, m, lsum = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS, d), f32),
-                  jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS), f32),
-                  jax.ShapeDtypeStruct((splits, num_seqs, hkv, ROWS), f32)),
+        out_type=(jax.ShapeDtypeStruct((splits * parts, num_seqs, hkv, ROWS, dv), f32),
+                  jax.ShapeDtypeStruct((splits * parts, num_seqs, hkv, ROWS), f32),
+                  jax.ShapeDtypeStruct((splits * parts, num_seqs, hkv, ROWS), f32)),
         scratch_types=(*scratch_types(d, chunk, q.dtype, stats=True),
                        *barriers(chunk // block_size)),
-        grid=(num_seqs, hkv, splits), grid_names=("seq", "head", "split"),
+        grid=(num_seqs, hkv, splits * parts), grid_names=("seq", "head", "split"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(jnp.stack([jnp.reshape(layer, ()), window_span(window)]).astype(jnp.int32),
       context_lens.astype(jnp.int32), tables, qg,
       k5.reshape(flat), v5.reshape(flat))
+    # Column programs: their tiles side by side; their statistics are equal, take the first.
+    acc = jnp.moveaxis(acc.reshape(splits, parts, num_seqs, hkv, ROWS, dv), 1, -2).reshape(
+        splits, num_seqs, hkv, ROWS, d)
+    m, lsum = m.reshape(splits, parts, *m.shape[1:])[:, 0], lsum.reshape(
+        splits, parts, *lsum.shape[1:])[:, 0]
     # The kernel's running max is in base 2: scale it to base e for the shared combine.
     out = combine_splits(acc, m * math.log(2.0), lsum)[:, :, :group]
     return out.reshape(num_seqs, hq, d).astype(q.dtype)

@@ -15,8 +15,9 @@ stays finite (and is dropped), never NaN.
 
 The items' queries are gathered into ``[items, Hkv, 64, D]`` tiles and the outputs scattered
 back by XLA around the kernel: a copy of the step's queries and outputs, small beside the
-KV traffic. Soft-capping as the decode kernel. Scope as the decode kernel (`supports`), less
-head dim 128 with 128-token pages (it spills: `ragged_shape_ok`); Triton serves the rest.
+KV traffic. Soft-capping and head dim 256 (two column programs per item and head, folded into
+the head axis) as the decode kernel. Scope as the decode kernel (`supports`), less head dim
+128 with 128-token pages (it spills: `shape_ok`); Triton serves the rest.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pallas_kernels.mosaic_decode_attention import (
     attend_chunks,
     barriers,
     chunk_tokens,
+    col_parts,
     page_copier,
     scratch_types,
     store_tile,
@@ -46,7 +48,9 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
             softcap: float | None, windowed: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    item, head = lax.axis_index("item"), lax.axis_index("head")
+    item, program = lax.axis_index("item"), lax.axis_index("head")
+    parts = k_smem.shape[-1] // v_smem.shape[-1]  # column programs per head (head dim 256)
+    head, part = lax.div(program, jnp.int32(parts)), lax.rem(program, jnp.int32(parts))
     chunk = k_smem.shape[1]
     seq, n_rows, pos0 = items_ref[0, item], items_ref[2, item], items_ref[3, item]
     kv_end = pos0 + n_rows  # keys [kv_lo, kv_end): what the item's queries see together
@@ -57,7 +61,8 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
     used_pages = lax.div(kv_end + block_size - 1, jnp.int32(block_size))
     base = (scalars_ref[0] * num_kv_heads + head) * num_blocks
     issue = page_copier(tables_ref, seq, first, used_pages, base, num_blocks, block_size,
-                        k_ref, v_ref, k_smem, v_smem, k_bar, v_bar)
+                        k_ref, v_ref, k_smem, v_smem, k_bar, v_bar,
+                        v_col0=part * v_smem.shape[-1])
 
     def visible(key):
         row_pos = pos0 + lax.div(plgpu.broadcasted_iota(jnp.int32, key.shape, 0,
@@ -70,7 +75,8 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
                                 kv_end, q_smem, k_smem, v_smem, p_smem, k_bar, v_bar,
                                 scale=scale, softcap=softcap, m_init=MASK_VALUE)
     l_safe = jnp.where(l_i > 0, l_i, 1.0)
-    store_tile(acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), o_smem, out_ref.at[item, head])
+    store_tile(acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), o_smem,
+               out_ref.at[item, program])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -113,18 +119,22 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, pages - block_tables.shape[1])))
     flat = (num_layers * hkv * num_blocks, block_size, d)
+    parts = col_parts(d)
+    dv = d // parts
     kernel = functools.partial(_kernel, num_kv_heads=hkv, num_blocks=num_blocks,
                                block_size=block_size, group_p=group_p, scale=float(scale),
                                softcap=softcap, windowed=windowed)
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_items, hkv, ROWS, d), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((num_items, hkv * parts, ROWS, dv), jnp.float32),
         scratch_types=(*scratch_types(d, chunk, q.dtype, stats=False),
                        *barriers(chunk // block_size)),
-        grid=(num_items, hkv), grid_names=("item", "head"),
+        grid=(num_items, hkv * parts), grid_names=("item", "head"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(jnp.stack([jnp.reshape(layer, ()), window_span(window)]).astype(jnp.int32), items, tables,
       qt, k5.reshape(flat), v5.reshape(flat))
+    out = jnp.moveaxis(out.reshape(num_items, hkv, parts, ROWS, dv), 2, -2).reshape(
+        num_items, hkv, ROWS, d)
 
     # Scatter back: token t of sequence s is row (t - cu[s]) % T_item of item starts[s] + ...
     max_seqs = kv_lens.shape[0]

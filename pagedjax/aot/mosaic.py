@@ -2,8 +2,9 @@
 `pallas_kernels.mosaic_ragged_attention`).
 
 Every configuration the kernels accept is compiled deviceless for the H100 target: decode
-over dtype x head dim x page size (the GQA group only changes how many of the 64 query rows
-are real), ragged also over the padded group (1, 2, 4, 8: it sets the causal mask's rows;
+over dtype x head dim (64, 128, 256: two column programs) x page size (the GQA group only
+changes how many of the 64 query rows are real), ragged also over the padded group (1, 2, 4,
+8: it sets the causal mask's rows;
 fp16 at group 4 only, its kernels differ from bf16's in the element type alone), plus the
 windowed variants (bf16, groups 1 and 4) and soft-capped windowed ones (head dim 128),
 with ``MOSAIC_GPU_DUMP_PTXAS=1``, which makes Mosaic GPU print ptxas' register and spill
@@ -39,11 +40,12 @@ def configs() -> list[dict]:
     from pallas_kernels import mosaic_decode_attention as m
 
     decode = [{"kernel": "mosaic_decode", "dtype": dt.name, "head_dim": d, "block_size": bs}
-              for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES]
+              for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES
+              if m.shape_ok(d, bs, ragged=False)]
     ragged = [{"kernel": "mosaic_ragged", "dtype": dt.name, "head_dim": d, "block_size": bs,
                "group": g}
               for dt in m.DTYPES for d in m.HEAD_DIMS for bs in m.BLOCK_SIZES
-              if m.ragged_shape_ok(d, bs)
+              if m.shape_ok(d, bs, ragged=True)
               for g in ((1, 2, 4, 8) if dt.name == "bfloat16" else (4,))]
     # Windowed (the window is data; the flag a static variant) on bf16, and soft-capped
     # windowed kernels (Gemma 2's pair) at head dim 128.
@@ -60,10 +62,11 @@ def scratch_bytes(cfg: dict) -> int:
     from pallas_kernels import mosaic_decode_attention as m
 
     d, rows, chunk = cfg["head_dim"], m.ROWS, m.chunk_tokens(cfg["block_size"])
+    dv = d // m.col_parts(d)  # V ring and output tile: the program's columns
     half = 2  # bf16 / fp16
     stats = 2 * rows * 4 if cfg["kernel"] == "mosaic_decode" else 0
-    return (rows * d * half + 2 * m.STAGES * chunk * d * half + rows * chunk * half
-            + rows * d * 4 + stats + 8 * (1 + 2 * m.STAGES))
+    return (rows * d * half + m.STAGES * chunk * (d + dv) * half + rows * chunk * half
+            + rows * dv * 4 + stats + 8 * (1 + 2 * m.STAGES))
 
 
 def _compile_all() -> None:

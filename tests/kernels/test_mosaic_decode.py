@@ -24,6 +24,9 @@ CASES = [
     ([70, 5], 8, 64, 64, "bfloat16", 1, 1),
     ([129, 300], 2, 128, 128, "float16", 1, 3),
     ([257, 40, 1], 4, 128, 64, "bfloat16", 2, 2),
+    # head dim 256: two column programs per split, each gathering its half of V
+    ([65, 3, 130], 2, 256, 32, "bfloat16", 2, 2),
+    ([1, 64], 4, 256, 64, "float16", 1, None),
 ]
 
 
@@ -120,8 +123,15 @@ def test_supports_scope():
     assert mdec.supports(bf, cache, quantized=False)
     assert not mdec.supports(bf, cache, quantized=True)
     assert not mdec.supports(bf.astype(jnp.float32), cache.astype(jnp.float32), quantized=False)
-    assert not mdec.supports(jnp.zeros((2, 8, 256), jnp.bfloat16),
-                             jnp.zeros((1, 2, 4, 16, 256), jnp.bfloat16), quantized=False)
+    q256 = jnp.zeros((2, 8, 256), jnp.bfloat16)
+    assert mdec.supports(q256, jnp.zeros((1, 2, 4, 16, 256), jnp.bfloat16), quantized=False)
+    assert mdec.supports(q256, jnp.zeros((1, 2, 4, 64, 256), jnp.bfloat16), quantized=False,
+                         ragged=True)
+    # 128-token chunks at head dim 256: the K and V rings alone would take 192 KiB of SMEM
+    assert not mdec.supports(q256, jnp.zeros((1, 2, 4, 128, 256), jnp.bfloat16),
+                             quantized=False)
+    assert not mdec.supports(jnp.zeros((2, 8, 96), jnp.bfloat16),
+                             jnp.zeros((1, 2, 4, 16, 96), jnp.bfloat16), quantized=False)
     assert not mdec.supports(bf, jnp.zeros((1, 2, 4, 8, 128), jnp.bfloat16), quantized=False)
     big_pages = jnp.zeros((1, 2, 4, 128, 128), jnp.bfloat16)
     assert mdec.supports(bf, big_pages, quantized=False)

@@ -26,6 +26,8 @@ CASES = [
     ([(70, 200), (1, 1)], 1, 64, 64, "bfloat16", 1),
     ([(10, 10), (7, 100)], 3, 64, 128, "bfloat16", 1),
     ([(17, 65), (64, 64), (1, 63)], 8, 128, 16, "bfloat16", 1),
+    # head dim 256: two column programs per (item, head), each gathering its half of V
+    ([(9, 80), (1, 33), (40, 40)], 2, 256, 16, "bfloat16", 2),
 ]
 PAD_TOKENS, PAD_SEQS = 3, 2
 
