@@ -4,9 +4,8 @@
 Every configuration the kernels accept is compiled deviceless for the H100 target: decode
 over dtype x head dim (64, 128, 256: two column programs) x page size (the GQA group only
 changes how many of the 64 query rows are real), ragged also over the padded group (1, 2, 4,
-8: it sets the causal mask's rows;
-fp16 at group 4 only, its kernels differ from bf16's in the element type alone), plus the
-windowed variants (bf16, groups 1 and 4) and soft-capped windowed ones (head dim 128),
+8: it sets the causal mask's rows; fp16 at group 4 only, its kernels differ from bf16's in
+the element type alone), plus the windowed variants (bf16, groups 1 and 4) and soft-capped windowed ones (head dim 128),
 with ``MOSAIC_GPU_DUMP_PTXAS=1``, which makes Mosaic GPU print ptxas' register and spill
 report to stdout. The driver runs the compiles in a child process (the report is written by
 native code to file descriptor 1) and parses it; SMEM is the kernel's scratch, computed from
