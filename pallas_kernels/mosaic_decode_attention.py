@@ -24,9 +24,17 @@ cannot be read.
 Sliding windows (data: one compilation serves windowed and global layers) skip chunks
 wholly before the window and mask the rest by position; soft-capping (static) applies
 ``c * tanh(s / c)`` before the mask. Scope (the rest falls back to the Triton kernel,
-`supports`): bf16/fp16 caches, head dims 64, 128 and 256, block sizes 16-128 (16-64 at head
-dim 256), no quantized cache. Chunks under 64 tokens fail Mosaic GPU's layout inference in
-jax 0.12 (checked with the deviceless H100 compile).
+`supports`): bf16/fp16 caches, or int8 / FP8 ones under bf16/fp16 queries, head dims 64,
+128 and 256, block sizes 16-128 (16-64 at head dim 256; quantized: head dims 64 and 128,
+block sizes 16-64, where the widening does not spill). Chunks under 64 tokens fail Mosaic
+GPU's layout inference in jax 0.12 (checked with the deviceless H100 compile).
+
+Quantized caches (`kv_quant`: int8 / FP8 values, static per-channel scales): the rings hold
+the 1-byte pages as TMA brings them (half the SMEM and half the copy bytes), and each chunk
+is widened in registers into a 16-bit staging tile that the wgmmas read (Hopper's wgmma
+takes no int8 or mixed operands beside a bf16 query; FP8 goes through fp16, `widen`). The
+scales never enter the loop: K's multiply the queries before the kernel, V's the output
+after it, exactly as the Triton kernels fold them.
 
 Head dim 256: one warpgroup holding a 64 x 256 fp32 accumulator (128 registers a thread)
 spilled ~400 bytes, so the output columns are split over two programs (`V_COLS`, folded into
@@ -46,6 +54,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels._common import as_5d, cdiv, window_span
+from pallas_kernels.kv_quant import is_quantized
 
 ROWS = 64  # wgmma's M: the GQA group is padded to it
 STAGES = 2  # SMEM ring depth
@@ -86,14 +95,17 @@ def hopper_target() -> bool:
     return cc is None or str(cc).startswith("9")
 
 
-def shape_ok(head_dim: int, block_size: int, *, ragged: bool) -> bool:
+def shape_ok(head_dim: int, block_size: int, *, ragged: bool, quantized: bool = False) -> bool:
     """Shapes the kernels serve. Head dim 256 with 128-token chunks needs 272 KiB of SMEM
     (K and V rings); the ragged kernel with 128-token chunks at head dim 128 spills its
-    logits, accumulator and mask (212 bytes on sm_90a, `pagedjax.aot.mosaic`). Those keep
-    the Triton kernel."""
+    logits, accumulator and mask (212 bytes on sm_90a, `pagedjax.aot.mosaic`); a quantized
+    cache's widening spills at head dim 256 (8-260 bytes) and with 128-token chunks (20-44).
+    Those keep the Triton kernel."""
     if head_dim not in HEAD_DIMS or block_size not in BLOCK_SIZES:
         return False
-    if head_dim == 256 and chunk_tokens(block_size) > ROWS:
+    if (head_dim == 256 or quantized) and chunk_tokens(block_size) > ROWS:
+        return False
+    if quantized and head_dim == 256:
         return False
     return not (ragged and head_dim == 128 and chunk_tokens(block_size) > ROWS)
 
@@ -110,11 +122,14 @@ def col_parts(head_dim: int) -> int:
 def supports(q: jax.Array, k_cache: jax.Array, *, quantized: bool, interpret: bool = True,
              ragged: bool = False) -> bool:
     """Whether a Mosaic kernel serves the call (else the caller takes the Triton kernel); a
-    compiled (not interpreted) call also needs a Hopper target."""
+    compiled (not interpreted) call also needs a Hopper target. A quantized (int8 / FP8)
+    cache is served under bf16 / fp16 queries."""
     group = q.shape[1] // k_cache.shape[-4]
-    return (jnp.dtype(k_cache.dtype) in DTYPES and q.dtype == k_cache.dtype
-            and shape_ok(q.shape[-1], k_cache.shape[-2], ragged=ragged)
-            and group <= ROWS and not quantized
+    cache_ok = (is_quantized(k_cache.dtype) if quantized
+                else jnp.dtype(k_cache.dtype) == jnp.dtype(q.dtype))
+    return (jnp.dtype(q.dtype) in DTYPES and cache_ok
+            and shape_ok(q.shape[-1], k_cache.shape[-2], ragged=ragged, quantized=quantized)
+            and group <= ROWS
             and mosaic_available() and (interpret or hopper_target()))
 
 
@@ -132,9 +147,18 @@ def _smem_transforms(cols: int, dtype):
             plgpu.SwizzleTransform(swizzle))
 
 
+def widen(x: jax.Array, dtype) -> jax.Array:
+    """1-byte cache values to the wgmma dtype, exactly. sm_90 converts FP8 to fp16 only (no
+    ``cvt.bf16x2.e4m3x2`` before sm_100), so FP8 reaches bf16 through fp16, which holds every
+    e4m3 and e5m2 value exactly, as bf16 does."""
+    if jnp.dtype(x.dtype) != jnp.dtype(jnp.int8) and jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        x = x.astype(jnp.float16)
+    return x.astype(dtype)
+
+
 def attend_chunks(n, first, issue, q_src, q_bar, visible, kv_lo, kv_end, q_smem, k_smem,
                   v_smem, p_smem, k_bar, v_bar, *, scale: float, softcap: float | None,
-                  m_init: float):
+                  m_init: float, stage=None):
     """The pipeline both Mosaic kernels share: the first STAGES chunks' copies are issued and
     the query tile ``q_src`` loaded into ``q_smem``, then ``n`` chunks of ``k_smem.shape[1]``
     keys are walked, chunk ``first + c`` copied into slot ``c % STAGES`` by
@@ -143,7 +167,9 @@ def attend_chunks(n, first, issue, q_src, q_bar, visible, kv_lo, kv_end, q_smem,
     context, or behind a window, where blocks may have been released) are zeroed in SMEM.
     Returns the unnormalised accumulator ``[ROWS, DV]`` (``DV``: the V ring's columns, all of
     the head dim or a `V_COLS` slice of it) and the base-2 running max and denominator
-    ``[ROWS]``."""
+    ``[ROWS]``. ``stage`` (a quantized cache): bf16/fp16 SMEM tiles ``(k, v)`` into which
+    each chunk's 1-byte K and V are widened before the wgmmas (which take no int8 or mixed
+    operands with a 16-bit query); the scales are applied outside (`kv_quant`)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -160,9 +186,14 @@ def attend_chunks(n, first, issue, q_src, q_bar, visible, kv_lo, kv_end, q_smem,
         slot = lax.rem(c, jnp.int32(STAGES))
         start = (first + c) * chunk
         plgpu.barrier_wait(k_bar.at[slot])
+        k_tile = k_smem.at[slot]
+        if stage is not None:  # widen the 1-byte keys into the staging tile
+            stage[0][...] = widen(k_smem[slot], stage[0].dtype)
+            plgpu.commit_smem()
+            k_tile = stage[0]
 
         def qk_scope(ref):
-            plgpu.wgmma(ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(ref, q_smem, k_tile.transpose((1, 0)))
             return ref[...]
 
         s = pl.run_scoped(qk_scope, plgpu.ACC((ROWS, chunk), jnp.float32)) * scale
@@ -177,17 +208,24 @@ def attend_chunks(n, first, issue, q_src, q_bar, visible, kv_lo, kv_end, q_smem,
         l_i = l_i * alpha + p.sum(axis=1)
         plgpu.barrier_wait(v_bar.at[slot])
 
-        @pl.when((start + chunk > kv_end) | (start < kv_lo))
-        def _zero_edges():  # whole pages arrived: rows outside the keys may hold anything
-            v = v_smem[slot]
+        if stage is None:
+            @pl.when((start + chunk > kv_end) | (start < kv_lo))
+            def _zero_edges():  # whole pages arrived: rows outside the keys may hold anything
+                v = v_smem[slot]
+                row = start + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=wgmma)
+                v_smem[slot] = jnp.where((row < kv_end) & (row >= kv_lo), v, jnp.zeros_like(v))
+            v_tile = v_smem.at[slot]
+        else:  # widen every chunk, zeroing the rows outside the keys on the way
+            v = widen(v_smem[slot], stage[1].dtype)
             row = start + plgpu.broadcasted_iota(jnp.int32, v.shape, 0, layout=wgmma)
-            v_smem[slot] = jnp.where((row < kv_end) & (row >= kv_lo), v, jnp.zeros_like(v))
+            stage[1][...] = jnp.where((row < kv_end) & (row >= kv_lo), v, jnp.zeros_like(v))
+            v_tile = stage[1]
 
         p_smem[...] = p.astype(p_smem.dtype)
         plgpu.commit_smem()
 
         def pv_scope(ref):
-            plgpu.wgmma(ref, p_smem, v_smem.at[slot])
+            plgpu.wgmma(ref, p_smem, v_tile)
             return ref[...]
 
         pv = pl.run_scoped(pv_scope, plgpu.ACC((ROWS, dv), jnp.float32))
@@ -228,11 +266,12 @@ def page_copier(tables_ref, row, first, used_pages, base, num_blocks: int, block
 
 def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (GMEM)
             acc_out, m_out, l_out,  # outputs (GMEM)
-            q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, q_bar, k_bar, v_bar,  # scratch
-            *, num_kv_heads: int, num_blocks: int, block_size: int, chunks_per_split: int,
+            q_smem, k_smem, v_smem, p_smem, o_smem, ml_smem, *scratch,  # (+ stage), barriers
+            num_kv_heads: int, num_blocks: int, block_size: int, chunks_per_split: int,
             scale: float, softcap: float | None, windowed: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    stage, (q_bar, k_bar, v_bar) = split_scratch(scratch)
     seq, head, program = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
     parts = k_smem.shape[-1] // v_smem.shape[-1]  # column programs per split (head dim 256)
     split, part = lax.div(program, jnp.int32(parts)), lax.rem(program, jnp.int32(parts))
@@ -254,7 +293,7 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
     acc, m_i, l_i = attend_chunks(n, first, issue, q_ref.at[seq, head], q_bar,
                                   lambda key: (key < ctx) & (key >= lo), lo, ctx, q_smem, k_smem,
                                   v_smem, p_smem, k_bar, v_bar, scale=scale, softcap=softcap,
-                                  m_init=-jnp.inf)
+                                  m_init=-jnp.inf, stage=stage)
     store_tile(acc, o_smem, acc_out.at[program, seq, head])
     ml_smem[0] = m_i
     ml_smem[1] = l_i
@@ -280,21 +319,34 @@ def store_tile(acc, o_smem, dst) -> None:
         plgpu.copy_smem_to_gmem(o_smem, dst.at[:, pl.ds(j * w, w)])
 
 
-def scratch_types(d: int, chunk: int, dtype, *, stats: bool) -> tuple:
+def scratch_types(d: int, chunk: int, dtype, *, stats: bool, cache_dtype=None) -> tuple:
     """SMEM of a Mosaic attention program: the q tile, the K ring, the V ring (its program's
     columns), p and the fp32 output tile (``stats``: also the running max and denominator,
-    which decode splits write out)."""
+    which decode splits write out). A 1-byte ``cache_dtype``: the rings hold it, and two
+    tiles of ``dtype`` (one chunk of K, one of V) are what the wgmmas read."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    cache_dtype = jnp.dtype(cache_dtype or dtype)
     dv = d // col_parts(d)
     tail = [plgpu.SMEM((ROWS, dv), jnp.float32)]
     if stats:
         tail.append(plgpu.SMEM((2, ROWS), jnp.float32))
+    if cache_dtype != jnp.dtype(dtype):
+        tail += [plgpu.SMEM((chunk, d), dtype, transforms=_smem_transforms(d, dtype)),
+                 plgpu.SMEM((chunk, dv), dtype, transforms=_smem_transforms(dv, dtype))]
+    ring = lambda cols: plgpu.SMEM((STAGES, chunk, cols), cache_dtype,  # noqa: E731
+                                   transforms=_smem_transforms(cols, cache_dtype))
     return (plgpu.SMEM((ROWS, d), dtype, transforms=_smem_transforms(d, dtype)),
-            plgpu.SMEM((STAGES, chunk, d), dtype, transforms=_smem_transforms(d, dtype)),
-            plgpu.SMEM((STAGES, chunk, dv), dtype, transforms=_smem_transforms(dv, dtype)),
+            ring(d), ring(dv),
             plgpu.SMEM((ROWS, chunk), dtype, transforms=_smem_transforms(chunk, dtype)),
             *tail)
+
+
+def split_scratch(scratch) -> tuple:
+    """The kernels' trailing scratch refs: (staging tiles or None, the three barriers)."""
+    if len(scratch) == 5:
+        return (scratch[0], scratch[1]), scratch[2:]
+    return None, scratch
 
 
 def barriers(pages_per_chunk: int) -> tuple:
@@ -315,12 +367,13 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_chunks: int) -> int:
                                              "interpret"))
 def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                         block_tables: jax.Array, context_lens: jax.Array, layer: jax.Array,
-                        window: jax.Array | int = 0, *, scale: float,
-                        softcap: float | None = None, windowed: bool = False,
+                        window: jax.Array | int = 0, kv_scale: jax.Array | None = None, *,
+                        scale: float, softcap: float | None = None, windowed: bool = False,
                         num_splits: int | None = None, interpret: bool = False) -> jax.Array:
-    """``paged_decode_attention`` (not for quantized caches) in Mosaic GPU. ``window`` is
-    data (0: the whole context) read when ``windowed``; ``interpret``: run in the GPU
-    interpreter (`plgpu.InterpretGPUParams`) on CPU."""
+    """``paged_decode_attention`` in Mosaic GPU. ``window`` is data (0: the whole context)
+    read when ``windowed``; ``kv_scale [2, Hkv, D]``: an int8 / FP8 cache's static scales
+    (K's multiply the queries before the kernel, V's its output after: `kv_quant`);
+    ``interpret``: run in the GPU interpreter (`plgpu.InterpretGPUParams`) on CPU."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.paged_decode_attention import combine_splits
@@ -338,7 +391,11 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     pages = splits * per_split * (chunk // block_size)  # every index a chunk can form
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, max(0, pages - block_tables.shape[1]))))
-    qg = jnp.pad(q.reshape(num_seqs, hkv, group, d), ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+    qg = q.reshape(num_seqs, hkv, group, d)
+    if kv_scale is not None:
+        qg = (qg.astype(jnp.float32) * kv_scale[0].astype(jnp.float32)[None, :, None, :]
+              ).astype(q.dtype)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     flat = (num_layers * hkv * num_blocks, block_size, d)
     f32 = jnp.float32
     kernel = functools.partial(_kernel, num_kv_heads=hkv, num_blocks=num_blocks,
@@ -349,7 +406,7 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         out_type=(jax.ShapeDtypeStruct((splits * parts, num_seqs, hkv, ROWS, dv), f32),
                   jax.ShapeDtypeStruct((splits * parts, num_seqs, hkv, ROWS), f32),
                   jax.ShapeDtypeStruct((splits * parts, num_seqs, hkv, ROWS), f32)),
-        scratch_types=(*scratch_types(d, chunk, q.dtype, stats=True),
+        scratch_types=(*scratch_types(d, chunk, q.dtype, stats=True, cache_dtype=k5.dtype),
                        *barriers(chunk // block_size)),
         grid=(num_seqs, hkv, splits * parts), grid_names=("seq", "head", "split"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -363,4 +420,6 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         splits, parts, *lsum.shape[1:])[:, 0]
     # The kernel's running max is in base 2: scale it to base e for the shared combine.
     out = combine_splits(acc, m * math.log(2.0), lsum)[:, :, :group]
+    if kv_scale is not None:
+        out = out * kv_scale[1].astype(jnp.float32)[None, :, None, :]
     return out.reshape(num_seqs, hq, d).astype(q.dtype)

@@ -15,9 +15,10 @@ stays finite (and is dropped), never NaN.
 
 The items' queries are gathered into ``[items, Hkv, 64, D]`` tiles and the outputs scattered
 back by XLA around the kernel: a copy of the step's queries and outputs, small beside the
-KV traffic. Soft-capping and head dim 256 (two column programs per item and head, folded into
-the head axis) as the decode kernel. Scope as the decode kernel (`supports`), less head dim
-128 with 128-token pages (it spills: `shape_ok`); Triton serves the rest.
+KV traffic. Quantized caches, soft-capping and head dim 256 (two column programs per item
+and head, folded into the head axis) as the decode kernel. Scope as the decode kernel
+(`supports`), less head dim 128 with 128-token pages (it spills: `shape_ok`); Triton serves
+the rest.
 """
 
 from __future__ import annotations
@@ -37,17 +38,19 @@ from pallas_kernels.mosaic_decode_attention import (
     col_parts,
     page_copier,
     scratch_types,
+    split_scratch,
     store_tile,
 )
 
 
 def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (GMEM)
             out_ref,  # output (GMEM)
-            q_smem, k_smem, v_smem, p_smem, o_smem, q_bar, k_bar, v_bar,  # scratch
-            *, num_kv_heads: int, num_blocks: int, block_size: int, group_p: int, scale: float,
+            q_smem, k_smem, v_smem, p_smem, o_smem, *scratch,  # (+ stage), barriers
+            num_kv_heads: int, num_blocks: int, block_size: int, group_p: int, scale: float,
             softcap: float | None, windowed: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    stage, (q_bar, k_bar, v_bar) = split_scratch(scratch)
     item, program = lax.axis_index("item"), lax.axis_index("head")
     parts = k_smem.shape[-1] // v_smem.shape[-1]  # column programs per head (head dim 256)
     head, part = lax.div(program, jnp.int32(parts)), lax.rem(program, jnp.int32(parts))
@@ -73,7 +76,7 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
 
     acc, _, l_i = attend_chunks(n, first, issue, q_ref.at[item, head], q_bar, visible, kv_lo,
                                 kv_end, q_smem, k_smem, v_smem, p_smem, k_bar, v_bar,
-                                scale=scale, softcap=softcap, m_init=MASK_VALUE)
+                                scale=scale, softcap=softcap, m_init=MASK_VALUE, stage=stage)
     l_safe = jnp.where(l_i > 0, l_i, 1.0)
     store_tile(acc / lax.broadcast_in_dim(l_safe, acc.shape, [0]), o_smem,
                out_ref.at[item, program])
@@ -84,10 +87,12 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
 def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                             kv_lens: jax.Array, block_tables: jax.Array, cu_q_lens: jax.Array,
                             num_seqs: jax.Array, layer: jax.Array, window: jax.Array | int = 0,
-                            *, scale: float, softcap: float | None = None,
-                            windowed: bool = False, interpret: bool = False) -> jax.Array:
-    """``ragged_paged_attention`` (not for quantized caches) in Mosaic GPU; rows past
-    ``cu_q_lens[num_seqs]`` are zero. ``window`` is data, read when ``windowed``;
+                            kv_scale: jax.Array | None = None, *, scale: float,
+                            softcap: float | None = None, windowed: bool = False,
+                            interpret: bool = False) -> jax.Array:
+    """``ragged_paged_attention`` in Mosaic GPU; rows past ``cu_q_lens[num_seqs]`` are zero.
+    ``window`` is data, read when ``windowed``; ``kv_scale [2, Hkv, D]``: an int8 / FP8
+    cache's scales (K's on the query tiles before the kernel, V's on its output after);
     ``interpret``: the GPU interpreter."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -112,6 +117,9 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     head_idx = jnp.arange(hkv, dtype=jnp.int32)[:, None] * group + jnp.minimum(g, group - 1)
     qt = q[tok_idx[:, None, :], head_idx[None, :, :]]  # [I, Hkv, ROWS, D]
     qt = jnp.where(rows_ok[:, None, :, None], qt, jnp.zeros((), q.dtype))
+    if kv_scale is not None:
+        qt = (qt.astype(jnp.float32) * kv_scale[0].astype(jnp.float32)[None, :, None, :]
+              ).astype(q.dtype)
 
     # Every page index a chunk of the longest item can form.
     pages = max(block_tables.shape[1], cdiv(cdiv(block_tables.shape[1] * block_size, chunk)
@@ -127,7 +135,7 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     out = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((num_items, hkv * parts, ROWS, dv), jnp.float32),
-        scratch_types=(*scratch_types(d, chunk, q.dtype, stats=False),
+        scratch_types=(*scratch_types(d, chunk, q.dtype, stats=False, cache_dtype=k5.dtype),
                        *barriers(chunk // block_size)),
         grid=(num_items, hkv * parts), grid_names=("item", "head"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -135,6 +143,8 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
       qt, k5.reshape(flat), v5.reshape(flat))
     out = jnp.moveaxis(out.reshape(num_items, hkv, parts, ROWS, dv), 2, -2).reshape(
         num_items, hkv, ROWS, d)
+    if kv_scale is not None:
+        out = out * kv_scale[1].astype(jnp.float32)[None, :, None, :]
 
     # Scatter back: token t of sequence s is row (t - cu[s]) % T_item of item starts[s] + ...
     max_seqs = kv_lens.shape[0]

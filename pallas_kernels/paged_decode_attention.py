@@ -362,9 +362,9 @@ def paged_decode_attention(
     if pallas_lowering() == "mosaic" and mosaic_decode_attention.supports(
             q, k_cache, quantized=kv_scale is not None, interpret=interpret_mode()):
         return mosaic_decode_attention.mosaic_paged_decode(
-            q, k_cache, v_cache, block_tables, context_lens, lay, win, scale=float(scale),
-            softcap=cap, windowed=has_window(window), num_splits=num_splits,
-            interpret=interpret_mode())
+            q, k_cache, v_cache, block_tables, context_lens, lay, win, kv_scale,
+            scale=float(scale), softcap=cap, windowed=has_window(window),
+            num_splits=num_splits, interpret=interpret_mode())
     tuned = tuning.lookup("decode", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
     if kv_scale is not None:

@@ -450,7 +450,8 @@ def ragged_paged_attention(
             ragged=True):
         return mosaic_ragged_attention.mosaic_ragged_attention(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
-            scale=float(scale), softcap=cap, windowed=windowed, interpret=interpret_mode())
+            kv_scale, scale=float(scale), softcap=cap, windowed=windowed,
+            interpret=interpret_mode())
     tuned = tuning.lookup("ragged", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
     tuned = windowed_launch(tuning.quantized_launch(tuned) if kv_scale is not None else tuned,

@@ -5,12 +5,14 @@ Every configuration the kernels accept is compiled deviceless for the H100 targe
 over dtype x head dim (64, 128, 256: two column programs) x page size (the GQA group only
 changes how many of the 64 query rows are real), ragged also over the padded group (1, 2, 4,
 8: it sets the causal mask's rows; fp16 at group 4 only, its kernels differ from bf16's in
-the element type alone), plus the windowed variants (bf16, groups 1 and 4) and soft-capped windowed ones (head dim 128),
-with ``MOSAIC_GPU_DUMP_PTXAS=1``, which makes Mosaic GPU print ptxas' register and spill
-report to stdout. The driver runs the compiles in a child process (the report is written by
-native code to file descriptor 1) and parses it; SMEM is the kernel's scratch, computed from
-its shapes (ptxas reports only static SMEM). Hopper only: the kernel issues wgmma, which
-sm_100 replaced. The report lives beside the Triton one:
+the element type alone), plus the windowed variants (bf16, groups 1 and 4), soft-capped
+windowed ones (head dim 128) and int8 / FP8 e4m3 / e5m2 caches under bf16 queries (every
+shape they serve; ragged at group 4), with ``MOSAIC_GPU_DUMP_PTXAS=1``, which makes Mosaic
+GPU print ptxas' register and spill report to stdout. The driver runs the compiles in a
+child process (the report is written by native code to file descriptor 1) and parses it;
+SMEM is the kernel's scratch, computed from its shapes (ptxas reports only static SMEM).
+Hopper only: the kernel issues wgmma, which sm_100 replaced. The report lives beside the
+Triton one:
 ``bench/results/aot-h100/mosaic.json``.
 
     JAX_PLATFORMS=cpu .venv-aot/bin/python -m pagedjax.aot.mosaic --write
@@ -53,7 +55,16 @@ def configs() -> list[dict]:
     capped = [{**c, "windowed": True, "softcap": 50.0} for c in decode + ragged
               if c["dtype"] == "bfloat16" and c["head_dim"] == 128
               and c["block_size"] in (16, 64) and c.get("group", 2) == 2]
-    return decode + ragged + windowed + capped
+    # Quantized caches under bf16 queries (the 1-byte pages widened in SMEM): every shape
+    # they serve, ragged at group 4 (the group only sets the mask's rows).
+    quantized = [{**c, "kv_dtype": kv} for kv in QUANT_KV for c in decode + ragged
+                 if c["dtype"] == "bfloat16" and c.get("group", 4) == 4
+                 and m.shape_ok(c["head_dim"], c["block_size"], ragged=c["kernel"] != "mosaic_decode",
+                                quantized=True)]
+    return decode + ragged + windowed + capped + quantized
+
+
+QUANT_KV = ("int8", "float8_e4m3fn", "float8_e5m2")
 
 
 def scratch_bytes(cfg: dict) -> int:
@@ -63,9 +74,11 @@ def scratch_bytes(cfg: dict) -> int:
     d, rows, chunk = cfg["head_dim"], m.ROWS, m.chunk_tokens(cfg["block_size"])
     dv = d // m.col_parts(d)  # V ring and output tile: the program's columns
     half = 2  # bf16 / fp16
+    ring = 1 if "kv_dtype" in cfg else half  # a quantized cache's rings hold 1-byte values
+    staging = chunk * (d + dv) * half if "kv_dtype" in cfg else 0  # ... widened here
     stats = 2 * rows * 4 if cfg["kernel"] == "mosaic_decode" else 0
-    return (rows * d * half + m.STAGES * chunk * (d + dv) * half + rows * chunk * half
-            + rows * dv * 4 + stats + 8 * (1 + 2 * m.STAGES))
+    return (rows * d * half + m.STAGES * chunk * (d + dv) * ring + staging
+            + rows * chunk * half + rows * dv * 4 + stats + 8 * (1 + 2 * m.STAGES))
 
 
 def _compile_all() -> None:
@@ -88,19 +101,21 @@ def _compile_all() -> None:
 
         t0 = time.perf_counter()
         try:
-            cache = S((2, 8, 1024, bs, d), dt)
+            cache = S((2, 8, 1024, bs, d), jnp.dtype(cfg.get("kv_dtype", cfg["dtype"])))
             i32 = jnp.int32
             with jax.default_device(dev):
                 flags = dict(windowed=cfg.get("windowed", False), softcap=cfg.get("softcap"))
+                # the static scales of a quantized cache: the argument after the window
+                scales = (S((2, 8, d), jnp.float32),) if "kv_dtype" in cfg else ()
                 if cfg["kernel"] == "mosaic_decode":
                     jax.jit(lambda *a, f=flags: mosaic_paged_decode(*a, scale=0.1, **f)).lower(
                         S((8, 32, d), dt), cache, cache, S((8, 64), i32), S((8,), i32),
-                        S((), i32), S((), i32)).compile()
+                        S((), i32), S((), i32), *scales).compile()
                 else:
                     jax.jit(lambda *a, f=flags: mosaic_ragged_attention(*a, scale=0.1, **f)).lower(
                         S((256, 8 * cfg["group"], d), dt), cache, cache, S((16,), i32),
                         S((16, 64), i32), S((17,), i32), S((), i32), S((), i32),
-                        S((), i32)).compile()
+                        S((), i32), *scales).compile()
             err = None
         except Exception as e:  # noqa: BLE001 - reported per configuration
             err = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from models.config import ModelConfig
 from models.weights import assemble_params
@@ -34,15 +35,16 @@ def test_pallas_backend_engine_matches_reference():
     assert bm.get_num_free_gpu_blocks() == 24
 
 
-def test_mosaic_kernels_in_engine_keep_greedy_outputs(monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_mosaic_kernels_in_engine_keep_greedy_outputs(monkeypatch, kv_cache_dtype):
     """bf16, head dim 64: prefill and decode steps on the Mosaic GPU kernels (interpreted)
-    give the same greedy tokens as the Triton kernels (interpreted), with three sequences sharing a small
-    pool; the pool is whole afterwards. The layers run unrolled: the interpreter's callbacks
-    are effects, which flax's layer scan refuses (the compiled kernel lowers under the scan:
-    the H100 step in pagedjax.aot does)."""
+    give the same greedy tokens as the Triton kernels (interpreted), with three sequences
+    sharing a small pool, over a bf16 cache and an int8 one (calibrated scales); the pool is
+    whole afterwards. The layers run unrolled: the interpreter's callbacks are effects, which
+    flax's layer scan refuses (the compiled kernel lowers under the scan: the H100 step in
+    pagedjax.aot does)."""
     import jax
     import jax.numpy as jnp
-    import pytest
 
     from pallas_kernels import mosaic_decode_attention as mdec
     from pallas_kernels import mosaic_ragged_attention as mrag
@@ -68,7 +70,8 @@ def test_mosaic_kernels_in_engine_keep_greedy_outputs(monkeypatch):
         monkeypatch.setenv(ENV_LOWERING, lowering)
         llm = LLM.from_params(cfg, params, _NoTokenizer(), num_gpu_blocks=5, block_size=16,
                               max_num_seqs=3, max_num_batched_tokens=64,
-                              attention_backend="pallas", layer_loop="unrolled")
+                              attention_backend="pallas", layer_loop="unrolled",
+                              kv_cache_dtype=kv_cache_dtype)
         res = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
         outs[lowering] = [o.outputs[0].token_ids for o in res]

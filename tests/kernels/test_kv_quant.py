@@ -221,3 +221,52 @@ def test_scales_from_amax():
     np.testing.assert_allclose(t[0, 1], np.full((2, 2), 4.0 * 2 / 448))
     with pytest.raises(ValueError, match="kv_scale_granularity"):
         scales_from_amax(amax, jnp.int8, "per_token")
+
+
+@pytest.mark.parametrize("name", list(NP_DTYPES))
+@pytest.mark.parametrize("idx", [0, 1])
+def test_mosaic_kernels_read_quantized_cache(idx, name, monkeypatch):
+    """The Mosaic GPU kernels (interpreted on CPU, compiled on a Hopper) behind the public
+    entry points with PAGEDJAX_PALLAS_LOWERING=mosaic: bf16 queries over an int8 / FP8 cache,
+    the 1-byte pages widened in SMEM, K's scales on the queries and V's on the output. Against
+    float64 on the dequantized values (bf16 tolerance), with NaN bytes in every unowned slot
+    (FP8) never read; the mixed step through the ragged kernel and one decode row per sequence
+    through the decode kernel."""
+    from pallas_kernels import mosaic_decode_attention as mdec
+    from pallas_kernels import mosaic_ragged_attention as mrag
+    from pallas_kernels.backend import ENV_LOWERING, interpret_mode
+
+    if not mdec.mosaic_available():
+        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax >= 0.11.2)")
+    if not interpret_mode() and not mdec.hopper_target():
+        pytest.skip("the Mosaic kernels issue wgmma: Hopper (sm_90) only")
+    monkeypatch.setenv(ENV_LOWERING, "mosaic")
+    calls = []
+    for mod, fn in ((mdec, "mosaic_paged_decode"), (mrag, "mosaic_ragged_attention")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _r=real, **k: calls.append(1) or _r(*a, **k))
+    seqs, pc, q, cu, kq, vq, deq_k, deq_v, k, v, scales = _quantized_case(idx, name)
+    qb = np.asarray(jnp.asarray(q, jnp.bfloat16)).astype(np.float32)
+    scale = q.shape[-1] ** -0.5
+    kv_lens = np.asarray([kv for _, kv in seqs], np.int32)
+    layer = 1
+    got = np.asarray(ragged_paged_attention(
+        jnp.asarray(qb, jnp.bfloat16), jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(kv_lens),
+        jnp.asarray(pc.block_tables), jnp.asarray(cu), jnp.int32(len(seqs)), scale=scale,
+        layer=layer, backend="pallas", kv_scale=jnp.asarray(scales[layer])
+    ).astype(jnp.float32), np.float64)
+    want = np_ragged(qb, deq_k, deq_v, layer, pc.block_tables, seqs, cu, scale)
+    assert np.isfinite(got).all(), name
+    tol = 3e-2 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, atol=tol, rtol=1e-2)
+    qd = qb[cu[1:] - 1]  # each sequence's last token as a decode row
+    got_d = np.asarray(paged_decode_attention(
+        jnp.asarray(qd, jnp.bfloat16), jnp.asarray(kq), jnp.asarray(vq),
+        jnp.asarray(pc.block_tables), jnp.asarray(kv_lens), scale=scale, layer=layer,
+        backend="pallas", kv_scale=jnp.asarray(scales[layer])).astype(jnp.float32),
+        np.float64)
+    want_d = np_ragged(qd, deq_k, deq_v, layer, pc.block_tables, [(1, kv) for _, kv in seqs],
+                       np.arange(len(seqs) + 1, dtype=np.int32), scale)
+    assert np.isfinite(got_d).all(), name
+    np.testing.assert_allclose(got_d, want_d, atol=tol, rtol=1e-2)
+    assert len(calls) == 2  # both went to the Mosaic kernels, not Triton

@@ -77,8 +77,8 @@ def test_padding_rows_are_zero():
 
 def test_selected_by_lowering_and_falls_back(monkeypatch):
     """On CPU (interpreted). PAGEDJAX_PALLAS_LOWERING=mosaic routes what the kernel covers to
-    it (windowed and soft-capped calls included) and fp32 or quantized calls to Triton; the
-    results agree with Triton's."""
+    it (windowed and soft-capped calls included) and fp32 calls to Triton; the results agree
+    with Triton's. (Quantized caches: `tests/kernels/test_kv_quant.py`.)"""
     if not mdec.mosaic_available():
         pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax >= 0.11.2)")
     if not interpret_mode() and not mdec.hopper_target():
@@ -121,7 +121,10 @@ def test_supports_scope():
     bf = jnp.zeros((2, 8, 128), jnp.bfloat16)
     cache = jnp.zeros((1, 2, 4, 16, 128), jnp.bfloat16)
     assert mdec.supports(bf, cache, quantized=False)
-    assert not mdec.supports(bf, cache, quantized=True)
+    assert not mdec.supports(bf, cache, quantized=True)  # a bf16 cache is not quantized
+    for kv in (jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2):
+        assert mdec.supports(bf, cache.astype(kv), quantized=True)
+        assert not mdec.supports(bf.astype(jnp.float32), cache.astype(kv), quantized=True)
     assert not mdec.supports(bf.astype(jnp.float32), cache.astype(jnp.float32), quantized=False)
     q256 = jnp.zeros((2, 8, 256), jnp.bfloat16)
     assert mdec.supports(q256, jnp.zeros((1, 2, 4, 16, 256), jnp.bfloat16), quantized=False)
