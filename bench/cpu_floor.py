@@ -62,9 +62,8 @@ def main() -> None:
     hidden, inter = config.hidden_size, config.intermediate_size
     panels = [runner.params[f"layer_{i}"] for i in range(config.num_layers)]
     head_panels = runner.params["embed"]["panels"]
-    widths = {name: lp[name]["kernel"].shape[1] for name, lp in
-              (("qkv_proj", layers[0]), ("o_proj", layers[0]), ("gate_up_proj", layers[0]),
-               ("down_proj", layers[0]))}
+    widths = {name: layers[0][name]["kernel"].shape[1]
+              for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
 
     def native_chain(h, layers, head):
         mm = lambda h, lp, name: dense_matmul_cpu(h, lp[name]["panels"], widths[name])  # noqa: E731

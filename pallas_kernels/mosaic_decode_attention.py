@@ -110,10 +110,6 @@ def shape_ok(head_dim: int, block_size: int, *, ragged: bool, quantized: bool = 
     return not (ragged and head_dim == 128 and chunk_tokens(block_size) > ROWS)
 
 
-def ragged_shape_ok(head_dim: int, block_size: int) -> bool:
-    return shape_ok(head_dim, block_size, ragged=True)
-
-
 def col_parts(head_dim: int) -> int:
     """Programs that share one (sequence or item, KV head): one per `V_COLS` columns."""
     return max(1, head_dim // V_COLS)
@@ -271,7 +267,7 @@ def _kernel(scalars_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (G
             scale: float, softcap: float | None, windowed: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    stage, (q_bar, k_bar, v_bar) = split_scratch(scratch)
+    stage, (q_bar, k_bar, v_bar) = split_scratch(q_smem, k_smem, scratch)
     seq, head, program = lax.axis_index("seq"), lax.axis_index("head"), lax.axis_index("split")
     parts = k_smem.shape[-1] // v_smem.shape[-1]  # column programs per split (head dim 256)
     split, part = lax.div(program, jnp.int32(parts)), lax.rem(program, jnp.int32(parts))
@@ -342,11 +338,18 @@ def scratch_types(d: int, chunk: int, dtype, *, stats: bool, cache_dtype=None) -
             *tail)
 
 
-def split_scratch(scratch) -> tuple:
-    """The kernels' trailing scratch refs: (staging tiles or None, the three barriers)."""
-    if len(scratch) == 5:
+def split_scratch(q_smem, k_smem, scratch) -> tuple:
+    """The kernels' trailing scratch refs: (the staging tiles, which `scratch_types` adds when
+    the rings hold another dtype than the queries, or None; the three barriers)."""
+    if k_smem.dtype != q_smem.dtype:
         return (scratch[0], scratch[1]), scratch[2:]
     return None, scratch
+
+
+def scale_channels(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x [..., Hkv, rows, D]`` times a quantized cache's per-(KV head, channel) scales
+    ``[Hkv, D]``, in float32: K's fold into the queries, V's into the output (`kv_quant`)."""
+    return x.astype(jnp.float32) * scale.astype(jnp.float32)[:, None, :]
 
 
 def barriers(pages_per_chunk: int) -> tuple:
@@ -393,8 +396,7 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
                      ((0, 0), (0, max(0, pages - block_tables.shape[1]))))
     qg = q.reshape(num_seqs, hkv, group, d)
     if kv_scale is not None:
-        qg = (qg.astype(jnp.float32) * kv_scale[0].astype(jnp.float32)[None, :, None, :]
-              ).astype(q.dtype)
+        qg = scale_channels(qg, kv_scale[0]).astype(q.dtype)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     flat = (num_layers * hkv * num_blocks, block_size, d)
     f32 = jnp.float32
@@ -421,5 +423,5 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     # The kernel's running max is in base 2: scale it to base e for the shared combine.
     out = combine_splits(acc, m * math.log(2.0), lsum)[:, :, :group]
     if kv_scale is not None:
-        out = out * kv_scale[1].astype(jnp.float32)[None, :, None, :]
+        out = scale_channels(out, kv_scale[1])
     return out.reshape(num_seqs, hq, d).astype(q.dtype)

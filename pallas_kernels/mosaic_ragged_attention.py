@@ -37,6 +37,7 @@ from pallas_kernels.mosaic_decode_attention import (
     chunk_tokens,
     col_parts,
     page_copier,
+    scale_channels,
     scratch_types,
     split_scratch,
     store_tile,
@@ -50,7 +51,7 @@ def _kernel(scalars_ref, items_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs (
             softcap: float | None, windowed: bool):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    stage, (q_bar, k_bar, v_bar) = split_scratch(scratch)
+    stage, (q_bar, k_bar, v_bar) = split_scratch(q_smem, k_smem, scratch)
     item, program = lax.axis_index("item"), lax.axis_index("head")
     parts = k_smem.shape[-1] // v_smem.shape[-1]  # column programs per head (head dim 256)
     head, part = lax.div(program, jnp.int32(parts)), lax.rem(program, jnp.int32(parts))
@@ -118,8 +119,7 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     qt = q[tok_idx[:, None, :], head_idx[None, :, :]]  # [I, Hkv, ROWS, D]
     qt = jnp.where(rows_ok[:, None, :, None], qt, jnp.zeros((), q.dtype))
     if kv_scale is not None:
-        qt = (qt.astype(jnp.float32) * kv_scale[0].astype(jnp.float32)[None, :, None, :]
-              ).astype(q.dtype)
+        qt = scale_channels(qt, kv_scale[0]).astype(q.dtype)
 
     # Every page index a chunk of the longest item can form.
     pages = max(block_tables.shape[1], cdiv(cdiv(block_tables.shape[1] * block_size, chunk)
@@ -144,7 +144,7 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     out = jnp.moveaxis(out.reshape(num_items, hkv, parts, ROWS, dv), 2, -2).reshape(
         num_items, hkv, ROWS, d)
     if kv_scale is not None:
-        out = out * kv_scale[1].astype(jnp.float32)[None, :, None, :]
+        out = scale_channels(out, kv_scale[1])
 
     # Scatter back: token t of sequence s is row (t - cu[s]) % T_item of item starts[s] + ...
     max_seqs = kv_lens.shape[0]
