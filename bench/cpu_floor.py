@@ -11,8 +11,11 @@ Times, interleaved (A, B, C, ... repeated), the median of:
 - `matvec_chain_native`, `matmuls_8_native`: the same chain through the native panel matmul
   (`pallas_kernels/csrc/dense_matmul_cpu.cc`, the unrolled fp32 model's default on CPU) at one
   and eight rows (a speculative verification step's), and `matmuls_8` through XLA;
-- `decode_step_1`, `decode_step_64`: the engine's jitted step (`ModelRunner.execute`, unrolled
-  layers, native CPU attention) at 1 and 64 decoding sequences of 128-token contexts;
+- `decode_step_1`, `decode_step_8`, `decode_step_64`: the engine's jitted step
+  (`ModelRunner.execute`, unrolled layers, native CPU attention, the panel matmul) at 1, 8
+  and 64 decoding sequences of 128-token contexts, and `spec_step_5`: one sequence scoring
+  its last token and 4 drafts (a speculative verification step, k = 4); each also as
+  `..._xla`, the same step on XLA's dots (``PAGEDJAX_DENSE_PANELS=0``);
 - `matmuls_64`, `matmuls_64_native`: the same weight matmuls at 64 rows, with the GFLOP/s
   they reach.
 
@@ -48,13 +51,21 @@ def main() -> None:
     from models.loader import load_model
     from pagedjax.config import EngineConfig
     from pagedjax.core.scheduler import ScheduledSeq
+    from pagedjax.spec.config import SpeculativeConfig
     from pagedjax.worker.model_runner import ModelRunner
     from pagedjax.worker.step_inputs import build_step_inputs
     from pallas_kernels.cpu_native import dense_matmul_cpu
 
     config, params, _ = load_model("smollm2", None)
-    runner = ModelRunner(config, params, EngineConfig(num_gpu_blocks=1024, max_model_len=1024,
-                                                      warmup=False), jnp.float32, 1024)
+    # k = 4 speculation only sets the smallest multi-token bucket (5 tokens); decode steps
+    # are as without it.
+    ec = EngineConfig(num_gpu_blocks=1024, max_model_len=1024, warmup=False,
+                      speculative_config=SpeculativeConfig(method="ngram",
+                                                           num_speculative_tokens=4))
+    runner = ModelRunner(config, params, ec, jnp.float32, 1024)
+    os.environ["PAGEDJAX_DENSE_PANELS"] = "0"
+    runner_xla = ModelRunner(config, params, ec, jnp.float32, 1024)
+    del os.environ["PAGEDJAX_DENSE_PANELS"]
     p = jax.device_put(unstack_layers(params))  # canonical [K, N] kernels, for XLA's dots
     layers = [p[f"layer_{i}"] for i in range(config.num_layers)]
     emb = p["embed"]
@@ -94,18 +105,21 @@ def main() -> None:
     h8 = jnp.full((8, hidden), 1e-3, jnp.float32)
     h64 = jnp.full((64, hidden), 1e-3, jnp.float32)
 
-    def step_inputs(n, ctx=128):
+    def step_inputs(n, ctx=128, drafts=0):
         per = ctx // 16 + 1
-        seqs = [ScheduledSeq(i, str(i), [7], ctx - 1, list(range(i * per, (i + 1) * per)), True)
-                for i in range(n)]
-        return build_step_inputs(seqs, 16, runner.max_blocks_per_seq, plan=runner.shape_plan)
+        q = 1 + drafts
+        seqs = [ScheduledSeq(i, str(i), [7] * q, ctx - q, list(range(i * per, (i + 1) * per)),
+                             True, spec_token_ids=(7,) * drafts) for i in range(n)]
+        return build_step_inputs(seqs, 16, runner.max_blocks_per_seq, plan=runner.shape_plan,
+                                 spec_lens=[drafts] * n if drafts else None)
 
-    in1, in64 = step_inputs(1), step_inputs(64)
+    steps = {"decode_step_1": step_inputs(1), "decode_step_8": step_inputs(8),
+             "spec_step_5": step_inputs(1, drafts=4), "decode_step_64": step_inputs(64)}
     calls = {
         "stream_weights": lambda: total(weights),
         "matvec_chain": lambda: chain_j(h1, layers, emb),
-        "decode_step_1": lambda: runner.execute(in1),
-        "decode_step_64": lambda: runner.execute(in64),
+        **{name: (lambda i=inp: runner.execute(i)) for name, inp in steps.items()},
+        **{name + "_xla": (lambda i=inp: runner_xla.execute(i)) for name, inp in steps.items()},
         "matmuls_64": lambda: chain_j(h64, layers, emb),
         "matvec_chain_native": lambda: native_j(h1, panels, head_panels),
         "matmuls_8": lambda: chain_j(h8, layers, emb),
