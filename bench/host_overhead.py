@@ -36,6 +36,7 @@ class _Runner:
     """The engine's view of a runner, with no device work."""
 
     def __init__(self, config, params, engine_config, dtype, max_model_len, *a, **k) -> None:
+        from pagedjax.worker.model_runner import kv_layout
         from pagedjax.worker.shapes import ShapePlan
 
         self.num_gpu_blocks = engine_config.num_gpu_blocks
@@ -48,11 +49,21 @@ class _Runner:
         self.compiled_shapes: set = set()
         self.vocab = config.vocab_size
         self.feed_tokens = False  # no device: every step's tokens are applied at once
+        self.kv_scales = None  # a float cache: nothing to calibrate
+        self.kv_dtype = np.dtype(np.float32)
+        self.kv_layout = kv_layout(config, engine_config)
+        self.num_kv_groups = self.kv_layout.num_groups
+        self.params = params
 
     def execute(self, inputs):
         self.compiled_shapes.add(inputs.shape_key)
         return np.zeros((len(inputs.logits_indices), 1), np.float32)  # never read
 
+    def cache_lost(self) -> bool:
+        return False
+
+    def warmup(self, *a, **k) -> None: ...
+    def warmup_token_feed(self, *a, **k) -> None: ...
     def swap_out(self, pairs) -> None: ...
     def swap_in(self, pairs) -> None: ...
     def copy_blocks(self, pairs) -> None: ...

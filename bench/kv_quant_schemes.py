@@ -10,10 +10,17 @@ margin exceeds 0.05 nats (elsewhere any perturbation, a bf16 cache's included, f
 mean |delta logprob| of the reference token.
 
 Schemes per tensor: ``ch`` (what pagedjax builds: a static scale per (layer, KV head,
-channel), calibrated as the engine does, headroom 1.2), ``head`` (static per head), ``tok``
-(a dynamic scale per token and head: would need storage per token), ``asym`` (static per
-channel with a zero point from calibrated min/max: free in the kernels, since K's offset adds
-a constant per query row that softmax cancels and V's adds a constant to the output), and
+channel), calibrated as the engine does, headroom 1.2; ``ch@M``: headroom M instead),
+``head`` (static per head), ``tok`` (a dynamic scale per token and head: would need storage
+per token), ``asym`` (static per channel with a zero point from calibrated min/max: free in
+the kernels, since K's offset adds a constant per query row that softmax cancels and V's adds
+a constant to the output), ``ctok`` (the static channel scales times a dynamic per-token
+factor that fits each token's channel-normalised vector exactly: the channel scales flatten
+the outlier channels, the token factor removes saturation and calibration's headroom; needs
+one scale per token and head), ``rtok`` (a Hadamard rotation of the head dim before a
+per-token scale, QuaRot-style: spreads outlier channels; the rotation folds into q and the
+output), ``rch`` (the rotation with static per-channel scales calibrated on rotated values),
+``g16`` (a dynamic scale per token and 16 channels: a bound, too costly for the kernels), and
 plain ``bfloat16`` / ``float16`` casts as the floor a 16-bit cache sets.
 
     .venv/bin/python bench/kv_quant_schemes.py   # ~5 min on 2 cores
@@ -34,8 +41,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PAIRS = ["bfloat16:bfloat16", "float16:float16", "ch:ch", "ch:none", "none:ch", "head:head",
-         "tok:tok", "ch:tok", "asym:asym"]
+PAIRS = ["bfloat16:bfloat16", "float16:float16", "ch:ch", "ch:none", "none:ch", "ch@1.0:ch@1.0",
+         "ch@2.0:ch@2.0", "head:head", "tok:tok", "ch:tok", "asym:asym", "rch:rch", "rtok:rtok",
+         "ctok:ctok", "ctok:none", "none:ctok", "g16:g16"]
 NEAR_TIE = 0.05  # nats
 
 
@@ -55,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtypes", default="int8,float8_e4m3fn")
     ap.add_argument("--pairs", default=",".join(PAIRS), help="KMODE:VMODE,...")
-    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/kv_quant_schemes.json"))
     args = ap.parse_args()
 
@@ -63,14 +71,23 @@ def main() -> None:
     tok = load_tokenizer(path)
     cfg, params = load_gguf(path)
     L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    had = np.ones((1, 1))
+    while had.shape[0] < D:  # Sylvester's construction; orthonormal after the scaling
+        had = np.block([[had, had], [had, -had]])
+    if had.shape[0] != D:
+        raise SystemExit(f"head dim {D} is not a power of two: no Hadamard rotation")
+    HAD = jnp.asarray(had / np.sqrt(D), jnp.float32)
 
     @dataclasses.dataclass(frozen=True)
     class MinMax:
-        """Records max and -min of K and V per (layer, head, channel) in the 'cache'."""
+        """Records max and -min per (layer, head, channel) of K, V and their rotations in the
+        'cache'."""
 
         def __call__(self, q, k, v, cache, layer, meta, *, scale=None, window=0, softcap=None):
-            hi = jnp.stack([k.max(0), v.max(0)]).astype(jnp.float32)
-            nlo = -jnp.stack([k.min(0), v.min(0)]).astype(jnp.float32)
+            kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
+            both = [kf, vf, kf @ HAD, vf @ HAD]
+            hi = jnp.stack([x.max(0) for x in both])
+            nlo = -jnp.stack([x.min(0) for x in both])
             cache = cache.at[layer, 0].max(hi).at[layer, 1].max(nlo)
             out, _ = CalibrationAttention()(q, k, v, jnp.zeros((L, 2, H, D)), layer, meta,
                                             scale=scale, window=window, softcap=softcap)
@@ -78,9 +95,9 @@ def main() -> None:
 
     cal = jnp.asarray(calibration_ids(tok, cfg.vocab_size, 512))
     mm = np.asarray(jax.jit(lambda p, ids: DecoderLM(cfg, MinMax()).apply(
-        {"params": p}, ids, jnp.arange(ids.shape[0]), jnp.full((L, 2, 2, H, D), -1e30), None,
+        {"params": p}, ids, jnp.arange(ids.shape[0]), jnp.full((L, 2, 4, H, D), -1e30), None,
         logits_indices=jnp.zeros((1,), jnp.int32))[1])(params, cal))
-    hi, lo = mm[:, 0], -mm[:, 1]  # [L, 2 (K, V), H, D]
+    hi, lo = mm[:, 0], -mm[:, 1]  # [L, 4 (K, V, rotated K, rotated V), H, D]
     stats = jnp.asarray(np.stack([np.maximum(hi, -lo), hi, lo], 1))  # [L, 3, 2, H, D]
 
     llm = LLM.from_params(cfg, params, tok, num_gpu_blocks=256, block_size=16, max_model_len=512)
@@ -90,15 +107,20 @@ def main() -> None:
     starts = [len(o.prompt_token_ids) for o in outs]
     del llm
 
-    def fake_quant(x, mode, st, dt):
-        """``x [T, H, D]`` as the kernels would read it; ``st [3, H, D]``: amax, max, min."""
+    def fake_quant(x, mode, st, dt, rot_st):
+        """``x [T, H, D]`` as the kernels would read it; ``st [3, H, D]``: amax, max, min
+        (``rot_st``: of the rotated values)."""
         x = x.astype(jnp.float32)
+        if mode in ("rch", "rtok"):  # rotate, quantize, rotate back (H is symmetric)
+            return fake_quant(x @ HAD, mode[1:], rot_st, dt, None) @ HAD
         if mode == "none":
             return x
         if mode in ("bfloat16", "float16"):
             return x.astype(mode).astype(jnp.float32)
         qm = 127.0 if dt == "int8" else float(jnp.finfo(dt).max)
         margin = 1.2 if dt == "int8" else 2.0  # the engine's headroom
+        if mode.startswith("ch@"):
+            mode, margin = "ch", float(mode[3:])
         zero = 0.0
         if mode == "ch":
             s = st[0] * margin / qm
@@ -106,6 +128,12 @@ def main() -> None:
             s = jnp.broadcast_to(st[0].max(-1, keepdims=True), st[0].shape) * margin / qm
         elif mode == "tok":
             s = jnp.abs(x).max(-1, keepdims=True) / qm
+        elif mode == "ctok":
+            c = jnp.where(st[0] > 0, st[0], 1.0)
+            s = c * jnp.abs(x / c).max(-1, keepdims=True) / qm
+        elif mode == "g16":
+            g = x.reshape(*x.shape[:-1], -1, 16)
+            s = jnp.repeat(jnp.abs(g).max(-1), 16, axis=-1) / qm
         elif mode == "asym":
             zero = (st[1] + st[2]) / 2
             s = (st[1] - st[2]) / 2 * margin / qm
@@ -126,8 +154,8 @@ def main() -> None:
         dt: str
 
         def __call__(self, q, k, v, st, layer, meta, *, scale=None, window=0, softcap=None):
-            k = fake_quant(k, self.kmode, st[layer, :, 0], self.dt)
-            v = fake_quant(v, self.vmode, st[layer, :, 1], self.dt)
+            k = fake_quant(k, self.kmode, st[layer, :, 0], self.dt, st[layer, :, 2])
+            v = fake_quant(v, self.vmode, st[layer, :, 1], self.dt, st[layer, :, 3])
             out, _ = CalibrationAttention()(q, k, v, jnp.zeros((L, 2, H, D)), layer, meta,
                                             scale=scale, window=window, softcap=softcap)
             return out, st
