@@ -19,7 +19,9 @@
 // Work is split into items (sequence, kv head, tile of up to kTileQ query tokens); the items
 // are shared out over XLA's intra-op thread pool, the calling thread included. Each item keeps
 // its tile's queries, running max, sum and accumulator in fp32 (an online softmax over the
-// context, one block at a time).
+// context, one block at a time). Per query row and block, scores, max, exponentials and the
+// V accumulation are separate loops the compiler vectorizes (the exponential is a polynomial,
+// not libm's scalar call), with the accumulator in registers for head dims 64 and 128.
 //
 // Quantized caches (int8, FP8 e4m3 / e5m2; pallas_kernels/kv_quant.py) hold k / s_k and v / s_v
 // with static scales per (layer, KV head, channel), passed as `scales` [2, Hkv, D]: s_k
@@ -96,6 +98,27 @@ inline void from_float(float x, uint16_t* out) {  // round to nearest even
   *out = static_cast<uint16_t>(bits >> 16);
 }
 
+// exp(x) for x <= 0 in a form the compiler vectorizes (std::exp is a scalar libm call, and
+// one per (query row, key) was the kernel's largest cost: `bench/cpu_attention.py`). Cephes'
+// expf reduction and polynomial (relative error ~1e-7, i.e. within a couple of fp32 ulps);
+// below -87 the result is exactly 0, so masked logits (kMask) still weigh nothing.
+inline float exp_nonpos(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t e = (static_cast<int32_t>(std::max(n, -126.f)) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &e, sizeof two_n);
+  return x < -87.f ? 0.f : y * two_n;
+}
+
 struct Item {
   int32_t seq, head, q0, nq;  // query rows [q0, q0 + nq) of sequence `seq` (relative)
 };
@@ -112,12 +135,58 @@ struct Problem {
   const float* scales;  // [2, Hkv, D] (K, V) for a quantized cache; null: none
 };
 
+// One query row against keys [t0, keys) of one block: scores, then the online-softmax
+// update of the row's max `m`, sum `l` and accumulator `acc`. Each pass is a loop over keys
+// or channels the compiler vectorizes; DC is the head dim when known at compile time (64,
+// 128: the accumulator stays in registers), else 0.
+template <int DC>
+inline void attend_block_row(const float* qr, const float* kp, const float* vp, int64_t D,
+                             int64_t t0, int64_t keys, float softcap, float* s, float& m,
+                             float& l, float* acc) {
+  if constexpr (DC > 0) D = DC;
+  float mx = m;
+  for (int64_t t = t0; t < keys; ++t) {
+    const float* kr = kp + t * D;
+    float dot = 0.f;
+    for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
+    s[t] = dot;
+  }
+  if (softcap > 0.f)
+    for (int64_t t = t0; t < keys; ++t) s[t] = softcap * std::tanh(s[t] / softcap);
+  for (int64_t t = t0; t < keys; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+  for (int64_t t = t0; t < keys; ++t) {
+    s[t] = exp_nonpos(s[t] - mx);
+    sum += s[t];
+  }
+  const float alpha = exp_nonpos(m - mx);
+  l = l * alpha + sum;
+  m = mx;
+  if constexpr (DC > 0) {
+    float a[DC];
+    for (int d = 0; d < DC; ++d) a[d] = acc[d] * alpha;
+    for (int64_t t = t0; t < keys; ++t) {
+      const float w = s[t];
+      const float* vr = vp + t * DC;
+      for (int d = 0; d < DC; ++d) a[d] += w * vr[d];
+    }
+    for (int d = 0; d < DC; ++d) acc[d] = a[d];
+  } else {
+    for (int64_t d = 0; d < D; ++d) acc[d] *= alpha;
+    for (int64_t t = t0; t < keys; ++t) {
+      const float w = s[t];
+      const float* vr = vp + t * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += w * vr[d];
+    }
+  }
+}
+
 // One work item: the tile's queries against its sequence's context, block by block.
 // T: queries and output (fp32 / bf16); C: the cache's storage (T, int8 or FP8).
-template <typename T, typename C>
+template <typename T, typename C, int DC>
 void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, const C* v_cache,
               T* out, std::vector<float>& scratch) {
-  const int64_t D = p.head_dim, G = p.num_q_heads / p.num_kv_heads, bs = p.block_size;
+  const int64_t D = DC ? DC : p.head_dim, G = p.num_q_heads / p.num_kv_heads, bs = p.block_size;
   const int64_t rows = it.nq * G;
   const int32_t kv_len = p.kv_lens[it.seq];
   const int32_t q_len = p.cu[it.seq + 1] - p.cu[it.seq];
@@ -178,28 +247,8 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
       if (keys <= t0) continue;
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
-        const float* qr = qf + r * D;
-        float mx = m[r];
-        for (int64_t t = t0; t < keys; ++t) {
-          const float* kr = kp + t * D;
-          float dot = 0.f;
-          for (int64_t d = 0; d < D; ++d) dot += qr[d] * kr[d];
-          if (p.softcap > 0.f) dot = p.softcap * std::tanh(dot / p.softcap);
-          s[t] = dot;
-          mx = std::max(mx, dot);
-        }
-        const float alpha = std::exp(m[r] - mx);
-        float* ar = acc + r * D;
-        float sum = l[r] * alpha;
-        for (int64_t d = 0; d < D; ++d) ar[d] *= alpha;
-        for (int64_t t = t0; t < keys; ++t) {
-          const float w = std::exp(s[t] - mx);
-          sum += w;
-          const float* vr = vp + t * D;
-          for (int64_t d = 0; d < D; ++d) ar[d] += w * vr[d];
-        }
-        l[r] = sum;
-        m[r] = mx;
+        attend_block_row<DC>(qf + r * D, kp, vp, D, t0, keys, p.softcap, s, m[r], l[r],
+                             acc + r * D);
       }
     }
   }
@@ -226,8 +275,14 @@ void work(const std::shared_ptr<Shared>& sh, const Problem& p, const T* q, const
           const C* v, T* out) {
   std::vector<float> scratch;
   const int64_t n = static_cast<int64_t>(sh->items.size());
-  for (int64_t i = sh->next.fetch_add(1); i < n; i = sh->next.fetch_add(1))
-    run_item(p, sh->items[i], q, k, v, out, scratch);
+  for (int64_t i = sh->next.fetch_add(1); i < n; i = sh->next.fetch_add(1)) {
+    if (p.head_dim == 64)
+      run_item<T, C, 64>(p, sh->items[i], q, k, v, out, scratch);
+    else if (p.head_dim == 128)
+      run_item<T, C, 128>(p, sh->items[i], q, k, v, out, scratch);
+    else
+      run_item<T, C, 0>(p, sh->items[i], q, k, v, out, scratch);
+  }
 }
 
 template <typename T, typename C>
@@ -290,6 +345,8 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
     return p.kv_lens[a.seq] - (p.cu[a.seq + 1] - p.cu[a.seq]) + a.q0 + a.nq >
            p.kv_lens[b.seq] - (p.cu[b.seq + 1] - p.cu[b.seq]) + b.q0 + b.nq;
   });
+  // As many helpers as the pool has threads, the calling thread besides: one fewer gave 3-7 %
+  // slower model steps at 256 decodes on the 2-core host (2026-11-26, A/B/A/B).
   const int64_t helpers =
       std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(sh->items.size()) - 1);
   for (int64_t i = 0; i < helpers; ++i) {

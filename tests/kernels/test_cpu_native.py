@@ -56,8 +56,11 @@ def _random_batch(seed: int, dtype: str, group: int, head_dim: int, bs: int):
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_ragged_batches_match_float64(seed):
+    # Head dims 64 and 128 run the kernel's compile-time-width variants, 96 and 256 the
+    # generic one.
     dtype = ("float32", "bfloat16")[seed % 2]
-    group, head_dim, bs = [(1, 64, 16), (3, 64, 8), (4, 128, 32), (2, 64, 128)][seed % 4]
+    group, head_dim, bs = [(1, 64, 16), (3, 64, 8), (4, 128, 32), (2, 64, 128), (3, 96, 16),
+                           (2, 256, 16)][seed % 6]
     seqs, pc, q, cu, kv_lens, tables, pad = _random_batch(seed, dtype, group, head_dim, bs)
     scale = head_dim**-0.5
     expect = np_ragged(q, pc.k_clean, pc.v_clean, 2, tables, seqs, cu, scale)
