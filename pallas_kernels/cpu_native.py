@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kv_quant import is_quantized
+from pallas_kernels.kv_quant import data_slots, is_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +146,11 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
                                kv_lens: jax.Array, block_tables: jax.Array,
                                cu_q_lens: jax.Array, num_seqs: jax.Array, layer: jax.Array,
                                window: jax.Array | int = 0, kv_scale: jax.Array | None = None,
-                               *, scale: float, softcap: float | None = None) -> jax.Array:
+                               *, scale: float, softcap: float | None = None,
+                               token_scales: bool = False) -> jax.Array:
     """Same contract as `ragged_paged_attention_ref` (5-D caches, int32 metadata);
-    ``kv_scale [2, Hkv, D]`` for an int8 / FP8 cache."""
+    ``kv_scale [2, Hkv, D]`` for an int8 / FP8 cache; ``token_scales``: the cache also holds
+    per-token factors (`kv_quant`, granularity "per_token")."""
     if not _register():
         raise NativeBuildError("native CPU attention is not available")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
@@ -157,21 +159,30 @@ def ragged_paged_attention_cpu(q: jax.Array, k_cache: jax.Array, v_cache: jax.Ar
               else jnp.asarray(kv_scale, jnp.float32))
     return call(q, k_cache, v_cache, i32(kv_lens), i32(block_tables), i32(cu_q_lens),
                 i32(num_seqs).reshape(()), i32(layer).reshape(()), i32(window).reshape(()),
-                scales, scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+                scales, scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
+                data_slots=np.int64(data_slots(k_cache.shape[0], k_cache.shape[-1])
+                                    if token_scales else 0))
 
 
 def write_kv_bytes_cpu(k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
-                       slot_mapping: jax.Array, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
+                       slot_mapping: jax.Array, layer: jax.Array,
+                       factors: tuple[jax.Array, jax.Array] | None = None,
+                       ) -> tuple[jax.Array, jax.Array]:
     """Scatter already-quantized 1-byte ``k``/``v`` ``[T, Hkv, D]`` (the cache's dtype) into
     5-D caches in place (aliased); slots < 0 are padding. For FP8 caches, whose scatter
-    XLA:CPU runs by widening the whole cache (`write_kv`)."""
+    XLA:CPU runs by widening the whole cache (`write_kv`), and per-token caches, whose
+    ``factors`` (K's and V's ``[T, Hkv]`` float32) go into the factor slots (`kv_quant`)."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     call = jax.ffi.ffi_call(WRITE_TARGET, (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
                                            jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)),
                             input_output_aliases={2: 0, 3: 1})
+    none = jnp.zeros((0,), jnp.float32)
+    kf, vf = (none, none) if factors is None else (jnp.asarray(f, jnp.float32)
+                                                   for f in factors)
+    n = 0 if factors is None else data_slots(k_cache.shape[0], k_cache.shape[-1])
     return call(k, v, k_cache, v_cache, jnp.asarray(slot_mapping, jnp.int32),
-                jnp.asarray(layer, jnp.int32).reshape(()))
+                jnp.asarray(layer, jnp.int32).reshape(()), kf, vf, data_slots=np.int64(n))
 
 
 def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None) -> jax.Array:

@@ -51,7 +51,7 @@ from pallas_kernels.backend import (
     resolve_backend,
     triton_params,
 )
-from pallas_kernels.kv_quant import check_kv_scale
+from pallas_kernels.kv_quant import check_kv_scale, check_token_scales, read_factors
 
 # Target number of programs per launch when choosing the split count automatically
 # (about two waves on a 132-SM H100).
@@ -252,7 +252,7 @@ def combine_splits(acc: jax.Array, m: jax.Array, lsum: jax.Array) -> jax.Array:
     return jnp.where(denom[..., None] > 0, num / safe[..., None], 0.0)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "token_scales"))
 def paged_decode_attention_ref(
     q: jax.Array,
     k_cache: jax.Array,
@@ -265,13 +265,15 @@ def paged_decode_attention_ref(
     *,
     scale: float,
     softcap: float | None = None,
+    token_scales: bool = False,
 ) -> jax.Array:
     """Pure-jnp reference: gather dense K/V through the block table, masked fp32 softmax.
 
     The query sits at position ``context_len - 1`` and sees the last ``window`` positions
     (all of them when ``window`` is 0); K/V outside that range are zeroed before use, so stale
     or freed blocks the table still names cannot leak in. A quantized cache is dequantized
-    with ``kv_scale [2, Hkv, D]`` after the gather."""
+    with ``kv_scale [2, Hkv, D]`` after the gather, and with each token's factors when
+    ``token_scales`` (`kv_quant`, granularity "per_token")."""
     k5, v5 = as_5d(k_cache), as_5d(v_cache)
     _, num_kv_heads, num_blocks, block_size, head_dim = k5.shape
     num_seqs, num_q_heads, _ = q.shape
@@ -289,6 +291,11 @@ def paged_decode_attention_ref(
     if kv_scale is not None:
         k = k * kv_scale[0].astype(jnp.float32)[None, :, None, :]
         v = v * kv_scale[1].astype(jnp.float32)[None, :, None, :]
+    if token_scales:  # [Hkv, S, pages, bs] -> [S, Hkv, T]
+        fk = read_factors(k5, layer)[:, tables].reshape(num_kv_heads, num_seqs, -1)
+        fv = read_factors(v5, layer)[:, tables].reshape(num_kv_heads, num_seqs, -1)
+        k = k * fk.transpose(1, 0, 2)[..., None]
+        v = v * fv.transpose(1, 0, 2)[..., None]
     k = jnp.where(valid[:, None, :, None], k, 0.0)
     v = jnp.where(valid[:, None, :, None], v, 0.0)
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
@@ -319,6 +326,7 @@ def paged_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scale: jax.Array | None = None,
+    token_scales: bool = False,
 ) -> jax.Array:
     """Attention of one new query token per sequence over its paged context.
 
@@ -339,6 +347,8 @@ def paged_decode_attention(
         them from :mod:`pallas_kernels.tuning` for the target GPU.
       kv_scale: ``[2, Hkv, D]`` float32 static scales of a quantized (int8 / FP8) cache: K and V
         are stored as ``k / kv_scale[0]``, ``v / kv_scale[1]`` (`pallas_kernels.kv_quant`).
+      token_scales: the cache also holds per-token factors (granularity "per_token"; CPU
+        and XLA backends).
     Returns:
       ``[num_seqs, num_q_heads, head_dim]`` in ``q.dtype``.
     """
@@ -349,16 +359,17 @@ def paged_decode_attention(
         raise ValueError("num_q_heads must be a multiple of num_kv_heads")
     kv_scale = check_kv_scale(k_cache, kv_scale)
     chosen = resolve_backend(backend)
+    token_scales = check_token_scales(k_cache, token_scales, chosen)
     if chosen == "cpu" and cpu_native.supports(q, as_5d(k_cache)):
         num_seqs = q.shape[0]
         return cpu_native.ragged_paged_attention_cpu(
             q, as_5d(k_cache), as_5d(v_cache), context_lens, block_tables,
             jnp.arange(num_seqs + 1, dtype=jnp.int32), jnp.int32(num_seqs), lay, win,
-            kv_scale, scale=float(scale), softcap=cap)
+            kv_scale, scale=float(scale), softcap=cap, token_scales=token_scales)
     if chosen != "pallas":
         return paged_decode_attention_ref(
             q, k_cache, v_cache, block_tables, context_lens, lay, win, kv_scale,
-            scale=float(scale), softcap=cap)
+            scale=float(scale), softcap=cap, token_scales=token_scales)
     if pallas_lowering() == "mosaic" and mosaic_decode_attention.supports(
             q, k_cache, quantized=kv_scale is not None, interpret=interpret_mode()):
         return mosaic_decode_attention.mosaic_paged_decode(

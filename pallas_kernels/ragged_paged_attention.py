@@ -46,7 +46,7 @@ from pallas_kernels.backend import (
     resolve_backend,
     triton_params,
 )
-from pallas_kernels.kv_quant import check_kv_scale
+from pallas_kernels.kv_quant import check_kv_scale, check_token_scales, read_factors
 from pallas_kernels.paged_decode_attention import paged_decode_attention_ref
 
 _XLA_BLOCK_Q = 32
@@ -291,6 +291,7 @@ def ragged_paged_attention_ref(
     scale: float,
     softcap: float | None = None,
     block_q: int = _XLA_BLOCK_Q,
+    token_scales: bool = False,
 ) -> jax.Array:
     """Pure-jnp reference: per work item, gather dense K/V, causal masked fp32 softmax.
 
@@ -324,6 +325,11 @@ def ragged_paged_attention_ref(
     if kv_scale is not None:  # a quantized cache: dequantize what was gathered
         k = k * kv_scale[0].astype(jnp.float32)[None, :, None, :]
         v = v * kv_scale[1].astype(jnp.float32)[None, :, None, :]
+    if token_scales:  # and each token's factors: [Hkv, I, pages, bs] -> [I, Hkv, T]
+        fk = read_factors(k5, layer)[:, tables].reshape(num_kv_heads, num_items, -1)
+        fv = read_factors(v5, layer)[:, tables].reshape(num_kv_heads, num_items, -1)
+        k = k * fk.transpose(1, 0, 2)[..., None]
+        v = v * fv.transpose(1, 0, 2)[..., None]
     k = jnp.where(in_range[:, None, :, None], k, 0.0)
     v = jnp.where(in_range[:, None, :, None], v, 0.0)
     q_pos = pos0[:, None] + tok[None, :]  # [I, bq]
@@ -364,6 +370,7 @@ def ragged_paged_attention_per_token(
     *,
     scale: float,
     softcap: float | None = None,
+    token_scales: bool = False,
 ) -> jax.Array:
     """Ragged attention as one decode query per token: token t of sequence s attends to the
     first `position(t) + 1` cache slots of s's table (causal by length). Rows past
@@ -377,7 +384,8 @@ def ragged_paged_attention_per_token(
     pos = kv_lens[seq] - q_lens[seq] + (t - cu[seq])
     ctx = jnp.where(t < total, pos + 1, 0).astype(jnp.int32)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables[seq], ctx, layer,
-                                      window, kv_scale, scale=scale, softcap=softcap)
+                                      window, kv_scale, scale=scale, softcap=softcap,
+                                      token_scales=token_scales)
 
 
 def ragged_paged_attention(
@@ -400,6 +408,7 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     kv_scale: jax.Array | None = None,
+    token_scales: bool = False,
 ) -> jax.Array:
     """Causal attention for a flat batch of query tokens from many sequences.
 
@@ -419,6 +428,8 @@ def ragged_paged_attention(
         None takes them from :mod:`pallas_kernels.tuning` for the target GPU.
       kv_scale: ``[2, Hkv, D]`` float32 static scales of a quantized (int8 / FP8) cache
         (`pallas_kernels.kv_quant`).
+      token_scales: the cache also holds per-token factors (granularity "per_token"; CPU
+        and XLA backends).
     Returns:
       ``[num_tokens, num_q_heads, head_dim]``; rows past ``cu_q_lens[num_seqs]`` are zero.
     """
@@ -430,19 +441,20 @@ def ragged_paged_attention(
     num_seqs = jnp.asarray(num_seqs, jnp.int32).reshape(())
     kv_scale = check_kv_scale(k_cache, kv_scale)
     chosen = resolve_backend(backend)
+    token_scales = check_token_scales(k_cache, token_scales, chosen)
     if chosen == "cpu" and cpu_native.supports(q, as_5d(k_cache)):
         return cpu_native.ragged_paged_attention_cpu(
             q, as_5d(k_cache), as_5d(v_cache), kv_lens, block_tables, cu_q_lens, num_seqs, lay,
-            win, kv_scale, scale=float(scale), softcap=cap)
+            win, kv_scale, scale=float(scale), softcap=cap, token_scales=token_scales)
     if chosen != "pallas":
         slots = q.shape[0] * block_tables.shape[1] * k_cache.shape[-2]
         if slots <= _XLA_PER_TOKEN_MAX_SLOTS and block_q is None:
             return ragged_paged_attention_per_token(
                 q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
-                kv_scale, scale=float(scale), softcap=cap)
+                kv_scale, scale=float(scale), softcap=cap, token_scales=token_scales)
         return ragged_paged_attention_ref(
             q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win,
-            kv_scale, scale=float(scale), softcap=cap,
+            kv_scale, scale=float(scale), softcap=cap, token_scales=token_scales,
         )
     windowed = has_window(window)
     if pallas_lowering() == "mosaic" and mosaic_decode_attention.supports(

@@ -19,7 +19,14 @@ from jax.experimental import pallas as pl
 from pallas_kernels import cpu_native
 from pallas_kernels._common import as_5d, from_5d, layer_arg
 from pallas_kernels.backend import interpret_mode, resolve_backend, triton_params, uses_pallas
-from pallas_kernels.kv_quant import check_kv_scale, is_quantized, quantize
+from pallas_kernels.kv_quant import (
+    check_kv_scale,
+    check_token_scales,
+    is_quantized,
+    quantize,
+    quantize_per_token,
+    write_factors,
+)
 
 
 def _write_kernel(
@@ -84,8 +91,10 @@ def _write_kv_pallas(k, v, k_cache, v_cache, slot_mapping, layer, *, interpret: 
 
 
 @jax.jit
-def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, layer):
-    """Pure-jnp reference: one scatter per cache; padding slots index out of range and drop."""
+def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, layer, factors=None):
+    """Pure-jnp reference: one scatter per cache; padding slots index out of range and drop.
+    ``factors``: K's and V's per-token factors ``[T, Hkv]`` of a per-token cache (`kv_quant`),
+    written into its factor slots."""
     k5, v5 = as_5d(k_cache), as_5d(v_cache)
     num_blocks, block_size = k5.shape[2], k5.shape[3]
     slots = slot_mapping.astype(jnp.int32)
@@ -95,6 +104,9 @@ def write_kv_ref(k, v, k_cache, v_cache, slot_mapping, layer):
     # Advanced indices separated by a slice put the token axis first: [N, Hkv, D] == k.
     k5 = k5.at[layer, :, block, offset].set(k.astype(k5.dtype), mode="drop")
     v5 = v5.at[layer, :, block, offset].set(v.astype(v5.dtype), mode="drop")
+    if factors is not None:
+        k5 = write_factors(k5, layer, block, offset, factors[0])
+        v5 = write_factors(v5, layer, block, offset, factors[1])
     return from_5d(k5, k_cache.ndim), from_5d(v5, v_cache.ndim)
 
 
@@ -108,6 +120,7 @@ def write_kv(
     layer: int | jax.Array | None = None,
     backend: str | None = None,
     kv_scale: jax.Array | None = None,
+    token_scales: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Write ``k``/``v`` ``[num_tokens, Hkv, head_dim]`` into cache slots ``slot_mapping``.
 
@@ -115,7 +128,11 @@ def write_kv(
     make the update in place. ``slot_mapping`` entries < 0 are padding and are skipped.
     ``kv_scale [2, Hkv, D]``: this layer's static scales, required by a quantized cache (int8 /
     FP8, `pallas_kernels.kv_quant`), which stores ``k / kv_scale[0]`` and ``v / kv_scale[1]``.
+    ``token_scales``: the cache has factor slots (granularity "per_token"): each token is
+    stored over its own factor, written beside it (CPU and XLA backends).
     """
+    if token_scales:
+        return _write_per_token(k, v, k_cache, v_cache, slot_mapping, layer, backend, kv_scale)
     lay = layer_arg(k_cache, layer)
     if is_quantized(k_cache.dtype):
         sc = check_kv_scale(k_cache, kv_scale)
@@ -131,3 +148,20 @@ def write_kv(
     if not uses_pallas(backend):
         return write_kv_ref(k, v, k_cache, v_cache, slot_mapping, lay)
     return _write_kv_pallas(k, v, k_cache, v_cache, slot_mapping, lay, interpret=interpret_mode())
+
+
+def _write_per_token(k, v, k_cache, v_cache, slot_mapping, layer, backend, kv_scale):
+    """`write_kv` into a per-token cache: quantize over each token's factor, then write the
+    bytes and the factors (the native byte scatter on CPU, XLA's scatter otherwise)."""
+    chosen = resolve_backend(backend)
+    check_token_scales(k_cache, True, chosen)
+    k5, v5 = as_5d(k_cache), as_5d(v_cache)
+    sc = check_kv_scale(k_cache, kv_scale)
+    lay = layer_arg(k_cache, layer)
+    kq, kf = quantize_per_token(k, sc[0][None], k_cache.dtype)
+    vq, vf = quantize_per_token(v, sc[1][None], v_cache.dtype)
+    if chosen == "cpu":
+        k5, v5 = cpu_native.write_kv_bytes_cpu(kq, vq, k5, v5, slot_mapping, lay, (kf, vf))
+        return from_5d(k5, k_cache.ndim), from_5d(v5, v_cache.ndim)
+    return write_kv_ref(kq, vq, k_cache, v_cache, slot_mapping, lay, (kf, vf))
+

@@ -133,7 +133,23 @@ struct Problem {
   const int32_t* tables;
   const int32_t* cu;
   const float* scales;  // [2, Hkv, D] (K, V) for a quantized cache; null: none
+  int64_t data_slots;   // > 0: per-token factors after this many slots (kv_quant.py); 0: none
 };
+
+// The float32 factor of (p.layer, head, block, offset) in a per-token cache (kv_quant.py:
+// extra slots after the data slots, 4 bytes per data slot in each token's row).
+template <typename C>
+inline float token_factor(const Problem& p, const C* cache, int64_t head, int64_t block,
+                          int64_t offset) {
+  const int64_t per = p.head_dim / 4;
+  const int64_t row =
+      (((p.data_slots + p.layer / per) * p.num_kv_heads + head) * p.num_blocks + block) *
+          p.block_size + offset;
+  float f;
+  std::memcpy(&f, reinterpret_cast<const char*>(cache + row * p.head_dim) + 4 * (p.layer % per),
+              sizeof f);
+  return f;
+}
 
 // One query row against keys [t0, keys) of one block: scores, then the online-softmax
 // update of the row's max `m`, sum `l` and accumulator `acc`. Each pass is a loop over keys
@@ -238,6 +254,13 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
       const int64_t from = std::max<int64_t>(first - j * bs, 0) * D;
       for (int64_t x = from; x < keys * D; ++x) kb[x] = to_float(kt[x]);
       for (int64_t x = from; x < keys * D; ++x) vb[x] = to_float(vt[x]);
+      if (p.data_slots > 0)  // per-token factors: only the rows the block's keys fill
+        for (int64_t t = from / D; t < keys; ++t) {
+          const float fk = token_factor(p, k_cache, it.head, bid, t);
+          const float fv = token_factor(p, v_cache, it.head, bid, t);
+          for (int64_t d = 0; d < D; ++d) kb[t * D + d] *= fk;
+          for (int64_t d = 0; d < D; ++d) vb[t * D + d] *= fv;
+        }
       kp = kb;
       vp = vb;
     }
@@ -291,7 +314,8 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
                   ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                   ffi::Buffer<ffi::S32> num_seqs_buf, ffi::Buffer<ffi::S32> layer_buf,
                   ffi::Buffer<ffi::S32> window_buf, ffi::Buffer<ffi::F32> scales,
-                  ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+                  ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
+                  int64_t data_slots) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   Problem p;
   p.num_tokens = qd[0];
@@ -301,7 +325,15 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
   p.num_blocks = kd[2];
   p.block_size = kd[3];
   p.width = td[1];
-  const int64_t num_layers = kd[0];
+  p.data_slots = 0;
+  if constexpr (!std::is_same_v<C, T>) {
+    if (data_slots > 0) {
+      if (p.head_dim % 4 != 0 || data_slots + (data_slots + p.head_dim / 4 - 1) / (p.head_dim / 4) != kd[0])
+        return ffi::Error::InvalidArgument("data_slots does not match the per-token cache");
+      p.data_slots = data_slots;
+    }
+  }
+  const int64_t num_layers = p.data_slots > 0 ? p.data_slots : kd[0];
   p.layer = std::clamp<int64_t>(layer_buf.typed_data()[0], 0, num_layers - 1);
   const int64_t window = window_buf.typed_data()[0];
   p.span = window > 0 ? window : (int64_t(1) << 40);
@@ -369,11 +401,12 @@ ffi::Error DispatchCache(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                          ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
                          ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> scales,
-                         ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+                         ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
+                         int64_t data_slots) {
   const auto cd = k_cache.element_type();
 #define PAGEDJAX_ATTEND(C)                                                                    \
   attend<T, C>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, layer, \
-               window, scales, out, scale, softcap)
+               window, scales, out, scale, softcap, data_slots)
   if (cd == q.element_type()) return PAGEDJAX_ATTEND(T);
   if (cd == ffi::DataType::S8) return PAGEDJAX_ATTEND(int8_t);
   if (cd == ffi::DataType::F8E4M3FN) return PAGEDJAX_ATTEND(F8E4M3);
@@ -388,7 +421,8 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cac
                     ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
                     ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
                     ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> scales,
-                    ffi::Result<ffi::AnyBuffer> out, float scale, float softcap) {
+                    ffi::Result<ffi::AnyBuffer> out, float scale, float softcap,
+                    int64_t data_slots) {
   const auto dt = q.element_type();
   if (v_cache.element_type() != k_cache.element_type() || out->element_type() != dt)
     return ffi::Error::InvalidArgument("k_cache and v_cache, q and out must share a dtype");
@@ -399,10 +433,12 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cac
     return ffi::Error::InvalidArgument("num_q_heads must be a multiple of num_kv_heads");
   if (dt == ffi::DataType::F32)
     return DispatchCache<float>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-                                num_seqs, layer, window, scales, out, scale, softcap);
+                                num_seqs, layer, window, scales, out, scale, softcap,
+                                data_slots);
   if (dt == ffi::DataType::BF16)
     return DispatchCache<uint16_t>(pool, q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens,
-                                   num_seqs, layer, window, scales, out, scale, softcap);
+                                   num_seqs, layer, window, scales, out, scale, softcap,
+                                   data_slots);
   return ffi::Error::InvalidArgument("dtype must be float32 or bfloat16");
 }
 
@@ -411,8 +447,9 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cac
 // into their slots, in place (the caches are aliased to the results).
 ffi::Error WriteKvBytes(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer k_cache_in,
                         ffi::AnyBuffer v_cache_in, ffi::Buffer<ffi::S32> slots,
-                        ffi::Buffer<ffi::S32> layer_buf, ffi::Result<ffi::AnyBuffer> k_cache,
-                        ffi::Result<ffi::AnyBuffer> v_cache) {
+                        ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::F32> k_factors,
+                        ffi::Buffer<ffi::F32> v_factors, ffi::Result<ffi::AnyBuffer> k_cache,
+                        ffi::Result<ffi::AnyBuffer> v_cache, int64_t data_slots) {
   auto kd = k.dimensions(), cd = k_cache->dimensions();
   if (kd.size() != 3 || cd.size() != 5 || ffi::ByteWidth(k.element_type()) != 1 ||
       ffi::ByteWidth(k_cache->element_type()) != 1)
@@ -420,7 +457,13 @@ ffi::Error WriteKvBytes(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer k_cac
   const int64_t T = kd[0], H = kd[1], D = kd[2];
   const int64_t L = cd[0], N = cd[2], bs = cd[3];
   if (cd[1] != H || cd[4] != D) return ffi::Error::InvalidArgument("k does not match the cache");
-  const int64_t layer = std::clamp<int64_t>(layer_buf.typed_data()[0], 0, L - 1);
+  const int64_t per = D / 4;
+  if (data_slots > 0 &&
+      (D % 4 != 0 || data_slots + (data_slots + per - 1) / per != L ||
+       k_factors.element_count() != T * H || v_factors.element_count() != T * H))
+    return ffi::Error::InvalidArgument("token factors [T, Hkv] and data_slots must match the cache");
+  const int64_t layer =
+      std::clamp<int64_t>(layer_buf.typed_data()[0], 0, (data_slots > 0 ? data_slots : L) - 1);
   const int32_t* sl = slots.typed_data();
   const auto* ks = static_cast<const uint8_t*>(k.untyped_data());
   const auto* vs = static_cast<const uint8_t*>(v.untyped_data());
@@ -438,6 +481,11 @@ ffi::Error WriteKvBytes(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer k_cac
       const int64_t row = ((layer * H + h) * N + slot / bs) * bs + slot % bs;
       std::memcpy(kc + row * D, ks + (t * H + h) * D, D);
       std::memcpy(vc + row * D, vs + (t * H + h) * D, D);
+      if (data_slots > 0) {  // the token's factors, in its row of the factor slot
+        const int64_t frow = (((data_slots + layer / per) * H + h) * N + slot / bs) * bs + slot % bs;
+        std::memcpy(kc + frow * D + 4 * (layer % per), k_factors.typed_data() + t * H + h, 4);
+        std::memcpy(vc + frow * D + 4 * (layer % per), v_factors.typed_data() + t * H + h, 4);
+      }
     }
   }
   return ffi::Error::Success();
@@ -453,8 +501,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxWriteKvBytesCpu, WriteKvBytes,
                                   .Arg<ffi::AnyBuffer>()          // v_cache (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slots [T] (-1: padding)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // k factors [T, Hkv] or [0]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // v factors
                                   .Ret<ffi::AnyBuffer>()          // k_cache
-                                  .Ret<ffi::AnyBuffer>());        // v_cache
+                                  .Ret<ffi::AnyBuffer>()          // v_cache
+                                  .Attr<int64_t>("data_slots"));  // 0: no token factors
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionCpu, Dispatch,
                               ffi::Ffi::Bind()
@@ -471,4 +522,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxRaggedPagedAttentionCpu, Dispatch,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // scales [2, Hkv, D] or [0]
                                   .Ret<ffi::AnyBuffer>()          // out [T, Hq, D]
                                   .Attr<float>("scale")
-                                  .Attr<float>("softcap"));       // 0: none
+                                  .Attr<float>("softcap")         // 0: none
+                                  .Attr<int64_t>("data_slots"));  // 0: no token factors
