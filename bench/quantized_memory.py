@@ -12,6 +12,8 @@ int8 per channel), the same 256 cache blocks of 16 tokens:
 - throughput, 16 chat prompts x 64 greedy tokens and 1 x 64, runs rotated across settings (A, B, C, D /
   B, C, D, A / ...), each started once the CPUs are idle (the busy share of the last
   half-second window and the 1-minute load recorded);
+- int8 KV with per-token factors (the CPU default, ``int8-kv``) and with per-channel scales
+  only (``int8-kv-channel``);
 - quality against the fp32 setting: teacher-forced top-1 disagreement and mean |d logprob|
   over the fp32 engine's greedy continuations, and perplexity of `QUALITY_TEXT` (written for
   this benchmark; the KV calibration prompt is another text).
@@ -48,7 +50,8 @@ sys.path.insert(0, str(ROOT))
 SETTINGS = {
     "fp32": {},
     "bf16": {"dtype": "bfloat16"},
-    "int8-kv": {"kv_cache_dtype": "int8"},
+    "int8-kv": {"kv_cache_dtype": "int8"},  # per-token factors: the CPU default
+    "int8-kv-channel": {"kv_cache_dtype": "int8", "kv_scale_granularity": "per_channel"},
     "fp8_e4m3-kv": {"kv_cache_dtype": "fp8_e4m3"},
     "fp8_e5m2-kv": {"kv_cache_dtype": "fp8_e5m2"},
     "q4-weights": {"quantization": "gguf"},  # the file's Q4_1 / Q8_0 tensors, packed
@@ -298,6 +301,7 @@ def gemma_quality_section() -> dict:
     tok = load_tokenizer(path)
     config, params = load_gguf(path)
     settings = {"fp32": {}, "int8-kv": {"kv_cache_dtype": "int8"},
+                "int8-kv-channel": SETTINGS["int8-kv-channel"],
                 "fp8_e4m3-kv": {"kv_cache_dtype": "fp8_e4m3"},
                 "fp8_e5m2-kv": {"kv_cache_dtype": "fp8_e5m2"},
                 "q4_k_m-weights": {"quantization": "gguf"}, "int8-weights": {"quantization": "int8"}}
@@ -422,7 +426,14 @@ def main() -> None:
                 "versions": {"jax": jax.__version__, "python": platform.python_version()}})
     res.setdefault("commits", {})
     if "real" in sections:
-        res["real"] = real_section(names, args.reps, Path(tempfile.mkdtemp(prefix="qmem-")))
+        if "fp32" not in names:
+            raise SystemExit("--settings: fp32 is the quality reference; include it")
+        rows = real_section(names, args.reps, Path(tempfile.mkdtemp(prefix="qmem-")))
+        for row in rows.values():
+            row["commit"] = commit
+        # A subset of settings replaces those rows and keeps the others (each row names the
+        # commit it was measured at).
+        res["real"] = {**res.get("real", {}), **rows}
         res["commits"]["real"] = commit
     if "gemma" in sections:
         res["gemma3_quality"] = gemma_quality_section()

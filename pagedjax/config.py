@@ -8,6 +8,7 @@ from pagedjax.spec.config import SpeculativeConfig
 
 # `pallas_kernels.kv_quant.KV_CACHE_DTYPES` and "auto" (named here: no jax import in config).
 KV_CACHE_DTYPE_NAMES = ("auto", "int8", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_SCALE_GRANULARITIES = ("auto", "per_token", "per_channel", "per_head", "per_tensor")
 
 
 @dataclasses.dataclass
@@ -63,7 +64,11 @@ class EngineConfig:
     # per (layer, KV head, channel), calibrated on one prompt at start
     # (`pallas_kernels.kv_quant` says why per channel; `worker.kv_calibration`).
     kv_cache_dtype: str = "auto"
-    kv_scale_granularity: str = "per_channel"  # "per_channel" | "per_head" | "per_tensor"
+    # "per_token": the channel scales times a factor per (token, KV head) kept in the cache
+    # (4 more bytes per token and head: int8 only, CPU / XLA attention; halves the greedy
+    # disagreement, docs/quantization.md); "per_channel" | "per_head" | "per_tensor": static
+    # scales only; "auto": per_token where it runs (an int8 cache on CPU), else per_channel.
+    kv_scale_granularity: str = "auto"
     # Weight-only quantization (vLLM's `quantization`): None expands checkpoints to the
     # model dtype; "gguf" keeps a GGUF file's quantized tensors packed on the device
     # (`models.packed`: dense projections, embedding and LM head), dequantized inside the step
@@ -102,9 +107,8 @@ class EngineConfig:
              f"must be one of {KV_CACHE_DTYPE_NAMES}; got {self.kv_cache_dtype!r}")
         need(self.quantization in (None, "gguf", "int8"), "quantization",
              f"must be None, 'gguf' or 'int8'; got {self.quantization!r}")
-        need(self.kv_scale_granularity in ("per_channel", "per_head", "per_tensor"),
-             "kv_scale_granularity", "must be 'per_channel', 'per_head' or 'per_tensor'; got "
-             f"{self.kv_scale_granularity!r}")
+        need(self.kv_scale_granularity in KV_SCALE_GRANULARITIES, "kv_scale_granularity",
+             f"must be one of {KV_SCALE_GRANULARITIES}; got {self.kv_scale_granularity!r}")
         from pagedjax.core.policies import KV_POLICIES
 
         need(self.kv_policy in KV_POLICIES, "kv_policy",

@@ -1087,7 +1087,8 @@ class LLMEngine:
     def _memory_stats(self) -> dict:
         if self._memory is None:  # fixed for the engine's life (a weight swap keeps shapes)
             r = self.runner
-            per_block = kv_bytes_per_block(r.config, r.block_size, r.kv_dtype, r.kv_layout)
+            per_block = kv_bytes_per_block(r.config, r.block_size, r.kv_dtype, r.kv_layout,
+                                           r.token_scales)
             weights = sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(r.params))
             self._memory = dict(kv_cache_dtype=r.kv_dtype.name,
                                 kv_bytes_per_token=per_block // r.block_size,

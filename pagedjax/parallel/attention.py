@@ -33,10 +33,11 @@ class ShardedPagedAttention:
     mesh: Mesh
     backend: str | None = None
     layout: KVGroupLayout | None = None
+    token_scales: bool = False  # factor slots shard on the head axis like the values
 
     def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta, *, scale: float | None = None,
                  window=0, softcap: float | None = None):
-        inner = PagedAttention(self.backend, self.layout)
+        inner = PagedAttention(self.backend, self.layout, self.token_scales)
         windowed = has_window(window)  # else the kernels keep their window-free variant
 
         def local(q, k, v, k_cache, v_cache, layer, w, meta):

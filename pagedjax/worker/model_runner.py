@@ -44,7 +44,14 @@ from pagedjax.worker.shapes import MIN_PREFILL_TOKENS, ShapePlan
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
 from pallas_kernels.backend import cost_follows_length
-from pallas_kernels.kv_quant import is_quantized, resolve_kv_cache_dtype, scales_from_amax
+from pallas_kernels.kv_quant import (
+    PER_TOKEN_BACKENDS,
+    PER_TOKEN_DTYPE,
+    factor_slots,
+    is_quantized,
+    resolve_kv_cache_dtype,
+    scales_from_amax,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,12 +139,33 @@ def kv_layout(config: ModelConfig, engine_config: EngineConfig) -> KVGroupLayout
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype,
-                       layout: KVGroupLayout | None = None) -> int:
+                       layout: KVGroupLayout | None = None, token_scales: bool = False) -> int:
     """Bytes of one block id: every layer's K and V, or one group's layers (hybrid).
-    ``dtype``: the cache's storage dtype (1 byte for int8 / FP8 caches)."""
+    ``dtype``: the cache's storage dtype (1 byte for int8 / FP8 caches); ``token_scales``:
+    the cache also has factor slots (`pallas_kernels.kv_quant`, granularity "per_token")."""
     slots = config.num_layers if layout is None else layout.num_slots
+    if token_scales:
+        slots += factor_slots(slots, config.head_dim)
     return 2 * slots * config.num_kv_heads * block_size * config.head_dim * jnp.dtype(
         dtype).itemsize
+
+
+def resolve_token_scales(engine_config: EngineConfig, kv_dtype, platform: str) -> bool:
+    """Whether the cache keeps per-token factors (`EngineConfig.kv_scale_granularity`):
+    "per_token" asks for them (an int8 cache read by the CPU or XLA attention, else an error
+    naming the setting); "auto" takes them where they run: an int8 cache on a CPU platform
+    with the native or XLA attention."""
+    g = engine_config.kv_scale_granularity
+    if g not in ("auto", "per_token"):
+        return False
+    backend = engine_config.attention_backend
+    runs = (jnp.dtype(kv_dtype) == jnp.int8 and platform == "cpu"
+            and backend in (None, "cpu", "xla"))
+    if g == "auto" or runs:
+        return runs
+    if jnp.dtype(kv_dtype) != jnp.int8:
+        raise ValueError(PER_TOKEN_DTYPE + f"; got {engine_config.kv_cache_dtype!r}")
+    raise ValueError(PER_TOKEN_BACKENDS)
 
 
 class ModelRunner:
@@ -159,7 +187,7 @@ class ModelRunner:
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
                                   // kv_bytes_per_block(config, self.block_size, self.kv_dtype,
-                                                        self.kv_layout))
+                                                        self.kv_layout, self.token_scales))
         self.num_cpu_blocks = min(self.num_cpu_blocks, self.num_gpu_blocks)
         self.k_cache = self._zeros_cache(self.num_gpu_blocks)
         self.v_cache = self._zeros_cache(self.num_gpu_blocks)
@@ -179,7 +207,15 @@ class ModelRunner:
         self.shard_vocab = shard_vocab  # embeddings/lm_head split on vocab (else replicated)
         self.kv_layout = kv_layout(config, engine_config)
         layout = self.kv_layout if self.kv_layout.hybrid else None
-        attn = PagedAttention(engine_config.attention_backend, layout)
+        # The cache's storage dtype: the model's, or int8 / FP8 with static scales per
+        # (layer, KV head, channel) (`pallas_kernels.kv_quant`), ones until
+        # `calibrate_kv_scales`; int8 may add per-token factors in extra cache slots.
+        self.kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
+        platform = (devices[0] if devices else jax.devices()[0]).platform
+        self.token_scales = resolve_token_scales(engine_config, self.kv_dtype, platform)
+        self.cache_slots = self.kv_layout.num_slots + (
+            factor_slots(self.kv_layout.num_slots, config.head_dim) if self.token_scales else 0)
+        attn = PagedAttention(engine_config.attention_backend, layout, self.token_scales)
         # Expert parallelism: only for MoE models split over more than one device.
         self.expert_parallel = bool(engine_config.enable_expert_parallel and self.tp > 1
                                     and config.num_experts)
@@ -192,16 +228,13 @@ class ModelRunner:
                                  "use 'recompute'")
             self.mesh = make_mesh(self.tp, devices)
             config = sharded_config(config, self.tp)
-            attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend, layout)
+            attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend, layout,
+                                         self.token_scales)
             if self.expert_parallel:
                 moe_fn = ExpertParallelMoE(self.mesh)
         self.config = config
         self.engine_config = engine_config
         self.dtype = dtype
-        # The cache's storage dtype: the model's, or int8 / FP8 with static scales per
-        # (layer, KV head, channel) (`pallas_kernels.kv_quant`), ones until
-        # `calibrate_kv_scales`.
-        self.kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype)
         check_kv_dtype_on(self.kv_dtype, devices[0] if devices else jax.devices()[0])
         self.kv_scales = None  # placed on the device by __init__
         if is_quantized(self.kv_dtype):
@@ -245,8 +278,7 @@ class ModelRunner:
 
         params = abstract_params(self.model_config, self.dtype)
         c = self.config
-        shape = (self.kv_layout.num_slots, c.num_kv_heads, num_blocks, self.block_size,
-                 c.head_dim)
+        shape = (self.cache_slots, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
         dtype = self.kv_dtype
         if self.mesh is None:
             sh = jax.sharding.SingleDeviceSharding(self.devices[0])
@@ -264,8 +296,7 @@ class ModelRunner:
     def _zeros_cache(self, num_blocks: int) -> jax.Array:
         """A zero KV cache, split on the KV-head axis under tensor parallelism."""
         c = self.config
-        shape = (self.kv_layout.num_slots, c.num_kv_heads, num_blocks, self.block_size,
-                 c.head_dim)
+        shape = (self.cache_slots, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
         if self.mesh is None:
             return jax.device_put(jnp.zeros(shape, self.kv_dtype), jax.local_devices()[0])  # committed
         return jnp.zeros(shape, self.kv_dtype, device=cache_sharding(self.mesh))
@@ -293,7 +324,11 @@ class ModelRunner:
         c = self.config
         amax = calibrate_amax(model, self.params, c.num_layers, c.num_kv_heads, c.head_dim,
                               token_ids)
-        scales = scales_from_amax(amax, self.kv_dtype, self.engine_config.kv_scale_granularity)
+        gran = self.engine_config.kv_scale_granularity
+        # Per-token factors sit on channel scales (their headroom is moot: factors fit each
+        # token); "auto" without factors is per channel.
+        scales = scales_from_amax(amax, self.kv_dtype,
+                                  "per_channel" if gran in ("auto", "per_token") else gran)
         self.kv_scales = self._place_scales(scales)
         return scales
 
@@ -346,7 +381,7 @@ class ModelRunner:
         activations (measured with a max-size dummy step), like vLLM's profiling run."""
         # Per device: under TP each device holds 1/N of every block's heads.
         per_block = kv_bytes_per_block(self.config, self.block_size, self.kv_dtype,
-                                       self.kv_layout) // self.tp
+                                       self.kv_layout, self.token_scales) // self.tp
         dev = jax.local_devices()[0]
         stats = dev.memory_stats() if dev.platform != "cpu" else None
         if not stats or "bytes_limit" not in stats:
@@ -552,7 +587,7 @@ class ModelRunner:
 
     def _host_pool(self) -> tuple[np.ndarray, np.ndarray]:
         if self._host_k is None:
-            shape = (self.kv_layout.num_slots, self.config.num_kv_heads, max(self.num_cpu_blocks, 1),
+            shape = (self.cache_slots, self.config.num_kv_heads, max(self.num_cpu_blocks, 1),
                      self.block_size, self.config.head_dim)
             self._host_k = np.zeros(shape, self.k_cache.dtype)
             self._host_v = np.zeros(shape, self.v_cache.dtype)

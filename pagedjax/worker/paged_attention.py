@@ -55,6 +55,9 @@ jax.tree_util.register_dataclass(
 class PagedAttention:
     backend: str | None = None
     layout: KVGroupLayout | None = None  # hybrid models only
+    # The cache keeps per-token factors in extra slots after its data slots
+    # (`pallas_kernels.kv_quant`, granularity "per_token"); the kernels see cache slots.
+    token_scales: bool = False
 
     def __call__(self, q, k, v, kv_cache, layer, meta: PagedMeta, *, scale: float | None = None,
                  window=0, softcap: float | None = None):
@@ -68,16 +71,17 @@ class PagedAttention:
             layer = jnp.asarray(self.layout.slot_of_layer, jnp.int32)[layer]
             tables, slots = tables[group], slots[group]
         k_cache, v_cache = write_kv(k, v, k_cache, v_cache, slots, layer=layer,
-                                    backend=self.backend, kv_scale=kv_scale)
+                                    backend=self.backend, kv_scale=kv_scale,
+                                    token_scales=self.token_scales)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if meta.decode_only:
             out = paged_decode_attention(q, k_cache, v_cache, tables, meta.kv_lens,
                                          scale=scale, layer=layer, window=window,
                                          softcap=softcap, backend=self.backend,
-                                         kv_scale=kv_scale)
+                                         kv_scale=kv_scale, token_scales=self.token_scales)
         else:
             out = ragged_paged_attention(q, k_cache, v_cache, meta.kv_lens, tables,
                                          meta.cu_q_lens, meta.num_seqs, scale=scale, layer=layer,
                                          window=window, softcap=softcap, backend=self.backend,
-                                         kv_scale=kv_scale)
+                                         kv_scale=kv_scale, token_scales=self.token_scales)
         return out, (k_cache, v_cache)

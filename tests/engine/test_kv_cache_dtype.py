@@ -6,6 +6,8 @@
 - The profiler buys 4x the blocks of an fp32 cache in the same budget; `EngineStats` reports
   bytes per token, cache and weight bytes.
 - Calibration: scales follow the weights (a weight swap recalibrates); the granularities.
+- int8 on CPU keeps per-token factors by default ("auto"): they survive preemption, swap and
+  prefix hits like the values, cost 4 bytes per token and head, and halve the quality loss.
 - Quality on the demo model (teacher-forced next-token agreement with the fp32 cache over
   the bench prompts' greedy continuations): bounds from measurement, so a broken scale or
   kernel (which gives near-random tokens) fails them.
@@ -20,12 +22,16 @@ import pytest
 
 from pagedjax import LLM, SamplingParams
 from pagedjax.config import EngineConfig
+from pallas_kernels.kv_quant import factor_slots
 from tests.engine.test_engine_e2e import assert_pool_whole
 from tests.engine.test_hybrid_kv import _poison, _workload
 from tests.model.test_families import write_family
 from tests.parallel.tp_script import NoTokenizer, prompts_for, tiny_model
 
 DTYPES = ["int8", "fp8_e4m3", "fp8_e5m2"]
+# (kv_cache_dtype, kv_scale_granularity): "auto" is per-token factors for int8 on CPU.
+SETTINGS = [("int8", "auto"), ("int8", "per_channel"), ("fp8_e4m3", "auto"),
+            ("fp8_e5m2", "auto")]
 
 
 @pytest.fixture(scope="module")
@@ -40,19 +46,25 @@ def _greedy(llm: LLM, prompts, n: int = 24):
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_scheduling_does_not_change_quantized_outputs(tiny, dtype, mode):
+@pytest.mark.parametrize("dtype,gran", SETTINGS)
+def test_scheduling_does_not_change_quantized_outputs(tiny, dtype, gran, mode):
+    """Per-token factors live in the blocks' own factor slots: swap, copy and prefix hits
+    carry them (the poison below fills every factor no token wrote with ~3e38)."""
     config, params = tiny
     prompts = prompts_for(config.vocab_size)
+    kw = dict(kv_cache_dtype=dtype, kv_scale_granularity=gran)
     roomy = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=64, block_size=8,
-                            max_num_seqs=8, kv_cache_dtype=dtype)
+                            max_num_seqs=8, **kw)
     want = _greedy(roomy, prompts)
     tight = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=12, block_size=8,
                             max_num_seqs=4, preemption_mode=mode, enable_prefix_caching=True,
-                            enable_chunked_prefill=True, max_num_batched_tokens=16,
-                            kv_cache_dtype=dtype)
+                            enable_chunked_prefill=True, max_num_batched_tokens=16, **kw)
     assert tight.engine.runner.k_cache.dtype == jax.numpy.dtype(
         {"int8": "int8", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}[dtype])
+    factors = (dtype, gran) == ("int8", "auto")
+    assert tight.engine.runner.token_scales == factors
+    assert tight.engine.runner.k_cache.shape[0] == config.num_layers + (
+        factor_slots(config.num_layers, config.head_dim) if factors else 0)
     _poison_quantized(tight)
     assert _greedy(tight, prompts) == want
     st = tight.engine.get_stats()
@@ -97,14 +109,21 @@ def test_profiler_and_memory_stats(tiny):
     config, params = tiny
     kw = dict(block_size=8, cpu_kv_cache_gb=0.001)
     full = LLM.from_params(config, params, NoTokenizer(), **kw).engine
-    q8 = LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="int8", **kw).engine
+    q8 = LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="int8",
+                         kv_scale_granularity="per_channel", **kw).engine
+    q8t = LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="int8", **kw).engine
     per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+    # Factors: 4 bytes per (layer, head) of K and of V, in whole factor slots.
+    slots = config.num_layers + factor_slots(config.num_layers, config.head_dim)
+    with_factors = per_token * slots // config.num_layers
     budget = int(0.001 * (1 << 30))
     assert full.runner.num_gpu_blocks == budget // (4 * per_token * 8)
     assert q8.runner.num_gpu_blocks == budget // (per_token * 8)  # 1 byte vs fp32's 4
-    a, b = full.get_stats(), q8.get_stats()
+    assert q8t.runner.num_gpu_blocks == budget // (with_factors * 8)
+    a, b, c = full.get_stats(), q8.get_stats(), q8t.get_stats()
     assert (a.kv_cache_dtype, a.kv_bytes_per_token) == ("float32", 4 * per_token)
     assert (b.kv_cache_dtype, b.kv_bytes_per_token) == ("int8", per_token)
+    assert (c.kv_cache_dtype, c.kv_bytes_per_token) == ("int8", with_factors)
     assert b.kv_cache_bytes == b.kv_bytes_per_token * 8 * q8.runner.num_gpu_blocks
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
     assert a.weights_bytes == b.weights_bytes == weights
@@ -147,17 +166,20 @@ def test_no_compiles_after_warmup(tiny):
 
 
 @pytest.mark.parametrize("field,value", [("kv_cache_dtype", "int4"),
-                                         ("kv_scale_granularity", "per_token")])
+                                         ("kv_scale_granularity", "per_block")])
 def test_bad_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
 
 
 # Teacher-forced top-1 disagreement with the fp32 cache on the demo model, measured on this
-# test's workload (16 chat prompts x 48 greedy tokens, 768 positions), per-channel scales:
-# int8 2.5 %, FP8 e4m3 4.0 %, e5m2 8.7 % (mean |dlogprob| 0.028 / 0.052 / 0.116).
-# SmolLM2-135M is small and its near-ties many; bounds with headroom.
-QUALITY = {"int8": (0.04, 0.04), "fp8_e4m3": (0.08, 0.09), "fp8_e5m2": (0.15, 0.18)}
+# test's workload (16 chat prompts x 48 greedy tokens, 768 positions): int8 with per-token
+# factors (the CPU default) 1.2 %, mean |dlogprob| 0.009; per-channel scales: int8 2.2-2.5 %,
+# FP8 e4m3 4.0 %, e5m2 8.7 % (mean |dlogprob| 0.029 / 0.052 / 0.116). SmolLM2-135M is small
+# and its near-ties many; bounds with headroom (the factors' logprob bound is half of what
+# per-channel scales reach: it fails if the factors stop working).
+QUALITY = {("int8", "auto"): (0.02, 0.015), ("int8", "per_channel"): (0.04, 0.04),
+           ("fp8_e4m3", "auto"): (0.08, 0.09), ("fp8_e5m2", "auto"): (0.15, 0.18)}
 
 
 @pytest.fixture(scope="module")
@@ -187,14 +209,38 @@ def _teacher_forced(llm: LLM, seqs, starts):
     return np.asarray(tops), np.asarray(lps)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_quality_against_the_fp32_cache(demo_model, demo_tokenizer, demo_continuations, dtype):
+@pytest.mark.parametrize("dtype,gran", SETTINGS)
+def test_quality_against_the_fp32_cache(demo_model, demo_tokenizer, demo_continuations, dtype,
+                                        gran):
     config, params = demo_model
     seqs, starts, (tops, lps) = demo_continuations
     llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=160, block_size=16,
-                          max_model_len=256, layer_loop="scan", kv_cache_dtype=dtype)
+                          max_model_len=256, layer_loop="scan", kv_cache_dtype=dtype,
+                          kv_scale_granularity=gran)
     t, lp = _teacher_forced(llm, seqs, starts)
     disagree, dlogprob = float(np.mean(t != tops)), float(np.mean(np.abs(lp - lps)))
-    top_bound, lp_bound = QUALITY[dtype]
+    top_bound, lp_bound = QUALITY[dtype, gran]
     assert disagree <= top_bound and dlogprob <= lp_bound, (dtype, disagree, dlogprob)
     assert disagree > 0  # the cache really is quantized (fp32 agrees exactly)
+
+
+def test_token_factors_where_they_run(tiny):
+    """"per_token" asks for factors and names the setting where they cannot run (FP8, the
+    Pallas kernels); "auto" takes them only where they run."""
+    config, params = tiny
+    kw = dict(num_gpu_blocks=16, block_size=8)
+    with pytest.raises(ValueError, match="kv_scale_granularity.*int8"):
+        LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="fp8_e4m3",
+                        kv_scale_granularity="per_token", **kw)
+    with pytest.raises(ValueError, match="kv_scale_granularity.*Pallas"):
+        LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="int8",
+                        kv_scale_granularity="per_token", attention_backend="pallas", **kw)
+    for backend, factors in ((None, True), ("xla", True), ("pallas", False)):
+        r = LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="int8",
+                            attention_backend=backend, **kw).engine.runner
+        assert r.token_scales == factors, backend
+    xla = LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="int8",
+                          kv_scale_granularity="per_token", attention_backend="xla", **kw)
+    native = LLM.from_params(config, params, NoTokenizer(), kv_cache_dtype="int8", **kw)
+    prompts = prompts_for(config.vocab_size)
+    assert _greedy(xla, prompts) == _greedy(native, prompts)  # two readers, one cache format
