@@ -23,7 +23,7 @@ output), ``rch`` (the rotation with static per-channel scales calibrated on rota
 ``g16`` (a dynamic scale per token and 16 channels: a bound, too costly for the kernels), and
 plain ``bfloat16`` / ``float16`` casts as the floor a 16-bit cache sets.
 
-    .venv/bin/python bench/kv_quant_schemes.py   # ~5 min on 2 cores
+    .venv/bin/python bench/kv_quant_schemes.py   # ~15 min on 2 cores
 """
 
 from __future__ import annotations

@@ -275,7 +275,7 @@ def _ragged_pallas(
     return out[:num_tokens, :, :group].reshape(num_tokens, num_q_heads, head_dim)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_q"))
+@functools.partial(jax.jit, static_argnames=("scale", "softcap", "block_q", "token_scales"))
 def ragged_paged_attention_ref(
     q: jax.Array,
     k_cache: jax.Array,

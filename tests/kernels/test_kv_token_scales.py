@@ -107,6 +107,13 @@ def test_ragged_and_decode_read_token_factors(idx, backend):
         want = np_ragged(q, deq_k, deq_v, layer, pc.block_tables, seqs, cu, scale)
         assert np.isfinite(got).all(), (name, backend)  # no poisoned byte was read
         np.testing.assert_allclose(got, want, atol=3e-5 * np.abs(want).max(), rtol=1e-5)
+        if backend == "xla":  # the work-item formulation too (larger steps take it)
+            items = np.asarray(ragged_paged_attention(
+                jnp.asarray(q), jnp.asarray(kc), jnp.asarray(vc), jnp.asarray(kv_lens),
+                jnp.asarray(pc.block_tables), jnp.asarray(cu), jnp.int32(len(seqs)),
+                scale=scale, layer=layer, backend=backend, kv_scale=jnp.asarray(scales[layer]),
+                token_scales=True, block_q=8), np.float64)
+            np.testing.assert_allclose(items, want, atol=3e-5 * np.abs(want).max(), rtol=1e-5)
         # Decode: each sequence's last token as its one query.
         last = cu[1:] - 1
         dec = np.asarray(paged_decode_attention(
