@@ -433,6 +433,8 @@ def main() -> None:
             row["commit"] = commit
         # A subset of settings replaces those rows and keeps the others (each row names the
         # commit it was measured at).
+        for row in res.get("real", {}).values():
+            row.setdefault("commit", res["commits"].get("real"))
         res["real"] = {**res.get("real", {}), **rows}
         res["commits"]["real"] = commit
     if "gemma" in sections:

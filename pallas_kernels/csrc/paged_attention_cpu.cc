@@ -252,15 +252,17 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
     } else {
       const int64_t keys = std::min<int64_t>(bs, last + 1 - j * bs);
       const int64_t from = std::max<int64_t>(first - j * bs, 0) * D;
-      for (int64_t x = from; x < keys * D; ++x) kb[x] = to_float(kt[x]);
-      for (int64_t x = from; x < keys * D; ++x) vb[x] = to_float(vt[x]);
-      if (p.data_slots > 0)  // per-token factors: only the rows the block's keys fill
+      if (p.data_slots > 0) {  // per-token factors, widened in with each row's values
         for (int64_t t = from / D; t < keys; ++t) {
           const float fk = token_factor(p, k_cache, it.head, bid, t);
           const float fv = token_factor(p, v_cache, it.head, bid, t);
-          for (int64_t d = 0; d < D; ++d) kb[t * D + d] *= fk;
-          for (int64_t d = 0; d < D; ++d) vb[t * D + d] *= fv;
+          for (int64_t d = 0; d < D; ++d) kb[t * D + d] = to_float(kt[t * D + d]) * fk;
+          for (int64_t d = 0; d < D; ++d) vb[t * D + d] = to_float(vt[t * D + d]) * fv;
         }
+      } else {
+        for (int64_t x = from; x < keys * D; ++x) kb[x] = to_float(kt[x]);
+        for (int64_t x = from; x < keys * D; ++x) vb[x] = to_float(vt[x]);
+      }
       kp = kb;
       vp = vb;
     }
