@@ -228,14 +228,15 @@ def real_section(names: list[str], reps: int, logdir: Path) -> dict:
 
 
 # ---- budget section (replay clock, as the paper's evaluation) -----------------------------
-def budget_section(names: list[str]) -> dict:
+def budget_section(names: list[str], commit: str = "") -> dict:
     from bench.paper.engine_setup import demo_model
     from bench.paper.figures import Panel, sweep_panel
     from bench.paper.real import run_real
     from bench.paper.replay import replay
     from bench.paper.run import at_rate, calibrate, engine_kw, setup, validation_trace
     from pagedjax import LLM
-    from pagedjax.worker.model_runner import kv_bytes_per_block
+    from pagedjax.config import EngineConfig
+    from pagedjax.worker.model_runner import kv_bytes_per_block, resolve_token_scales
     from pallas_kernels.kv_quant import resolve_kv_cache_dtype
 
     config, params, tok = demo_model()
@@ -246,14 +247,15 @@ def budget_section(names: list[str]) -> dict:
     costs = {}
     for n in names:
         kv = SETTINGS[n].get("kv_cache_dtype", "auto")
-        per_block = kv_bytes_per_block(config, cfg["block_size"],
-                                       resolve_kv_cache_dtype(kv, "float32"))
+        dt = resolve_kv_cache_dtype(kv, "float32")
+        factors = resolve_token_scales(EngineConfig(**SETTINGS[n]), dt, "cpu")
+        per_block = kv_bytes_per_block(config, cfg["block_size"], dt, None, factors)
         c = {**cfg, "num_blocks": int(budget // per_block)}
         llm = LLM.from_params(config, params, tok, num_gpu_blocks=c["num_blocks"],
                               block_size=c["block_size"], max_model_len=c["max_model_len"],
                               max_num_seqs=c["max_num_seqs"],
                               max_num_batched_tokens=c["max_num_batched_tokens"],
-                              kv_cache_dtype=kv)
+                              **SETTINGS[n])
         eng = llm.engine
         print(f"budget {n}: {c['num_blocks']} blocks ...", flush=True)
         cost, _, _ = calibrate(eng, c, set())
@@ -269,6 +271,7 @@ def budget_section(names: list[str]) -> dict:
         costs[n] = (c, cost, kw)
         out["per_dtype"][n] = {
             "num_blocks": c["num_blocks"], "token_slots": c["num_blocks"] * c["block_size"],
+            "kv_bytes_per_block": per_block, "commit": commit,
             "sustainable_rate": sw["sustainable_rate"], "rates": sw["rates"],
             "normalized_latency": sw["normalized_latency"],
             "avg_batched_requests": sw["avg_batched_requests"],
@@ -441,8 +444,18 @@ def main() -> None:
         res["gemma3_quality"] = gemma_quality_section()
         res["commits"]["gemma3_quality"] = commit
     if "budget" in sections:
-        res["budget"] = budget_section([n for n in names if n in ("fp32", "int8-kv", "fp8_e4m3-kv",
-                                                                    "fp8_e5m2-kv")])
+        new = budget_section([n for n in names if n in ("fp32", "int8-kv", "int8-kv-channel",
+                                                         "fp8_e4m3-kv", "fp8_e5m2-kv")], commit)
+        old = res.get("budget", {})
+        if old and old.get("budget_bytes") == new["budget_bytes"]:
+            # A subset of settings replaces those rows (each names its commit); the
+            # reference rate is the fp32 row's of this run.
+            for row in old.get("per_dtype", {}).values():
+                row.setdefault("commit", res["commits"].get("budget"))
+            new["per_dtype"] = {**old.get("per_dtype", {}), **new["per_dtype"]}
+            new["at_reference_rate"] = {**old.get("at_reference_rate", {}),
+                                        **new["at_reference_rate"]}
+        res["budget"] = new
         res["commits"]["budget"] = commit
     res["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]
     out.parent.mkdir(parents=True, exist_ok=True)
