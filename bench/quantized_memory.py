@@ -449,12 +449,10 @@ def main() -> None:
         old = res.get("budget", {})
         if old and old.get("budget_bytes") == new["budget_bytes"]:
             # A subset of settings replaces those rows (each names its commit); the
-            # reference rate is the fp32 row's of this run.
+            # reference-rate comparison is this run's only (its fp32 rate).
             for row in old.get("per_dtype", {}).values():
                 row.setdefault("commit", res["commits"].get("budget"))
             new["per_dtype"] = {**old.get("per_dtype", {}), **new["per_dtype"]}
-            new["at_reference_rate"] = {**old.get("at_reference_rate", {}),
-                                        **new["at_reference_rate"]}
         res["budget"] = new
         res["commits"]["budget"] = commit
     res["machine"]["load_avg_1m_at_end"] = os.getloadavg()[0]

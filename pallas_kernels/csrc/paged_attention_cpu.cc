@@ -25,7 +25,9 @@
 //
 // Quantized caches (int8, FP8 e4m3 / e5m2; pallas_kernels/kv_quant.py) hold k / s_k and v / s_v
 // with static scales per (layer, KV head, channel), passed as `scales` [2, Hkv, D]: s_k
-// multiplies the queries and s_v the output, so blocks are only widened to fp32.
+// multiplies the queries and s_v the output, so blocks are only widened to fp32. An int8
+// cache with per-token factors (data_slots > 0) also divides each token by its own factor,
+// kept in the factor slots; rows are multiplied back as they are widened.
 
 #include <algorithm>
 #include <atomic>
@@ -445,8 +447,9 @@ ffi::Error Dispatch(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cac
 }
 
 // write_kv for byte caches (FP8: XLA:CPU widens a float8 scatter's whole operand, ~50 ms a
-// layer for the demo model's cache): copies each token's head rows of already-quantized bytes
-// into their slots, in place (the caches are aliased to the results).
+// layer for the demo model's cache; int8 with per-token factors, whose factors it writes
+// beside the values): copies each token's head rows of already-quantized bytes into their
+// slots, in place (the caches are aliased to the results).
 ffi::Error WriteKvBytes(ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer k_cache_in,
                         ffi::AnyBuffer v_cache_in, ffi::Buffer<ffi::S32> slots,
                         ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::F32> k_factors,
