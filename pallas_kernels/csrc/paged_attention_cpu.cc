@@ -381,8 +381,8 @@ ffi::Error attend(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache
     return p.kv_lens[a.seq] - (p.cu[a.seq + 1] - p.cu[a.seq]) + a.q0 + a.nq >
            p.kv_lens[b.seq] - (p.cu[b.seq + 1] - p.cu[b.seq]) + b.q0 + b.nq;
   });
-  // As many helpers as the pool has threads, the calling thread besides: one fewer gave 3-7 %
-  // slower model steps at 256 decodes on the 2-core host (2026-11-26, A/B/A/B).
+  // As many helpers as the pool has threads, the calling thread besides (one fewer was
+  // slightly slower in a development A/B of 256-decode model steps on 2 cores).
   const int64_t helpers =
       std::min<int64_t>(pool.num_threads(), static_cast<int64_t>(sh->items.size()) - 1);
   for (int64_t i = 0; i < helpers; ++i) {
