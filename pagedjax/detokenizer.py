@@ -13,7 +13,14 @@ of two Python-level `decode` calls per sequence.
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
+import weakref
 from collections.abc import Callable, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
 
 REPLACEMENT = "\ufffd"
 
@@ -59,6 +66,96 @@ def flush(tokenizer, token_ids: list[int], state: DetokState, skip_special_token
     return delta
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 bytes stand for
+    themselves, the other 68 (controls, space, soft hyphen...) for code points 256 and up, in
+    byte order."""
+    own = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in own}
+    shifted = (b for b in range(256) if b not in set(own))
+    alphabet.update({chr(256 + i): b for i, b in enumerate(shifted)})
+    return alphabet
+
+
+class ByteTable:
+    """Each token's bytes, for a byte-level BPE tokenizer whose decoding is exactly
+    ``concat(bytes).decode("utf-8", "replace")``: `ids_bytes` is None for a token the check
+    could not vouch for (a window containing one goes to the tokenizer)."""
+
+    CHECK_STRINGS = 256  # random token strings decoded both ways when the table is built
+
+    def __init__(self, plain: list[bytes | None], skipping: list[bytes | None]) -> None:
+        self.plain, self.skipping = plain, skipping
+
+    def ids_bytes(self, ids: list[int], skip: bool) -> bytes | None:
+        table = self.skipping if skip else self.plain
+        try:
+            return b"".join([table[i] for i in ids])
+        except (TypeError, IndexError):  # an unvouched or out-of-vocabulary id
+            return None
+
+    @classmethod
+    def build(cls, tokenizer) -> ByteTable | None:
+        """The table of a fast tokenizer with a plain ByteLevel decoder, checked against it;
+        None for any other tokenizer or if the check fails on token strings."""
+        backend = getattr(tokenizer, "_tokenizer", None)
+        if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            return None
+        try:
+            decoder = json.loads(backend.to_str()).get("decoder") or {}
+        except Exception:  # not a `tokenizers.Tokenizer`
+            return None
+        if decoder.get("type") != "ByteLevel":
+            return None
+        alphabet = _byte_level_alphabet()
+        n = backend.get_vocab_size(with_added_tokens=True)
+        plain: list[bytes | None] = [None] * n
+        skipping: list[bytes | None] = [None] * n
+        special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        for i in range(n):
+            piece = backend.id_to_token(i)
+            if piece is not None and all(c in alphabet for c in piece):
+                plain[i] = bytes(alphabet[c] for c in piece)
+                skipping[i] = b"" if i in special else plain[i]
+        # Every token alone, both ways; a token that disagrees is left to the tokenizer.
+        for skip, table in ((False, plain), (True, skipping)):
+            texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=skip)
+            for i, text in enumerate(texts):
+                b = table[i]
+                if b is not None and b.decode("utf-8", "replace") != text:
+                    plain[i] = skipping[i] = None
+        # Token strings: decoding must not depend on neighbours (it does not for byte-level
+        # BPE; a tokenizer whose decoder does anything more fails here and is not used).
+        rng = np.random.default_rng(0)
+        known = np.array([i for i in range(n) if plain[i] is not None], np.int64)
+        if not len(known):
+            return None
+        strings = [rng.choice(known, int(rng.integers(2, 24))).tolist()
+                   for _ in range(cls.CHECK_STRINGS)]
+        table = cls(plain, skipping)
+        for skip in (False, True):
+            texts = backend.decode_batch(strings, skip_special_tokens=skip)
+            for ids, text in zip(strings, texts, strict=True):
+                if table.ids_bytes(ids, skip).decode("utf-8", "replace") != text:
+                    logger.info("byte table disagrees with the tokenizer on %s: not used", ids)
+                    return None
+        return table
+
+
+# One table per tokenizer object (building it decodes the whole vocabulary once).
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def byte_table(tokenizer) -> ByteTable | None:
+    try:
+        if tokenizer in _TABLES:
+            return _TABLES[tokenizer]
+    except TypeError:  # not weakly referenceable: build every time
+        return ByteTable.build(tokenizer)
+    table = _TABLES[tokenizer] = ByteTable.build(tokenizer)
+    return table
+
+
 class Detokenizer:
     """Batched incremental detokenization over a tokenizer.
 
@@ -72,6 +169,7 @@ class Detokenizer:
         backend = getattr(tokenizer, "_tokenizer", None)
         clean = getattr(tokenizer, "clean_up_tokenization_spaces", False)
         self._batch = backend.decode_batch if backend is not None and not clean else None
+        self._table = byte_table(tokenizer)
 
     def _decode_many(self, windows: list[list[int]], skip: bool) -> list[str]:
         if self._batch is not None:
@@ -82,8 +180,25 @@ class Detokenizer:
         """One incremental step for each ``(slice_fn, num_tokens, state, skip_special)``;
         returns each item's released delta."""
         deltas = [""] * len(items)
+        slow = range(len(items))
+        if self._table is not None:
+            slow = []
+            ids_bytes = self._table.ids_bytes
+            for i, (get, total, st, skip) in enumerate(items):
+                data = ids_bytes(get(st.read_offset, total), skip)
+                if data is None:
+                    slow.append(i)
+                    continue
+                # The released text ends on a character boundary, so the new tokens' text is
+                # their bytes alone; held back while they end inside a character.
+                text = data.decode("utf-8", "replace")
+                if text and not text.endswith(REPLACEMENT):
+                    st.text += text
+                    st.prefix_offset = st.read_offset
+                    st.read_offset = total
+                    deltas[i] = text
         for skip in (False, True):
-            idx = [i for i, it in enumerate(items) if it[3] == skip]
+            idx = [i for i in slow if items[i][3] == skip]
             if not idx:
                 continue
             windows = []
@@ -99,6 +214,13 @@ class Detokenizer:
 
     def flush(self, get: Slicer, total: int, state: DetokState, skip: bool) -> str:
         """Release whatever is left at the end of a sequence (even a dangling partial char)."""
+        data = (self._table.ids_bytes(get(state.read_offset, total), skip)
+                if self._table is not None else None)
+        if data is not None:
+            delta = data.decode("utf-8", "replace")
+            state.text += delta
+            state.prefix_offset = state.read_offset = total
+            return delta
         prefix, full = self._decode_many([get(state.prefix_offset, state.read_offset),
                                           get(state.prefix_offset, total)], skip)
         delta = full[len(prefix):] if len(full) > len(prefix) else ""

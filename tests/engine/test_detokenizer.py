@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedjax.detokenizer import Detokenizer, DetokState, detokenize_incrementally, flush
+from pagedjax.detokenizer import (
+    ByteTable,
+    Detokenizer,
+    DetokState,
+    byte_table,
+    detokenize_incrementally,
+    flush,
+)
 
 TEXTS = ["Grüße aus Köln 🎉🎉 — ça va? 東京タワー", "plain ascii words and numbers 12345",
          "emoji🙂mixed🙂in👍🏽words", "\n\n  spaces\tand tabs  \n"]
@@ -67,3 +74,59 @@ def test_plain_decode_objects_work_without_backend():
     ids = [7, 8, 9]
     assert det.step([(lambda a, b: ids[a:b], 3, st, True)]) == [" 8 9"]
     assert st.text == " 8 9"
+
+
+def test_byte_table_vouches_for_the_demo_vocabulary(demo_tokenizer):
+    """The demo tokenizer is byte-level BPE: every token gets its bytes, specials skip to b""."""
+    table = byte_table(demo_tokenizer)
+    assert table is not None and Detokenizer(demo_tokenizer)._table is table
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, len(table.plain), 500)]
+    for skip in (False, True):
+        got = table.ids_bytes(ids, skip).decode("utf-8", "replace")
+        assert got == demo_tokenizer.decode(ids, skip_special_tokens=skip)
+    eos = demo_tokenizer.eos_token_id
+    assert table.ids_bytes([eos], True) == b"" and table.ids_bytes([eos], False)
+
+
+def test_unvouched_and_out_of_vocabulary_ids_take_the_windowed_path(demo_tokenizer):
+    """A token the table cannot vouch for (poisoned here to None) is decoded by the tokenizer,
+    with the same deltas; other sequences of the step still use the table."""
+    tok = demo_tokenizer
+    det = Detokenizer(tok)
+    ids = tok("naïve café 🙂 end").input_ids
+    poisoned = ids[2]
+    table = det._table
+    old = table.plain[poisoned], table.skipping[poisoned]
+    calls = []
+    real = det._batch
+    det._batch = lambda w, **k: (calls.append(w), real(w, **k))[1]
+    try:
+        table.plain[poisoned] = table.skipping[poisoned] = None
+        prompt = tok("Q:").input_ids
+        a, b = CountingSeq(prompt, ids), CountingSeq(prompt, list(reversed(ids)))
+        sa, sb = (DetokState("", 0, len(prompt)) for _ in range(2))
+        for _ in ids:
+            a.n += 1
+            b.n += 1
+            det.step([(a.get, len(prompt) + a.n, sa, True), (b.get, len(prompt) + b.n, sb, True)])
+        det.flush(a.get, len(prompt) + a.n, sa, True)
+        det.flush(b.get, len(prompt) + b.n, sb, True)
+    finally:
+        table.plain[poisoned], table.skipping[poisoned] = old
+    assert sa.text == tok.decode(ids, skip_special_tokens=True)
+    assert sb.text == tok.decode(list(reversed(ids)), skip_special_tokens=True)
+    assert calls and all(poisoned in sum(w, []) for w in calls)  # only windows holding it
+    assert det._table.ids_bytes([len(table.plain) + 5], False) is None
+
+
+def test_byte_table_refuses_other_decoders():
+    class Backend:
+        def to_str(self):
+            return '{"decoder": {"type": "Metaspace"}}'
+
+    class SentencePieceLike:
+        _tokenizer = Backend()
+        clean_up_tokenization_spaces = False
+
+    assert ByteTable.build(SentencePieceLike()) is None
+    assert ByteTable.build(object()) is None
