@@ -46,3 +46,18 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.warning("mallopt refused; large CPU buffers are page-faulted every step")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc `malloc_trim`): after loading,
+    the checkpoint's arrays and their transient copies are freed in the middle of the heap,
+    which `keep_freed_memory`'s settings would otherwise keep as resident memory for the
+    process's life. True when it ran."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)
+    return True

@@ -174,8 +174,6 @@ class ModelRunner:
         self._setup(config, engine_config, dtype, max_model_len, shard_vocab)
         if self.kv_scales is not None:
             self.kv_scales = self._place_scales(self.kv_scales)
-        if jax.local_devices()[0].platform == "cpu":  # device buffers are heap memory
-            keep_freed_memory()
         if self.mesh is not None:
             params = shard_params(params, config, self.mesh, shard_vocab,
                                   expert_parallel=self.expert_parallel)
@@ -184,6 +182,12 @@ class ModelRunner:
         if self.mesh is None:
             params = jax.device_put(params, jax.local_devices()[0])
         self.params = self._panels(unstack_layers(params) if not self.scan_layers else params)
+        del params
+        if jax.local_devices()[0].platform == "cpu":
+            # Device buffers are heap memory: keep what steps free for the next step, but only
+            # from here on, so the weights' transient copies above (placed, unstacked, cut into
+            # panels: up to four times the weights at the peak) went back to the system.
+            keep_freed_memory()
         self.num_gpu_blocks = engine_config.num_gpu_blocks or self._profile_num_blocks()
         self.num_cpu_blocks = int(engine_config.swap_space_gb * (1 << 30)
                                   // kv_bytes_per_block(config, self.block_size, self.kv_dtype,
