@@ -74,6 +74,7 @@ from pagedjax.spec import NgramProposer, accepted_prefix
 from pagedjax.spec.draft import DraftModelProposer
 from pagedjax.structured.manager import StructuredOutputs
 from pagedjax.worker.compile_stats import num_backend_compiles
+from pagedjax.worker.host_heap import release_freed_memory
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedjax.worker.shapes import pow2_at_least
@@ -291,8 +292,11 @@ class LLMEngine:
         if chat_template is not None:
             p = Path(chat_template)
             tok.chat_template = p.read_text() if p.is_file() else chat_template
-        return cls(config, params, tok, engine_config, resolve_dtype(dtype),
-                   served_model_name or str(model))
+        engine = cls(config, params, tok, engine_config, resolve_dtype(dtype),
+                     served_model_name or str(model))
+        del params  # the engine holds its own placed copy: give the loaded one back
+        release_freed_memory()
+        return engine
 
     # ---- warm-up -----------------------------------------------------------
     def warmup(self) -> int:
@@ -602,16 +606,16 @@ class LLMEngine:
             self.structured.retain({s.seq_id for req in self._requests.values()
                                     if req.grammar is not None for s in req.group.seqs
                                     if not s.is_finished()})
+        requests, make_output = self._requests, self.outputs.make_output
         for rid in touched:
-            req = self._requests.get(rid)
+            req = requests.get(rid)
             if req is None:
                 continue
-            done = req.group.is_finished()
-            if done:
-                del self._requests[rid]
-            if done or not (req.final_only or req.is_beam
-                            or (req.params.best_of and req.params.best_of > req.params.n)):
-                outputs.append(self.outputs.make_output(req, final=done))
+            if req.group.is_finished():
+                del requests[rid]
+                outputs.append(make_output(req, True))
+            elif req.streams:
+                outputs.append(make_output(req, False))
         return outputs
 
     def _rebuild_cache(self, error: str) -> list[RequestOutput]:
@@ -650,15 +654,24 @@ class LLMEngine:
         row and fans out into n sampled rows, so the step's shape never depends on n."""
         rows_per_seq, row_info, row_src = [], [], []
         n_logits = 0
+        requests = self._requests
         for s in sched.scheduled:
             if not s.needs_logits:
                 rows_per_seq.append(0)
                 continue
-            req = self._requests[s.request_id]
-            group = req.group
-            fan_out = (not req.is_beam and len(group.seqs) == 1 and req.num_samples > 1
-                       and not group.seqs[0].output_token_ids)
-            seq = next(q for q in group.seqs if q.seq_id == s.seq_id)
+            req = requests[s.request_id]
+            seqs = req.group.seqs
+            if len(seqs) == 1 and not s.spec_token_ids and req.num_samples == 1:
+                # The common row: one sequence, one sample (the hot path of a decode step).
+                seq = seqs[0]
+                row_info.append((req, seq, req.seq_index[seq.seq_id], False))
+                row_src.append(n_logits)
+                rows_per_seq.append(1)
+                n_logits += 1
+                continue
+            fan_out = (not req.is_beam and len(seqs) == 1 and req.num_samples > 1
+                       and not seqs[0].output_token_ids)
+            seq = next(q for q in seqs if q.seq_id == s.seq_id)
             if s.spec_token_ids:  # one row per position: the last known token and each draft
                 k = len(s.spec_token_ids)
                 for j in range(k + 1):
@@ -781,25 +794,26 @@ class LLMEngine:
             fl.beam_cands, fl.host_beam_cands = beams[1], beams[2]
             fl.num_device_beam_groups = len(beams[0])
             fl.needs_sync = True
-        if self.runner.feed_tokens:
-            fl.tokens = self.runner.sampled_tokens(out.token_ids)
+        if not self.runner.feed_tokens:
+            return fl  # the step is finished before the next is scheduled: nothing pending
+        fl.tokens = self.runner.sampled_tokens(out.token_ids)
+        spec_rows, pending_rows, max_len = fl.spec_rows, fl.pending_rows, self.max_model_len
         for r, (req, seq, _index, fan_out) in enumerate(row_info):
-            if req.is_beam or fan_out:  # forks are decided on the host
+            if fan_out or req.params.use_beam_search:  # forks are decided on the host
                 fl.needs_sync = True
                 continue
-            if seq.seq_id in fl.spec_rows:
+            if seq.seq_id in spec_rows:
                 # How many tokens it gains is decided on the host, and the next drafts follow
                 # them: the step after a drafted one waits for its results (the n-gram and
                 # draft-model proposers draft from known tokens on the host; thesis §4.6.1's
                 # fully overlapped form needs a proposer on the device).
                 fl.needs_sync = True
                 continue
-            after = seq.num_pending + 1  # tokens this sequence will have gained
-            if (seq.num_output_tokens + after >= req.params.max_tokens
-                    or seq.num_total_tokens + after >= self.max_model_len):
+            n_out = len(seq.output_token_ids) + seq.num_pending + 1  # outputs after this step
+            if n_out >= req.params.max_tokens or len(seq.prompt_token_ids) + n_out >= max_len:
                 continue  # certainly its last token: nothing to schedule after it
             seq.num_pending += 1
-            fl.pending_rows[seq.seq_id] = r
+            pending_rows[seq.seq_id] = r
         return fl
 
     def _token_masks(self, row_info, rows, fl: _InFlight

@@ -62,6 +62,13 @@ class RequestState:
     allowed_mask: np.ndarray | None = None  # allowed_token_ids, packed as the sampler's bitmask
     bad_words: list[list[int]] = dataclasses.field(default_factory=list)  # token sequences
 
+    def __post_init__(self) -> None:
+        p = self.params
+        # An output after every step that advances it (else only the final one): asked for
+        # every request of every step, so decided once.
+        self.streams = not (self.final_only or p.use_beam_search
+                            or (p.best_of is not None and p.best_of > p.n))
+
     @property
     def is_beam(self) -> bool:
         return self.params.use_beam_search
@@ -101,21 +108,26 @@ class OutputProcessor:
         scheduler to stop; records every finished sequence's stop reason."""
         now = time.monotonic()
         items = []
+        top = None  # the step's top-k ids / logprobs as lists, made once if a row wants them
+        self.generation_tokens_total += len(applied)
         for a in applied:
             req, r = rows[a.index]
             seq = a.seq
             p = req.params
-            self.generation_tokens_total += 1
             if req.first_token_time is None:
                 req.first_token_time = now
             if p.logprobs is not None:
+                if top is None:
+                    width = max(rows[b.index][0].params.logprobs or 0 for b in applied)
+                    top = (out.topk_ids[:, :width].tolist(), out.topk_logprobs[:, :width].tolist(),
+                           out.token_ids.tolist(), out.logprobs.tolist())
                 k = p.logprobs
-                entry = {int(i): float(v) for i, v in zip(out.topk_ids[r][:k], out.topk_logprobs[r][:k])}
+                entry = dict(zip(top[0][r][:k], top[1][r][:k]))
                 # This row's token (a speculative step appends several per sequence).
-                entry[int(out.token_ids[r])] = float(out.logprobs[r])
+                entry[top[2][r]] = top[3][r]
                 req.logprobs[seq.seq_id].append(entry)
-            items.append((seq.get_token_slice, seq.num_total_tokens, req.detok[seq.seq_id],
-                          p.skip_special_tokens))
+            items.append((seq.get_token_slice, len(seq.prompt_token_ids) + len(seq.output_token_ids),
+                          req.detok[seq.seq_id], p.skip_special_tokens))
         old_lens = [len(st.text) for _, _, st, _ in items]
         self.detokenizer.step(items)
         stopped = []
@@ -126,7 +138,7 @@ class OutputProcessor:
             status, reason = seq.status, a.stop_reason
             # A stop string wins over a length limit reached by the same token (vLLM's order:
             # EOS / stop ids, then stop strings, then lengths).
-            if p.stop_strings and seq.num_output_tokens >= p.min_tokens and (
+            if p.has_stop_strings and len(seq.output_token_ids) >= p.min_tokens and (
                     not status.is_finished or status is SequenceStatus.FINISHED_LENGTH):
                 hit = self.find_stop(state, p, old)
                 if hit is not None:
@@ -143,7 +155,7 @@ class OutputProcessor:
         """The first stop string (in the request's order, as vLLM) found in the text released
         this step or spanning into it: only that tail is searched, so the cost does not grow
         with the output, and text released before `min_tokens` never stops a sequence later."""
-        start = max(0, old_len - max(len(x) for x in p.stop_strings) + 1)
+        start = max(0, old_len - p.longest_stop + 1)
         for stop in p.stop_strings:
             idx = state.text.find(stop, start)
             if idx >= 0:
@@ -152,12 +164,13 @@ class OutputProcessor:
                 return stop
         return None
 
-    def completion(self, req: RequestState, seq: Sequence, index: int) -> CompletionOutput:
+    @staticmethod
+    def completion(req: RequestState, seq: Sequence, index: int) -> CompletionOutput:
+        sid = seq.seq_id
         return CompletionOutput(
-            index=index, text=req.detok[seq.seq_id].text, token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=list(req.logprobs[seq.seq_id]) if req.params.logprobs is not None else None,
-            finish_reason=FINISH_REASON.get(seq.status), stop_reason=req.stop_reason.get(seq.seq_id))
+            index, req.detok[sid].text, seq.output_token_ids[:], seq.cumulative_logprob,
+            req.logprobs[sid][:] if req.params.logprobs is not None else None,
+            FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
 
     def beam_completions(self, req: RequestState) -> list[CompletionOutput]:
         """The n best hypotheses by length-penalised score (live beams if none finished, e.g. abort)."""
@@ -182,16 +195,21 @@ class OutputProcessor:
                                  self.beam_completions(req), finished=final,
                                  num_cached_tokens=req.num_cached_tokens or 0,
                                  first_scheduled_time=req.first_scheduled_time)
-        seqs = sorted(req.group.seqs, key=lambda s: req.seq_index[s.seq_id])
-        if final and req.params.best_of and req.params.best_of > req.params.n:
-            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
-            comps = [self.completion(req, s, i) for i, s in enumerate(seqs)]
+        seqs = req.group.seqs
+        if len(seqs) == 1:  # one sequence (n == 1): every streamed step of most requests
+            seq = seqs[0]
+            comps = [self.completion(req, seq, req.seq_index[seq.seq_id])]
         else:
-            comps = [self.completion(req, s, req.seq_index[s.seq_id]) for s in seqs]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, finished=final,
-                             num_cached_tokens=req.num_cached_tokens or 0,
-                             prompt_logprobs=self.prompt_logprobs_out(req),
-                             first_scheduled_time=req.first_scheduled_time)
+            seqs = sorted(seqs, key=lambda s: req.seq_index[s.seq_id])
+            if final and req.params.best_of and req.params.best_of > req.params.n:
+                seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[: req.params.n]
+                comps = [self.completion(req, s, i) for i, s in enumerate(seqs)]
+            else:
+                comps = [self.completion(req, s, req.seq_index[s.seq_id]) for s in seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, comps, final,
+                             self.prompt_logprobs_out(req)
+                             if req.params.prompt_logprobs is not None else None,
+                             req.num_cached_tokens or 0, None, req.first_scheduled_time)
 
     @staticmethod
     def prompt_logprobs_out(req: RequestState) -> list[dict[int, float] | None] | None:

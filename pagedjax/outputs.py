@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # one per request per step while streaming
 class CompletionOutput:
     """One generated sequence of a request (`index` distinguishes the n samples)."""
 
@@ -21,7 +21,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

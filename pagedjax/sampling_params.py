@@ -223,6 +223,16 @@ class SamplingParams:
         return list(self._stop_list)
 
     @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop_list)  # no copy: asked for every token of every step
+
+    @property
+    def longest_stop(self) -> int:
+        """Characters in the longest stop string (0: none): how far back into earlier text a
+        stop string can start."""
+        return max(map(len, self._stop_list), default=0)
+
+    @property
     def is_greedy(self) -> bool:
         # Tiny temperatures blow up logits / T in fp32; treat them as argmax.
         return self.temperature < _GREEDY_EPS

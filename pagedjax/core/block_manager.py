@@ -346,6 +346,22 @@ class BlockManager:
             need += self.blocks_needed(seq, n)
         return need <= self.gpu.get_num_free()
 
+    def decode_slot(self, seq: Sequence) -> tuple[list[int], int] | None:
+        """The live table and version when the sequence's next token has its slot already,
+        in a block it alone holds: `append_slots(seq, 1)` would then change nothing and need
+        no free block. None otherwise (a new block, a copy-on-write, a window to release,
+        swapped out): the caller takes the general path."""
+        if self.sliding_window:
+            return None
+        st = self._seqs.get(seq.seq_id)
+        if st is None or st.on_cpu:
+            return None
+        table = st.table
+        idx = seq.num_computed_tokens // self.block_size
+        if idx < len(table) and self.gpu._ref[table[idx]] == 1:
+            return table, st.version
+        return None
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Ensure slots for the next ``num_new_tokens`` tokens; returns CoW (src, dst) copies."""
         st = self._state(seq)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.sequence import _FINISHED, Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+_PRIORITY = operator.attrgetter("priority")  # `Scheduler._priority`, as a C-level sort key
 
 # Token id of a scheduled token that a step still running on the device is sampling: the
 # runner takes its id from that step's sampler output (async scheduling).
@@ -278,13 +281,16 @@ class Scheduler:
         groups = self._groups
         max_len = self.config.max_model_len
         children: dict[int, Sequence] = {}
-        for i, t in enumerate(tokens):  # fork first: children copy the parent's pre-step state
+        special = [i for i, t in enumerate(tokens) if t.fork_index > 0 or t.rejected]
+        for i in special:  # fork first: children copy the parent's pre-step state
+            t = tokens[i]
             if t.fork_index > 0 and (g := groups.get(t.request_id)) is not None:
                 child = t.seq.fork(new_seq_id())
                 self.bm.fork(t.seq, child)
                 g.add(child)
                 children[i] = child
-        for t in tokens:  # speculative steps: forget the rejected drafts' slots first
+        for i in special:  # speculative steps: forget the rejected drafts' slots first
+            t = tokens[i]
             if t.rejected and groups.get(t.request_id) is not None \
                     and t.seq.status not in _FINISHED:
                 t.seq.num_computed_tokens -= t.rejected
@@ -293,21 +299,24 @@ class Scheduler:
             g = groups.get(t.request_id)
             if g is None:
                 continue
-            seq = children.get(i, t.seq)
-            forked = i in children
+            seq = children.get(i, t.seq) if children else t.seq
             if seq.status in _FINISHED:
                 continue
             if t.pending:
                 seq.num_pending -= 1
-            seq.append_token(t.token_id, t.logprob)
-            n_out = len(seq.output_token_ids)
-            stopped, reason = g.stops.check(t.token_id, n_out)
+            tok, lp = t.token_id, t.logprob
+            out = seq.output_token_ids
+            out.append(tok)  # `Sequence.append_token`, inlined: once per token of every step
+            seq.output_logprobs.append(lp)
+            seq.cumulative_logprob += lp
+            n_out = len(out)
+            stopped, reason = g.stops.check(tok, n_out)
             if stopped:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
             elif (g.max_tokens is not None and n_out >= g.max_tokens) \
-                    or seq.num_total_tokens >= max_len:
+                    or len(seq.prompt_token_ids) + n_out >= max_len:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
-            applied.append(AppliedToken(i, g, seq, forked, reason))
+            applied.append(AppliedToken(i, g, seq, i in children, reason))
         return applied
 
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:
@@ -377,7 +386,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.config.max_num_batched_tokens)
         if self.config.policy == "fcfs":
-            self._schedule_running(st, sorted(self.running, key=self._priority), [])
+            self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
             self._schedule_swapped(st)
             if not self.swapped and not st.preempted:
                 self._schedule_waiting_fcfs(st)
@@ -498,6 +507,32 @@ class Scheduler:
             need += needed(seq, d)
         return need <= self.bm.get_num_free_gpu_blocks()
 
+    def _decode_fast(self, st: _Step, g: SequenceGroup) -> bool:
+        """Schedule a lone decoding sequence whose next slot is already in place (15 steps
+        in 16 at block size 16): what `_plan`, `_fits_blocks` and `_emit` would do for it,
+        without their general work (the host's per-step cost at hundreds of sequences).
+        False, having changed nothing, for anything else."""
+        seq = g.seqs[0]
+        if seq.status is not SequenceStatus.RUNNING:
+            return False
+        start = seq.num_computed_tokens
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        if known + seq.num_pending - start != 1 or st.num_seqs + g.n > self.config.max_num_seqs:
+            return False
+        decode_slot = getattr(self.bm, "decode_slot", None)  # the hybrid manager has none
+        ref = decode_slot(seq) if decode_slot is not None else None
+        if ref is None:
+            return False
+        ids = [seq.get_token_slice(start, start + 1)[0] if start < known else PENDING_TOKEN]
+        out = st.out
+        out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, ref[0], True,
+                                          ref[1]))
+        st.budget -= 1
+        out.num_batched_tokens += 1
+        st.num_seqs += g.n
+        out.scheduled_groups.append(g)
+        return True
+
     def _schedule_one_running(
         self, st: _Step, g: SequenceGroup, victims: deque[SequenceGroup] | _VictimPool
     ) -> bool | None:
@@ -508,6 +543,8 @@ class Scheduler:
         """
         if st.budget <= 0:
             return False
+        if len(g.seqs) == 1 and self.proposer is None and self._decode_fast(st, g):
+            return True
         plan = self._plan(g, st.budget, allow_chunk=True)
         if not plan or st.num_seqs + max(len(plan), g.max_num_running_seqs()) > self.config.max_num_seqs:
             return False

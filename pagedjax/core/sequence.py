@@ -30,6 +30,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()  # rejected by the scheduler (can never fit)
 
+    # Members are singletons: hash by identity in C, not by name in Python (`Enum.__hash__`),
+    # since `status in _FINISHED` runs for every sequence several times a step.
+    __hash__ = object.__hash__
+
     @property
     def is_finished(self) -> bool:
         return self._value_ >= _FIRST_FINISHED  # an int compare: called per sequence per step
@@ -152,12 +156,15 @@ class TokenStops:
         """(stopped, stop reason) for `token`, the sequence's `num_output_tokens`-th output
         token: EOS (reason None) before the stop ids (reason: the id), as vLLM."""
         if num_output_tokens <= self.min_tokens:
-            return False, None
+            return _GO_ON
         if token in self.eos_ids:
-            return True, None
+            return _EOS
         if token in self.stop_ids:
             return True, token
-        return False, None
+        return _GO_ON
+
+
+_GO_ON, _EOS = (False, None), (True, None)  # `TokenStops.check`'s usual answers, made once
 
 
 class SequenceGroup:
@@ -220,7 +227,10 @@ class SequenceGroup:
         return sum(1 for s in self.seqs if not s.status.is_finished)
 
     def is_finished(self) -> bool:
-        return all(s.status.is_finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # fast path: asked for every request of every step
+            return seqs[0].status._value_ >= _FIRST_FINISHED
+        return all(s.status.is_finished for s in seqs)
 
     def max_num_running_seqs(self) -> int:
         """Seq slots to reserve: a lone prompt will be forked into ``n`` children."""

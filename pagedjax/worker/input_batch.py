@@ -92,13 +92,18 @@ class InputBatch:
             self._hist = {k: v for k, v in self._hist.items() if k in keep}
         row_of = self._row
         groups = self.num_groups
+        versions, written = self._version, self._written
         out = []
         for s in scheduled:
             r = row_of.get(s.seq_id)
             if r is None:
                 r = self._assign(s.seq_id)
             if groups == 1:
-                self._update(r, 0, s.block_table, s.table_version, s.seq_id)
+                v = s.table_version
+                if v >= 0 and versions[r][0] == v and len(s.block_table) == written[r][0]:
+                    out.append(r)  # mirrored already: most rows of a decode step
+                    continue
+                self._update(r, 0, s.block_table, v, s.seq_id)
             else:
                 tables, versions = s.block_table, s.table_version
                 if not isinstance(tables, tuple):  # one table for every group
