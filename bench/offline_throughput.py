@@ -20,7 +20,9 @@ CPU): `--engines pagedjax,pagedjax-async --out bench/results/cpu/async_schedulin
 Engine `pagedjax-heap-off` is pagedjax with `PAGEDJAX_KEEP_HEAP=0` (freed heap memory returned
 to the OS, as before `pagedjax/worker/host_heap.py`):
 `--engines pagedjax,pagedjax-heap-off --out bench/results/cpu/host_heap.json`
-compares the two.
+compares the two. An engine named `pagedjax+KEY=VALUE[+KEY=VALUE...]` is pagedjax with those
+`EngineConfig` overrides on top of `--engine-arg`'s, e.g. `pagedjax+max_num_seqs=64` (the
+default before 256) beside `pagedjax`.
 
 `--busy-core` keeps the last CPU busy with a pinned spinning process during every timed run
 (started after the idle check), to measure how each engine degrades when another process takes
@@ -99,6 +101,8 @@ def ensure_peers(gguf: Path, hf_dir: Path) -> None:
 
 
 def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) -> list[str]:
+    if name.startswith("pagedjax+"):  # pagedjax with its own overrides, e.g. an old default
+        return worker_cmd("pagedjax", threads, hf_dir, [*engine_args, *name.split("+")[1:]])
     if name in ("pagedjax", "pagedjax-async", "pagedjax-heap-off"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
