@@ -347,10 +347,12 @@ class BlockManager:
         return need <= self.gpu.get_num_free()
 
     def decode_slot(self, seq: Sequence) -> tuple[list[int], int] | None:
-        """The live table and version when the sequence's next token has its slot already,
-        in a block it alone holds: `append_slots(seq, 1)` would then change nothing and need
-        no free block. None otherwise (a new block, a copy-on-write, a window to release,
-        swapped out): the caller takes the general path."""
+        """Put the slot of the sequence's next token in place and return the live table and
+        its version, when that is simple: the slot is already in a block the sequence alone
+        holds, or it opens a block and one is free (taken, as `append_slots(seq, 1)` would
+        after `blocks_needed` found it). None, having changed nothing, otherwise (a
+        copy-on-write, no free block, a window to release, swapped out): the caller takes
+        the general path."""
         if self.sliding_window:
             return None
         st = self._seqs.get(seq.seq_id)
@@ -358,7 +360,10 @@ class BlockManager:
             return None
         table = st.table
         idx = seq.num_computed_tokens // self.block_size
-        if idx < len(table) and self.gpu._ref[table[idx]] == 1:
+        if idx < len(table):
+            return (table, st.version) if self.gpu._ref[table[idx]] == 1 else None
+        if idx == len(table) and self.gpu.get_num_free() > 0:
+            table.append(self.gpu.allocate())  # an append: the version stays
             return table, st.version
         return None
 

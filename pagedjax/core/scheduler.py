@@ -508,10 +508,10 @@ class Scheduler:
         return need <= self.bm.get_num_free_gpu_blocks()
 
     def _decode_fast(self, st: _Step, g: SequenceGroup) -> bool:
-        """Schedule a lone decoding sequence whose next slot is already in place (15 steps
-        in 16 at block size 16): what `_plan`, `_fits_blocks` and `_emit` would do for it,
-        without their general work (the host's per-step cost at hundreds of sequences).
-        False, having changed nothing, for anything else."""
+        """Schedule a lone decoding sequence whose next slot is in place or takes one free
+        block (`BlockManager.decode_slot`): what `_plan`, `_fits_blocks` and `_emit` would do
+        for it, without their general work (the host's per-step cost at hundreds of
+        sequences). False, having changed nothing, for anything else."""
         seq = g.seqs[0]
         if seq.status is not SequenceStatus.RUNNING:
             return False
