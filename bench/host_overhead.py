@@ -3,6 +3,7 @@ p99 at 256 sequences).
 
     .venv/bin/python bench/host_overhead.py [--seqs 32,128,256,1024] [--steps 60]
     .venv/bin/python bench/host_overhead.py --compare-gc 2 --seqs 256,1024   # gc.freeze A/B
+    .venv/bin/python bench/host_overhead.py --phases --seqs 256   # ms per step, by stage
 
 `LLMEngine.step()` runs for real (scheduling, block tables, step input arrays, sampling
 metadata, applying tokens, stop checks, incremental detokenization with the demo tokenizer,
@@ -69,8 +70,60 @@ class _Runner:
     def copy_blocks(self, pairs) -> None: ...
 
 
+# (owner, attribute, label): the stages `--phases` times; nested ones are indented, so a
+# stage's own time is its total less its children's.
+PHASES = [
+    ("pagedjax.core.scheduler:Scheduler", "schedule", "schedule"),
+    ("pagedjax.engine:LLMEngine", "_launch", "launch"),
+    ("pagedjax.engine:LLMEngine", "_rows_for", "  sampled rows"),
+    ("pagedjax.engine", "build_step_inputs", "  step inputs"),
+    ("pagedjax.engine:LLMEngine", "_sampling_metadata", "  sampling metadata"),
+    ("pagedjax.core.scheduler:Scheduler", "update_after_step", "update_after_step"),
+    ("pagedjax.engine:LLMEngine", "_finish", "finish"),
+    ("pagedjax.engine:LLMEngine", "_apply_samples", "  apply samples"),
+    ("pagedjax.core.scheduler:Scheduler", "update_from_output", "    update_from_output"),
+    ("pagedjax.output_processor:OutputProcessor", "process", "    output processing"),
+    ("pagedjax.detokenizer:Detokenizer", "step", "      detokenization"),
+    ("pagedjax.core.scheduler:Scheduler", "free_finished_seq_groups", "  free finished"),
+    ("pagedjax.output_processor:OutputProcessor", "make_output", "  RequestOutputs"),
+]
+
+
+class _Phases:
+    """Wraps each stage of `PHASES` to add its wall time while `on` (the timed steps)."""
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.on, self._undo = False, []
+        self.ms = {label: 0.0 for *_, label in PHASES}
+        for owner, attr, label in PHASES:
+            mod, _, cls = owner.partition(":")
+            obj = importlib.import_module(mod)
+            obj = getattr(obj, cls) if cls else obj
+            f = obj.__dict__[attr]
+            self._undo.append((obj, attr, f))
+            setattr(obj, attr, self._timed(f, label))
+
+    def _timed(self, f, label):
+        def timed(*a, **k):
+            if not self.on:
+                return f(*a, **k)
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                self.ms[label] += 1e3 * (time.perf_counter() - t)
+        return timed
+
+    def restore(self) -> None:
+        for obj, attr, f in self._undo:
+            setattr(obj, attr, f)
+
+
 def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
-            output_kind: str = "cumulative", freeze_gc: bool = True) -> dict:
+            output_kind: str = "cumulative", freeze_gc: bool = True,
+            phases: _Phases | None = None) -> dict:
     import pagedjax.engine as eng_mod
     from pagedjax.config import EngineConfig
     from pagedjax.sampler import SamplerOutput
@@ -115,10 +168,14 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         if freeze_gc:  # as `pagedjax serve` does once loaded (LLMEngine.freeze_gc)
             engine.freeze_gc()
         times = []
+        if phases is not None:
+            phases.on = True
         for _ in range(steps):
             t0 = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - t0)
+        if phases is not None:
+            phases.on = False
         assert len(engine.scheduler.running) == num_seqs
     finally:
         eng_mod.ModelRunner, eng_mod.sample = orig_runner, orig_sample
@@ -144,6 +201,10 @@ def main() -> None:
     ap.add_argument("--compare-gc", type=int, default=0, metavar="REPS",
                     help="instead: REPS interleaved rounds of frozen / not frozen (greedy, "
                          "cumulative) at --seqs, written to host_overhead_gc.json")
+    ap.add_argument("--phases", action="store_true",
+                    help="instead: ms per step by stage (each stage's wall time summed over "
+                         "the timed steps; stages wrapped, so the total runs a little slower), "
+                         "greedy and mixed, cumulative, written to host_overhead_phases.json")
     args = ap.parse_args()
     from models.demo import ensure_demo_model
     from models.loader import read_config
@@ -165,6 +226,29 @@ def main() -> None:
         out = Path(args.out).with_name("host_overhead_gc.json")
         json.dump({"what": "host ms per decode step with and without gc.freeze after start-up, "
                            "interleaved (bench/host_overhead.py --compare-gc)",
+                   "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
+                   "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows},
+                  open(out, "w"), indent=1)
+        return
+    if args.phases:
+        rows = []
+        for mix in ("greedy", "mixed"):
+            for n in map(int, args.seqs.split(",")):
+                ph = _Phases()
+                try:
+                    r = measure(n, args.steps, mix, tok, config, "cumulative",
+                                not args.no_gc_freeze, ph)
+                finally:
+                    ph.restore()
+                r["ms_per_step_by_stage"] = {k.strip(): v / args.steps for k, v in ph.ms.items()}
+                rows.append(r)
+                print(f"{mix} {n} seqs: step median {r['median_ms']:.2f} ms (stages wrapped)")
+                for label, v in ph.ms.items():
+                    print(f"  {label:26s} {v / args.steps:6.3f} ms")
+        out = Path(args.out).with_name("host_overhead_phases.json")
+        json.dump({"what": "host ms per decode step by stage, device stubbed, streaming outputs "
+                           "(bench/host_overhead.py --phases); nested stages are included in "
+                           "their parent's time",
                    "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
                    "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows},
                   open(out, "w"), indent=1)
