@@ -18,9 +18,9 @@ class EngineConfig:
     block_size: int = 16
     num_gpu_blocks: int | None = None  # None: size from gpu_memory_utilization
     gpu_memory_utilization: float = 0.9
-    # vLLM's default for `LLM`. It was 64 here: on this project's CPU host, 256 prompts x 64
-    # tokens then ran in four waves at 535 tok/s against 663 in one (matmuls of 256 rows run
-    # nearer the machine's peak than of 64; `bench/offline_throughput.py`).
+    # vLLM's default for `LLM`. It was 64 here: 256 prompts x 64 tokens then ran in four waves,
+    # 523.5 tok/s against 649.4 in one on this project's CPU host (one weight read per step
+    # for 4x the rows; `bench/results/cpu/offline_throughput_seqs.json`).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: min(model context, 4096)

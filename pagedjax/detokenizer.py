@@ -147,13 +147,23 @@ _TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def byte_table(tokenizer) -> ByteTable | None:
+    """`ByteTable.build`, once per tokenizer; None (the windowed path) if building fails."""
     try:
         if tokenizer in _TABLES:
             return _TABLES[tokenizer]
     except TypeError:  # not weakly referenceable: build every time
-        return ByteTable.build(tokenizer)
-    table = _TABLES[tokenizer] = ByteTable.build(tokenizer)
+        return _build(tokenizer)
+    table = _TABLES[tokenizer] = _build(tokenizer)
     return table
+
+
+def _build(tokenizer) -> ByteTable | None:
+    try:
+        return ByteTable.build(tokenizer)
+    except Exception:  # an unusual backend: a shortcut is never worth failing the engine
+        logger.warning("no byte table for this tokenizer; detokenizing through it",
+                       exc_info=True)
+        return None
 
 
 class Detokenizer:

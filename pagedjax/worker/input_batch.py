@@ -92,7 +92,7 @@ class InputBatch:
             self._hist = {k: v for k, v in self._hist.items() if k in keep}
         row_of = self._row
         groups = self.num_groups
-        versions, written = self._version, self._written
+        mirrored, written = self._version, self._written
         out = []
         for s in scheduled:
             r = row_of.get(s.seq_id)
@@ -100,7 +100,7 @@ class InputBatch:
                 r = self._assign(s.seq_id)
             if groups == 1:
                 v = s.table_version
-                if v >= 0 and versions[r][0] == v and len(s.block_table) == written[r][0]:
+                if v >= 0 and mirrored[r][0] == v and len(s.block_table) == written[r][0]:
                     out.append(r)  # mirrored already: most rows of a decode step
                     continue
                 self._update(r, 0, s.block_table, v, s.seq_id)

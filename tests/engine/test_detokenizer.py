@@ -130,3 +130,21 @@ def test_byte_table_refuses_other_decoders():
 
     assert ByteTable.build(SentencePieceLike()) is None
     assert ByteTable.build(object()) is None
+
+
+def test_a_failing_table_build_leaves_the_windowed_path(demo_tokenizer, monkeypatch):
+    """Building the table raising (an unusual backend) must not fail the engine."""
+    from pagedjax import detokenizer as mod
+
+    def boom(tokenizer):
+        raise AttributeError("no get_added_tokens_decoder")
+
+    monkeypatch.setattr(mod.ByteTable, "build", staticmethod(boom))
+    monkeypatch.setattr(mod, "_TABLES", mod.weakref.WeakKeyDictionary())
+    det = Detokenizer(demo_tokenizer)
+    assert det._table is None
+    ids = demo_tokenizer("grüße 🙂").input_ids
+    st = DetokState("", 0, 0)
+    det.step([(lambda a, b: ids[a:b], len(ids), st, True)])
+    det.flush(lambda a, b: ids[a:b], len(ids), st, True)
+    assert st.text == demo_tokenizer.decode(ids, skip_special_tokens=True)
