@@ -361,8 +361,11 @@ class LLMEngine:
         """Queue a request. Raises ValueError naming the bad field; the engine is unaffected.
 
         `output_kind` (vLLM's `RequestOutputKind`): "cumulative" returns the request's whole
-        output after every step that advanced it (streaming); "final_only" returns one output
-        when it finishes, which saves copying growing outputs every step (offline batches).
+        output after every step that advanced it (streaming); "delta" returns, after every
+        such step, only what is new since its last output (tokens, text, logprobs: per step
+        work that does not grow with the output; with stop strings the text's last
+        `len(longest stop) - 1` characters wait, since a stop string may still cut them);
+        "final_only" returns one output when it finishes (offline batches).
 
         `strict_limits` (the servers pass True): refuse a request whose prompt + `max_tokens`
         exceeds `max_model_len` (as vLLM's OpenAI server does) or whose samples, all grown to
@@ -388,7 +391,8 @@ class LLMEngine:
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,
-                           final_only=output_kind == "final_only", grammar=grammar,
+                           final_only=output_kind == "final_only",
+                           delta=output_kind == "delta", grammar=grammar,
                            allowed_mask=allowed, bad_words=bad_words)
         req.register(seq, 0)
         self._requests[request_id] = req

@@ -17,7 +17,7 @@ from pagedjax.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CHARS_PER_TOKEN = 64
-OUTPUT_KINDS = ("cumulative", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclasses.dataclass
@@ -42,7 +42,8 @@ class InputProcessor:
                 strict_limits: bool) -> ProcessedRequest:
         """Validate and tokenize one request (see `LLMEngine.add_request`)."""
         if output_kind not in OUTPUT_KINDS:
-            raise ValueError(f"output_kind: must be 'cumulative' or 'final_only'; got {output_kind!r}")
+            raise ValueError(f"output_kind: must be 'cumulative', 'delta' or 'final_only'; got "
+                             f"{output_kind!r}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():

@@ -51,6 +51,9 @@ class RequestState:
     num_cached_tokens: int | None = None
     first_token_time: float | None = None
     final_only: bool = False  # output_kind "final_only": no per-step outputs
+    delta: bool = False  # output_kind "delta": each output holds only what is new
+    # output_kind "delta": per sequence, (tokens, characters) already in an output.
+    sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # Beam search: finished hypotheses (score, seq) and logits rows of beams whose siblings
     # were not all computed in the same step (e.g. a token budget split the group).
     beam_finished: list[tuple[float, Sequence]] = dataclasses.field(default_factory=list)
@@ -167,9 +170,32 @@ class OutputProcessor:
     @staticmethod
     def completion(req: RequestState, seq: Sequence, index: int) -> CompletionOutput:
         sid = seq.seq_id
+        if req.delta:
+            return OutputProcessor._delta(req, seq, index)
         return CompletionOutput(
             index, req.detok[sid].text, seq.output_token_ids[:], seq.cumulative_logprob,
             req.logprobs[sid][:] if req.params.logprobs is not None else None,
+            FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
+
+    @staticmethod
+    def _delta(req: RequestState, seq: Sequence, index: int) -> CompletionOutput:
+        """What is new since the sequence's last output (output_kind "delta"). While it runs
+        with stop strings its text's last `longest_stop - 1` characters wait: a stop string
+        completed later starts after them at the earliest (it was not found earlier), so the
+        text sent is never cut afterwards."""
+        sid = seq.seq_id
+        p = req.params
+        text = req.detok[sid].text
+        tokens_sent, chars_sent = req.sent.get(sid, (0, 0))
+        visible = len(text)
+        if p.has_stop_strings and not seq.status.is_finished:
+            visible = max(chars_sent, visible - p.longest_stop + 1)
+        n = len(seq.output_token_ids)
+        req.sent[sid] = (n, visible)
+        return CompletionOutput(
+            index, text[chars_sent:visible], seq.output_token_ids[tokens_sent:n],
+            seq.cumulative_logprob,
+            req.logprobs[sid][tokens_sent:n] if p.logprobs is not None else None,
             FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
 
     def beam_completions(self, req: RequestState) -> list[CompletionOutput]:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pagedjax import LLM, SamplingParams
+from pagedjax.outputs import RequestOutput
 from pagedjax.reference import ReferenceGenerator, RefSampling
 
 
@@ -344,5 +345,64 @@ def test_final_only_requests_emit_one_output(demo_model, demo_tokenizer):
     assert len(seen["cumul"]) == 5
     assert seen["final"][0].outputs[0].token_ids == seen["cumul"][-1].outputs[0].token_ids
     with pytest.raises(ValueError, match="output_kind"):
-        eng.add_request("x", None, sp, prompt_token_ids=[5], output_kind="delta")
+        eng.add_request("x", None, sp, prompt_token_ids=[5], output_kind="partial")
+    assert_pool_whole(llm)
+
+
+def test_delta_outputs_add_up_to_the_cumulative_ones(demo_model, demo_tokenizer):
+    """output_kind="delta": each output holds only what the step added (its tokens, their
+    logprobs, the text released), and they add up to what a cumulative request of the same
+    params ends with: n = 2 samples, logprobs, a stop string that cuts the text (held back
+    until it can no longer be cut), a length stop. Per-step work does not grow with the
+    output: no delta carries more tokens than the step computed."""
+    config, params = demo_model
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=128, max_num_seqs=8)
+    eng = llm.engine
+    prompt = demo_tokenizer("The capital of France is").input_ids
+    cases = {
+        "plain": SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        "n2": SamplingParams(temperature=0.9, top_p=0.95, seed=3, n=2, max_tokens=10,
+                             ignore_eos=True),
+        "stop": None,  # filled below with a stop string from the greedy continuation
+    }
+    ref = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].text
+    stop = ref[6:9]  # three characters inside the continuation: it cuts the text there
+    assert len(stop) == 3 and stop.strip()
+    cases["stop"] = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    for kind in ("cumulative", "delta"):
+        for name, sp in cases.items():
+            eng.add_request(f"{kind}-{name}", None, sp, prompt_token_ids=prompt,
+                            output_kind=kind)
+    final: dict[str, RequestOutput] = {}
+    acc: dict[str, dict[int, list]] = {}
+    prefixes = []  # the text sent so far, after every delta
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            kind, name = out.request_id.split("-", 1)
+            if kind == "cumulative":
+                final[name] = out
+                continue
+            for c in out.outputs:
+                a = acc.setdefault(name, {}).setdefault(c.index, ["", [], [], None, 0])
+                assert len(c.token_ids) <= 1  # one token per step per sequence here
+                assert a[3] is None, "output after the finish"
+                a[0] += c.text
+                prefixes.append((name, c.index, a[0]))
+                a[1] += c.token_ids
+                a[2] += c.logprobs or []
+                a[3] = c.finish_reason
+                a[4] += 1
+    for name, out in final.items():
+        assert out.finished
+        for c in out.outputs:
+            text, toks, lps, reason, n = acc[name][c.index]
+            assert (text, toks, reason) == (c.text, c.token_ids, c.finish_reason)
+            assert lps == (c.logprobs or [])
+            assert n >= len(toks)  # an output every step, not one at the end
+    for name, index, sent in prefixes:  # text once sent is never cut (the stop string's)
+        assert final[name].outputs[index].text.startswith(sent)
+    assert final["stop"].outputs[0].finish_reason == "stop"
+    assert final["stop"].outputs[0].text == ref[: ref.index(stop)]
     assert_pool_whole(llm)
