@@ -397,6 +397,7 @@ def test_exceptions_while_scheduling_fail_only_their_group(mode, policy, seed):
     by_seq = lambda s: owner.get(s.seq_id)
     bm.allocate = faulty(bm.allocate, by_group)
     bm.append_slots = faulty(bm.append_slots, by_seq)
+    bm.decode_slot = faulty(bm.decode_slot, by_seq)  # the decode fast path's growth
     bm.swap_out = faulty(bm.swap_out, by_group)
     bm.swap_in = faulty(bm.swap_in, by_group)
     e.run()

@@ -68,7 +68,7 @@ def test_scheduling_failure_fails_only_its_request(tiny):
     eng = llm.engine
     bm = eng.block_manager
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    real_allocate, real_append = bm.allocate, bm.append_slots
+    real_allocate, real_append, real_slot = bm.allocate, bm.append_slots, bm.decode_slot
 
     def allocate(group):
         if group.request_id == "bad-admit":
@@ -80,7 +80,12 @@ def test_scheduling_failure_fails_only_its_request(tiny):
             raise RuntimeError("append bug")
         return real_append(seq, n)
 
-    bm.allocate, bm.append_slots = allocate, append_slots
+    def decode_slot(seq):  # the scheduler's decode fast path grows blocks here
+        if seq.seq_id == victim_seq and seq.num_computed_tokens >= 8:
+            raise RuntimeError("append bug")
+        return real_slot(seq)
+
+    bm.allocate, bm.append_slots, bm.decode_slot = allocate, append_slots, decode_slot
     prompts = {"a": [5, 6, 7], "bad-admit": [1, 2], "bad-grow": [9, 8, 7, 6], "b": [3, 4, 5, 6, 7]}
     for rid, p in prompts.items():
         eng.add_request(rid, None, sp, prompt_token_ids=p)
