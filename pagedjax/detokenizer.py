@@ -72,7 +72,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     byte order."""
     own = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     alphabet = {chr(b): b for b in own}
-    shifted = (b for b in range(256) if b not in set(own))
+    shifted = sorted(set(range(256)) - set(own))
     alphabet.update({chr(256 + i): b for i, b in enumerate(shifted)})
     return alphabet
 
