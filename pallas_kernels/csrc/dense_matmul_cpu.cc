@@ -11,7 +11,13 @@
 // is what a speculative step's k + 1 rows need.
 //
 // Work items are (panel, chunk of rows) pairs over XLA's intra-op thread pool (the calling
-// thread too). With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; without
+// thread too). With more than one register block of rows, an item also pulls the panel its
+// thread will most likely take next into L2, a few lines per k
+// spread over the item's blocks, so that panel's first pass does not wait on memory: at 64
+// rows the weight matmuls of the demo model went from ~91 to ~72 ms a step in a standalone
+// copy of this kernel (docs/v1-core.md). At
+// one block (batch-1 decode) the whole next panel would be fetched during a single pass,
+// which measured slower, so none is. With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; without
 // it, a portable loop. Each output is one fused multiply-add chain over k = 0 .. K-1 in
 // order, the same whichever block or chunk holds its row: results do not depend on the
 // number of rows (a row scores the same in a decode step as in a verification step) and
@@ -33,11 +39,11 @@ namespace {
 
 constexpr int64_t kCols = 64;        // output columns per panel
 constexpr int64_t kBlockRows = 6;    // rows sharing one pass over a panel (register block)
-constexpr int64_t kChunkRows = 48;
+constexpr int64_t kChunkRows = 64;  // a 64-row step is one item per panel
 constexpr int64_t kAhead = 32;   // rows per work item: 8 blocks over a panel held in L2
 
 struct Dense {
-  int64_t M, K, N;
+  int64_t M, K, N, panels;
   const float* x;  // [M, K]
   const float* w;  // [ceil(N / 64), K, 64]
   float* y;        // [M, N]
@@ -51,8 +57,9 @@ inline __mmask16 lane_mask(int64_t nc, int i) {
 }
 
 // Rows [m0, m0 + MR) of panel b.
+// `ahead`, `lines`: cache lines of a later panel to pull into L2 over the pass (null: none).
 template <int MR>
-void block(const Dense& p, int64_t b, int64_t m0) {
+void block(const Dense& p, int64_t b, int64_t m0, const char* ahead, int64_t lines) {
   const float* w = p.w + b * p.K * kCols;
   const float* x = p.x + m0 * p.K;
   __m512 c[MR][4];
@@ -64,6 +71,10 @@ void block(const Dense& p, int64_t b, int64_t m0) {
     _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 16), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 48), _MM_HINT_T0);
+    if (ahead != nullptr && 2 * k < lines) {  // two blocks of rows or more: <= 2 lines per k
+      _mm_prefetch(ahead + 128 * k, _MM_HINT_T1);
+      if (2 * k + 1 < lines) _mm_prefetch(ahead + 128 * k + 64, _MM_HINT_T1);
+    }
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
                  w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
     for (int q = 0; q < MR; ++q) {
@@ -81,21 +92,31 @@ void block(const Dense& p, int64_t b, int64_t m0) {
                             c[q][i]);
 }
 
-void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1) {
-  int64_t m = m0;
-  for (; m + kBlockRows <= m1; m += kBlockRows) block<kBlockRows>(p, b, m);
-  switch (m1 - m) {
-    case 5: block<5>(p, b, m); break;
-    case 4: block<4>(p, b, m); break;
-    case 3: block<3>(p, b, m); break;
-    case 2: block<2>(p, b, m); break;
-    case 1: block<1>(p, b, m); break;
-    default: break;
+// `dist`: how many panels on this thread's next one probably is.
+void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t dist) {
+  const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
+  const int64_t lines = p.K * kCols * int64_t(sizeof(float)) / 64;  // one panel's
+  const int64_t per = (lines + blocks - 1) / blocks;                // per block
+  const char* next = blocks > 1 && b + dist < p.panels
+                         ? reinterpret_cast<const char*>(p.w + (b + dist) * p.K * kCols)
+                         : nullptr;
+  for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
+    const char* ahead = next != nullptr && j * per < lines ? next + 64 * j * per : nullptr;
+    const int64_t n = std::min(per, lines - j * per);
+    switch (std::min(kBlockRows, m1 - m)) {
+      case 6: block<6>(p, b, m, ahead, n); break;
+      case 5: block<5>(p, b, m, ahead, n); break;
+      case 4: block<4>(p, b, m, ahead, n); break;
+      case 3: block<3>(p, b, m, ahead, n); break;
+      case 2: block<2>(p, b, m, ahead, n); break;
+      case 1: block<1>(p, b, m, ahead, n); break;
+      default: break;
+    }
   }
 }
 #else
 // Portable: the same chain per output (a fused multiply-add where the target has one).
-void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1) {
+void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t) {
   const float* w = p.w + b * p.K * kCols;
   const int64_t nc = p.cols(b);
   for (int64_t m = m0; m < m1; ++m) {
@@ -115,12 +136,14 @@ struct Shared {
   std::atomic<int64_t> active{0};
 };
 
-void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t panels, int64_t chunks) {
-  for (int64_t i = sh->next.fetch_add(1); i < panels * chunks; i = sh->next.fetch_add(1)) {
+void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int64_t threads) {
+  for (int64_t i = sh->next.fetch_add(1); i < p.panels * chunks; i = sh->next.fetch_add(1)) {
     // Panel-major: a panel's chunks run back to back (on this thread or the other), so the
     // panel comes from memory once and from cache for its other chunks.
     const int64_t b = i / chunks, m0 = (i % chunks) * kChunkRows;
-    rows(p, b, m0, std::min(p.M, m0 + kChunkRows));
+    // Threads take items in turn: with fewer chunks than threads a thread's next panel is
+    // about `threads / chunks` on, else the next one.
+    rows(p, b, m0, std::min(p.M, m0 + kChunkRows), std::max<int64_t>(1, threads / chunks));
   }
 }
 
@@ -132,20 +155,20 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || wd[0] * kCols < yd[1] ||
       (wd[0] - 1) * kCols >= yd[1])
     return ffi::Error::InvalidArgument("expected w in panels [ceil(N / 64), K, 64]");
-  Dense p{xd[0], xd[1], yd[1], x.typed_data(), w.typed_data(), y->typed_data()};
+  Dense p{xd[0], xd[1], yd[1], wd[0], x.typed_data(), w.typed_data(), y->typed_data()};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t panels = wd[0], chunks = (p.M + kChunkRows - 1) / kChunkRows;
   auto sh = std::make_shared<Shared>();
   // The calling thread works too: one helper fewer than the pool's threads (one per core).
   const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, panels * chunks - 1);
   for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([sh, p, panels, chunks] {
+    pool.Schedule([sh, p, chunks, helpers] {
       sh->active.fetch_add(1);
-      work(sh, p, panels, chunks);
+      work(sh, p, chunks, helpers + 1);
       sh->active.fetch_sub(1);
     });
   }
-  work(sh, p, panels, chunks);
+  work(sh, p, chunks, helpers + 1);
   while (sh->active.load() > 0) std::this_thread::yield();
   return ffi::Error::Success();
 }

@@ -29,6 +29,8 @@
 // cache with per-token factors (data_slots > 0) also divides each token by its own factor,
 // kept in the factor slots; rows are multiplied back as they are widened.
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -153,6 +155,97 @@ inline float token_factor(const Problem& p, const C* cache, int64_t head, int64_
   return f;
 }
 
+#if defined(__AVX512F__)
+// out[t] = the sum of v[t]'s sixteen lanes, t < 16. Adds pairs of vectors after interleaving
+// them: 32-bit lanes, then 64-bit lanes, then 128-bit quarters (twice), so each step halves
+// the vectors and leaves lane t holding key t's partial sums.
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // quarter-wise: (x0+x2, y0+y2, x1+x3, y1+y3)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // quarter-wise: keys 4i .. 4i+3, each summed over its quarter
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88),
+                                  _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88),
+                                  _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// exp_nonpos on sixteen lanes.
+inline __m512 exp_nonpos16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_max_ps(n, _mm512_set1_ps(-126.f))),
+                       _mm512_set1_epi32(127)),
+      23);
+  const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_NLT_UQ);
+  return _mm512_maskz_mov_ps(live, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+// attend_block_row for head dims that are whole vectors and no soft cap, sixteen keys at a
+// time in registers: one vector of products per key and one transpose-and-add tree for all
+// sixteen dots (a horizontal sum per key, and a scalar max chain, were most of the kernel's
+// time), the softmax update on the score vector, the accumulator held in registers.
+template <int DC>
+inline void attend_block_row16(const float* qr, const float* kp, const float* vp, int64_t t0,
+                               int64_t keys, float& m, float& l, float* acc) {
+  constexpr int NV = DC / 16;
+  __m512 qv[NV], a[NV];
+  for (int j = 0; j < NV; ++j) {
+    qv[j] = _mm512_loadu_ps(qr + 16 * j);
+    a[j] = _mm512_loadu_ps(acc + 16 * j);
+  }
+  for (int64_t tb = t0; tb < keys; tb += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, keys - tb));
+    __m512 part[16];
+#pragma GCC unroll 16
+    for (int t = 0; t < 16; ++t) {
+      if (t < n) {  // keys past n are never read
+        const float* kr = kp + (tb + t) * DC;
+        __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        for (int j = 1; j < NV; ++j) x = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kr + 16 * j), x);
+        part[t] = x;
+      } else {
+        part[t] = _mm512_setzero_ps();
+      }
+    }
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(kMask), lane_sums16(part));
+    const float mx = std::max(m, _mm512_reduce_max_ps(sc));
+    const __m512 e = exp_nonpos16(_mm512_sub_ps(sc, _mm512_set1_ps(mx)));
+    const float alpha = exp_nonpos(m - mx);
+    l = l * alpha + _mm512_reduce_add_ps(e);
+    m = mx;
+    alignas(64) float w[16];
+    _mm512_store_ps(w, e);
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int j = 0; j < NV; ++j) a[j] = _mm512_mul_ps(a[j], av);
+    for (int t = 0; t < n; ++t) {
+      const __m512 wt = _mm512_set1_ps(w[t]);
+      const float* vr = vp + (tb + t) * DC;
+      for (int j = 0; j < NV; ++j) a[j] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(vr + 16 * j), a[j]);
+    }
+  }
+  for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
+}
+#endif
+
 // One query row against keys [t0, keys) of one block: scores, then the online-softmax
 // update of the row's max `m`, sum `l` and accumulator `acc`. Each pass is a loop over keys
 // or channels the compiler vectorizes; DC is the head dim when known at compile time (64,
@@ -163,6 +256,11 @@ inline void attend_block_row(const float* qr, const float* kp, const float* vp, 
                              float& l, float* acc) {
   if constexpr (DC > 0) D = DC;
   float mx = m;
+#if defined(__AVX512F__)
+  if constexpr (DC > 0 && DC % 16 == 0) {
+    if (softcap == 0.f) return attend_block_row16<DC>(qr, kp, vp, t0, keys, m, l, acc);
+  }
+#endif
   for (int64_t t = t0; t < keys; ++t) {
     const float* kr = kp + t * D;
     float dot = 0.f;
