@@ -12,12 +12,13 @@
 //
 // Work items are (panel, chunk of rows) pairs over XLA's intra-op thread pool (the calling
 // thread too). With more than one register block of rows, an item also pulls the panel its
-// thread will most likely take next into L2, a few lines per k
-// spread over the item's blocks, so that panel's first pass does not wait on memory: at 64
-// rows the weight matmuls of the demo model went from ~91 to ~72 ms a step in a standalone
-// copy of this kernel (docs/v1-core.md). At
-// one block (batch-1 decode) the whole next panel would be fetched during a single pass,
-// which measured slower, so none is. With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; without
+// thread will most likely take next into L2, a few lines per k spread over the item's blocks,
+// so that panel's first pass does not wait on memory (in a standalone copy of this kernel the
+// demo model's weight matmuls at 64 rows went from ~91 to ~72 ms a step; docs/v1-core.md).
+// At one block (batch-1 decode) the whole next panel would be fetched during a single pass,
+// which measured slower, so none is.
+//
+// With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; without
 // it, a portable loop. Each output is one fused multiply-add chain over k = 0 .. K-1 in
 // order, the same whichever block or chunk holds its row: results do not depend on the
 // number of rows (a row scores the same in a decode step as in a verification step) and
