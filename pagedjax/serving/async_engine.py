@@ -100,18 +100,22 @@ class RequestMetrics:
 class RequestStream:
     """Outputs of one request, iterable from threads (`for`) or asyncio (`async for`).
 
-    Items are cumulative `RequestOutput`s; iteration ends after the finished one and raises
-    `RequestFailedError` if the engine failed the request.
+    Items are cumulative `RequestOutput`s, or with ``delta`` (output_kind "delta", what the
+    servers use) each item holds only what is new since the previous item; iteration ends
+    after the finished one and raises `RequestFailedError` if the engine failed the request.
 
-    Bounded: because every output carries the whole result so far, an unfinished output that
-    the consumer has not taken yet is replaced by the next one (latest wins). A slow client
-    therefore holds at most one pending output plus the terminal items, whatever the
-    generation length, and simply sees larger deltas (`DeltaTracker` diffs against what it
-    last saw) — backpressure without blocking the engine thread.
+    Bounded: an unfinished output the consumer has not taken yet absorbs the next one, so a
+    slow client holds at most one pending output plus the terminal items, whatever the
+    generation length, and simply sees larger deltas — backpressure without blocking the
+    engine thread. A cumulative output is replaced (it carries the whole result so far); a
+    delta is extended in place (`merge_output`), which costs what the new tokens cost, so
+    the engine thread's work per step does not grow with the output's length.
     """
 
-    def __init__(self, request_id: str, aloop: asyncio.AbstractEventLoop | None = None):
+    def __init__(self, request_id: str, aloop: asyncio.AbstractEventLoop | None = None,
+                 delta: bool = False):
         self.request_id = request_id
+        self.delta = delta
         self._aloop = aloop
         self._lock = threading.Lock()
         self._pending: collections.deque = collections.deque()
@@ -125,7 +129,8 @@ class RequestStream:
             last = self._pending[-1] if self._pending else None
             if (isinstance(item, RequestOutput) and isinstance(last, RequestOutput)
                     and not last.finished):
-                self._pending[-1] = item
+                # Not taken yet, so still the stream's own to extend.
+                self._pending[-1] = merge_output(last, item) if self.delta else item
                 self.coalesced += 1
             else:
                 self._pending.append(item)
@@ -191,12 +196,46 @@ class RequestStream:
         raise StopAsyncIteration
 
 
+def merge_output(acc: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Extend `acc` in place with the delta output `new` of the same request (output_kind
+    "delta"): per output index, text and tokens (and logprobs) appended, the latest
+    cumulative logprob and finish and stop reasons kept. Returns `acc`. Accumulating a
+    request's deltas from its first output gives its cumulative output."""
+    by_index = {c.index: c for c in acc.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:  # a sample seen for the first time
+            c = dataclasses.replace(c, token_ids=list(c.token_ids),
+                                    logprobs=None if c.logprobs is None else list(c.logprobs))
+            acc.outputs.append(c)
+            by_index[c.index] = c
+            continue
+        old.text += c.text
+        old.token_ids.extend(c.token_ids)
+        if c.logprobs is not None:
+            if old.logprobs is None:
+                old.logprobs = []
+            old.logprobs.extend(c.logprobs)
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    acc.outputs.sort(key=lambda c: c.index)
+    acc.finished = new.finished
+    acc.error = new.error
+    acc.num_cached_tokens = new.num_cached_tokens
+    if new.prompt_logprobs is not None:
+        acc.prompt_logprobs = new.prompt_logprobs
+    if acc.first_scheduled_time is None:
+        acc.first_scheduled_time = new.first_scheduled_time
+    return acc
+
+
 @dataclasses.dataclass
 class _Live:
     stream: RequestStream
     metrics: RequestMetrics
     accepted: concurrent.futures.Future
     completion_tokens: int = 0
+    delta: bool = False  # the request's outputs are deltas (output_kind "delta")
 
 
 @dataclasses.dataclass
@@ -214,20 +253,30 @@ class Delta:
 
 
 class DeltaTracker:
-    """Turns cumulative outputs into deltas whose concatenation equals the final text.
+    """Turns a request's outputs into deltas whose concatenation equals the final text.
 
-    While a request with stop strings is running, the last `max(len(stop)) - 1` characters are
-    held back: the engine truncates the text when a stop string completes, and text already sent
-    could not be taken back.
+    Cumulative outputs are diffed against what was sent; while a request with stop strings is
+    running, the last `max(len(stop)) - 1` characters are held back: the engine truncates the
+    text when a stop string completes, and text already sent could not be taken back. With
+    ``delta`` the outputs are already deltas (output_kind "delta": the engine holds the stop
+    strings' characters back itself) and pass through, counted.
     """
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, delta: bool = False):
         stops = params.stop_strings
         self._hold = max((len(s) for s in stops), default=1) - 1
+        self._delta = delta
         self._sent_text: dict[int, int] = {}
         self._sent_tokens: dict[int, int] = {}
 
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens passed on so far, over all output indices."""
+        return sum(self._sent_tokens.values())
+
     def update(self, out: RequestOutput) -> list[Delta]:
+        if self._delta:
+            return self._pass(out)
         deltas = []
         for c in out.outputs:
             done = c.finish_reason is not None
@@ -243,6 +292,18 @@ class DeltaTracker:
             lps = c.logprobs[k0:] if c.logprobs is not None else None
             deltas.append(Delta(c.index, text, list(toks), lps, c.finish_reason, c.stop_reason,
                                 len(c.token_ids), c.cumulative_logprob))
+        return deltas
+
+    def _pass(self, out: RequestOutput) -> list[Delta]:
+        deltas = []
+        for c in out.outputs:
+            if not c.text and not c.token_ids and c.finish_reason is None:
+                continue
+            n = self._sent_tokens.get(c.index, 0) + len(c.token_ids)
+            self._sent_tokens[c.index] = n
+            deltas.append(Delta(c.index, c.text, list(c.token_ids),
+                                None if c.logprobs is None else list(c.logprobs),
+                                c.finish_reason, c.stop_reason, n, c.cumulative_logprob))
         return deltas
 
 
@@ -375,21 +436,24 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt: str | None, params: SamplingParams | dict | None,
                prompt_token_ids: list[int] | None = None,
-               aloop: asyncio.AbstractEventLoop | None = None) -> concurrent.futures.Future:
+               aloop: asyncio.AbstractEventLoop | None = None,
+               delta: bool = False) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its stream once the engine accepted it.
 
         Errors known without the engine (duplicate id, queue full, draining, bad sampling
         params) raise `ServingError` here; prompt errors arrive through the future."""
-        return self.submit_many([(request_id, prompt, prompt_token_ids)], params, aloop)[0]
+        return self.submit_many([(request_id, prompt, prompt_token_ids)], params, aloop,
+                                delta)[0]
 
     def submit_many(self, items: list[tuple[str, str | None, list[int] | None]],
                     params: SamplingParams | dict | None,
-                    aloop: asyncio.AbstractEventLoop | None = None
+                    aloop: asyncio.AbstractEventLoop | None = None, delta: bool = False
                     ) -> list[concurrent.futures.Future]:
         """Queue the sub-requests of one client request (a list of prompts, one params) as a
         unit: the engine thread admits all of them between two steps or none (the first
         refusal refuses all), so a 1000-prompt request neither trickles in one prompt per step
-        nor half-runs. At most `max_sequences_per_request` sequences (prompts x n/best_of)."""
+        nor half-runs. At most `max_sequences_per_request` sequences (prompts x n/best_of).
+        ``delta``: the streams carry delta outputs (`RequestStream`)."""
         try:
             sp = to_params(params)
             structured = getattr(self.engine, "structured", None)
@@ -409,9 +473,9 @@ class AsyncEngine:
                     f"{field}: {len(items)} prompts x {samples} samples = {len(items) * samples} "
                     f"sequences exceed max_sequences_per_request={cap}", field)
             now = time.monotonic()
-            lives = [_Live(RequestStream(rid, aloop),
+            lives = [_Live(RequestStream(rid, aloop, delta),
                            RequestMetrics(rid, now, max_tokens=sp.max_tokens),
-                           concurrent.futures.Future()) for rid, _, _ in items]
+                           concurrent.futures.Future(), delta=delta) for rid, _, _ in items]
             with self._lock:
                 if not self.accepting:
                     raise NotReadyError("server is draining or stopped")
@@ -446,14 +510,16 @@ class AsyncEngine:
         return self.submit(request_id, prompt, params, prompt_token_ids).result()
 
     async def add_request_async(self, request_id: str, prompt: str | None, params=None,
-                                prompt_token_ids: list[int] | None = None) -> RequestStream:
-        streams = await self.add_requests_async([(request_id, prompt, prompt_token_ids)], params)
+                                prompt_token_ids: list[int] | None = None,
+                                delta: bool = False) -> RequestStream:
+        streams = await self.add_requests_async([(request_id, prompt, prompt_token_ids)], params,
+                                                delta)
         return streams[0]
 
     async def add_requests_async(self, items: list[tuple[str, str | None, list[int] | None]],
-                                 params=None) -> list[RequestStream]:
+                                 params=None, delta: bool = False) -> list[RequestStream]:
         """`submit_many` from asyncio: all streams once all are admitted."""
-        futs = self.submit_many(items, params, asyncio.get_running_loop())
+        futs = self.submit_many(items, params, asyncio.get_running_loop(), delta)
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
         except asyncio.CancelledError:  # the caller went away before the engine took them
@@ -525,7 +591,8 @@ class AsyncEngine:
         for i, (rid, prompt, ids, live) in enumerate(batch):
             try:
                 self.engine.add_request(rid, prompt, sp, prompt_token_ids=ids,
-                                        arrival_time=live.metrics.arrival, strict_limits=True)
+                                        arrival_time=live.metrics.arrival, strict_limits=True,
+                                        output_kind="delta" if live.delta else "cumulative")
             except ValueError as exc:
                 err = from_value_error(exc)
                 if len(batch) > 1:
@@ -566,6 +633,8 @@ class AsyncEngine:
         if m.scheduled is None and out.first_scheduled_time is not None:
             m.scheduled = out.first_scheduled_time
         total = sum(len(c.token_ids) for c in out.outputs)
+        if live.delta:  # this output's tokens are all new
+            total += live.completion_tokens
         if total > live.completion_tokens:
             if m.first_token is None:
                 m.first_token = now

@@ -23,7 +23,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedjax.serving.async_engine import AsyncEngine, DeltaTracker, RequestStream, to_params
+from pagedjax.serving.async_engine import (
+    AsyncEngine,
+    DeltaTracker,
+    RequestStream,
+    merge_output,
+    to_params,
+)
 from pagedjax.serving.auth import UNAUTHENTICATED_MESSAGE, bearer_ok
 from pagedjax.serving.errors import InvalidRequestError, NotReadyError, ServingError
 from pagedjax.serving.http_limits import BoundServer, HttpLimits
@@ -313,8 +319,9 @@ class HttpFrontDoor:
         internal = f"http-{uuid.uuid4().hex}"
         items = [(f"{internal}-{i}", text, ids) for i, (text, ids) in enumerate(prompts)]
         # All prompts are admitted together (or refused together); aborted together below.
-        streams = await self.aengine.add_requests_async(items, sp)
-        jobs = [_Job(rid, stream, DeltaTracker(sp), i * sp.n)
+        # Delta outputs: the engine's work per step stays what the new tokens cost.
+        streams = await self.aengine.add_requests_async(items, sp, delta=True)
+        jobs = [_Job(rid, stream, DeltaTracker(sp, delta=True), i * sp.n)
                 for i, ((rid, _, _), stream) in enumerate(zip(items, streams))]
         meta = {"id": base, "created": int(time.time()), "model": self.engine().model_name}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -350,10 +357,11 @@ class HttpFrontDoor:
                 self.aengine.abort(j.rid)
 
     async def _final(self, job: _Job):
-        last = None
+        """The request's whole result, accumulated from its delta outputs."""
+        acc = None
         async for out in job.stream:
-            last = out
-        return last
+            acc = out if acc is None else merge_output(acc, out)
+        return acc
 
     def _full_response(self, jobs, finals, meta, chat: bool, sp, tools=None) -> dict:
         choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -407,10 +415,6 @@ class HttpFrontDoor:
                 if out is None:
                     done += 1
                     continue
-                if out.finished and job.rid not in counted:
-                    counted.add(job.rid)
-                    usage["prompt_tokens"] += len(out.prompt_token_ids)
-                    usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
                 for d in job.tracker.update(out):
                     idx = job.offset + d.index
                     lp = (self._logprobs(d.token_ids, d.logprobs, chat, sp.logprobs)
@@ -440,6 +444,10 @@ class HttpFrontDoor:
                     for choice in choices:
                         chunk = {**meta, "object": obj, "choices": [choice]}
                         yield f"data: {json.dumps(chunk)}\n\n"
+                if out.finished and job.rid not in counted:  # after its last delta is counted
+                    counted.add(job.rid)
+                    usage["prompt_tokens"] += len(out.prompt_token_ids)
+                    usage["completion_tokens"] += job.tracker.completion_tokens
             if include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"

@@ -27,6 +27,7 @@ from pagedjax.serving.async_engine import (
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     AsyncEngine,
     DeltaTracker,
+    merge_output,
     to_params,
 )
 from pagedjax.serving.auth import ApiKeyInterceptor
@@ -166,18 +167,20 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                                 **params_from_proto(request.params)})
                 if ids is None:  # sized and checked first, then tokenized off the event loop
                     ids = await asyncio.to_thread(_checked_ids, aeng.engine, prompt)
-                stream = await aeng.add_request_async(rid, prompt, sp, ids)
+                # Delta outputs: the engine's work per step stays what the new tokens cost.
+                stream = await aeng.add_request_async(rid, prompt, sp, ids, delta=True)
             except ServingError as err:
                 logger.info("request %s refused: %s: %s", rid, err.kind, err.message)
                 await self._fail(context, err)
-            tracker = DeltaTracker(sp)
+            tracker = DeltaTracker(sp, delta=True)
             final = None
             async for out in stream:
-                final = out
                 if request.stream:
                     deltas = tracker.update(out)
                     if deltas or out.finished:
                         yield _response(label, out, deltas)
+                else:  # one response: the whole result, accumulated
+                    final = out if final is None else merge_output(final, out)
             if not request.stream and final is not None:
                 yield _response(label, final, tracker.update(final))
         except ServingError as err:

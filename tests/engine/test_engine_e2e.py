@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from pagedjax import LLM, SamplingParams
 from pagedjax.outputs import RequestOutput
 from pagedjax.reference import ReferenceGenerator, RefSampling
+from pagedjax.serving.async_engine import merge_output
 
 
 def assert_pool_whole(llm: LLM) -> None:
@@ -377,6 +380,7 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(demo_model, demo_tokenizer)
                             output_kind=kind)
     final: dict[str, RequestOutput] = {}
     acc: dict[str, dict[int, list]] = {}
+    merged: dict[str, RequestOutput] = {}  # the servers' accumulation (`merge_output`)
     prefixes = []  # the text sent so far, after every delta
     while eng.has_unfinished_requests():
         for out in eng.step():
@@ -384,6 +388,8 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(demo_model, demo_tokenizer)
             if kind == "cumulative":
                 final[name] = out
                 continue
+            merged[name] = (copy.deepcopy(out) if name not in merged
+                            else merge_output(merged[name], out))
             for c in out.outputs:
                 a = acc.setdefault(name, {}).setdefault(c.index, ["", [], [], None, 0])
                 assert len(c.token_ids) <= 1  # one token per step per sequence here
@@ -401,6 +407,12 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(demo_model, demo_tokenizer)
             assert (text, toks, reason) == (c.text, c.token_ids, c.finish_reason)
             assert lps == (c.logprobs or [])
             assert n >= len(toks)  # an output every step, not one at the end
+        m = merged[name]
+        assert m.finished and [c.index for c in m.outputs] == [c.index for c in out.outputs]
+        for c, d in zip(out.outputs, m.outputs):
+            assert (d.text, d.token_ids, d.logprobs, d.finish_reason, d.stop_reason) == (
+                c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+            assert d.cumulative_logprob == pytest.approx(c.cumulative_logprob)
     for name, index, sent in prefixes:  # text once sent is never cut (the stop string's)
         assert final[name].outputs[index].text.startswith(sent)
     assert final["stop"].outputs[0].finish_reason == "stop"

@@ -1,6 +1,7 @@
 """A JAX-free stand-in for `LLMEngine` so AsyncEngine and status-code tests run in milliseconds.
 
-Each request emits one token per step (text "w0 w1 ..."); prompt "boom" fails inside the engine
+Each request emits one token per step (text "w0 w1 ...", the whole so far or, with output_kind
+"delta", the new token); prompt "boom" fails inside the engine
 (`RequestOutput.error`), and clearing `gate` stalls progress so requests pile up as waiting.
 """
 
@@ -48,7 +49,7 @@ class FakeEngine:
     healthy = True
 
     def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, arrival_time=None,
-                    strict_limits=False):
+                    strict_limits=False, output_kind="cumulative"):
         self.thread_ids.add(threading.get_ident())
         if request_id in self._reqs:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
@@ -58,13 +59,18 @@ class FakeEngine:
         if any(not 0 <= t < 100 for t in ids):
             raise ValueError("prompt_token_ids: token id outside the vocabulary")
         sp = params if isinstance(params, SamplingParams) else SamplingParams.from_dict(params or {})
-        self._reqs[request_id] = {"prompt": prompt, "ids": ids, "sp": sp, "out": []}
+        # "delta": each output carries only the tokens since the previous one ("sent").
+        self._reqs[request_id] = {"prompt": prompt, "ids": ids, "sp": sp, "out": [],
+                                  "delta": output_kind == "delta", "sent": 0}
         self.added_at[request_id] = self.steps  # the engine step count when it was admitted
         self.asked[request_id] = (len(ids), sp.max_tokens)  # prompt length, max_tokens asked
 
     def _output(self, rid, r, finished, reason=None, error=None):
-        text = "".join(f"w{t} " for t in r["out"])
-        comp = CompletionOutput(0, text, list(r["out"]), finish_reason=reason)
+        new = r["out"][r["sent"]:] if r["delta"] else r["out"]
+        if r["delta"]:
+            r["sent"] = len(r["out"])
+        text = "".join(f"w{t} " for t in new)
+        comp = CompletionOutput(0, text, list(new), finish_reason=reason)
         return RequestOutput(rid, r["prompt"], r["ids"], [comp], finished=finished, error=error)
 
     def abort_request(self, request_id):

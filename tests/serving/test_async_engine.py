@@ -216,6 +216,66 @@ def test_slow_consumer_holds_one_pending_output(mode):
     assert outs[-1].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("mode", ["thread", "asyncio"])
+def test_slow_consumer_of_deltas_holds_one_merged_output(mode):
+    """Delta streams (the servers'): a client that reads nothing while 200 tokens are
+    generated holds at most one pending output, whose deltas were merged rather than
+    replaced, so what it reads still adds up to the whole result; the engine was asked for
+    deltas, and the request's token count is the total, not the last delta's."""
+    fake = FakeEngine()
+    a = AsyncEngine(fake).start()
+    done = []
+    a.on_request_done(done.append)
+
+    async def via_asyncio():
+        stream = await a.add_request_async("slow", "hi", {"max_tokens": 200}, delta=True)
+        while a.num_in_flight():
+            assert stream.num_pending <= 2
+            await asyncio.sleep(0.001)
+        return stream, [o async for o in stream]
+
+    try:
+        if mode == "thread":
+            stream = a.submit("slow", "hi", {"max_tokens": 200}, delta=True).result()
+            while a.num_in_flight():
+                assert stream.num_pending <= 2
+            outs = list(stream)
+        else:
+            stream, outs = asyncio.run(via_asyncio())
+    finally:
+        a.shutdown()
+    assert fake._reqs == {} and stream.coalesced > 0 and len(outs) <= 2
+    whole = "".join(f"w{i} " for i in range(200))
+    tracker = DeltaTracker(SamplingParams(max_tokens=200), delta=True)
+    deltas = [d for o in outs for d in tracker.update(o)]
+    assert "".join(d.text for d in deltas) == whole
+    assert [t for d in deltas for t in d.token_ids] == list(range(200))
+    assert deltas[-1].completion_tokens == tracker.completion_tokens == 200
+    assert deltas[-1].finish_reason == "length"
+    assert done[0].completion_tokens == 200
+
+
+def test_merge_output_accumulates_deltas_per_index():
+    """`merge_output` (the servers' accumulation of delta outputs): text, tokens and logprobs
+    appended per output index, an index first seen later added in order, the latest
+    cumulative logprob, finish and stop reasons kept; the result equals the cumulative one."""
+    from pagedjax.serving.async_engine import merge_output
+
+    def out(comps, finished=False):
+        return RequestOutput("r", "p", [1, 2], comps, finished=finished)
+
+    acc = out([CompletionOutput(1, "b", [7], -0.5, [{7: -0.5}])])
+    merge_output(acc, out([CompletionOutput(0, "a", [3], -0.1, [{3: -0.1}]),
+                           CompletionOutput(1, "c", [8], -0.9, [{8: -0.4}])]))
+    merge_output(acc, out([CompletionOutput(0, "x", [4], -0.3, [{4: -0.2}], "stop", "x"),
+                           CompletionOutput(1, "", [], -0.9, [], "length")], finished=True))
+    assert acc.finished
+    assert [(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason,
+             c.stop_reason) for c in acc.outputs] == [
+        (0, "ax", [3, 4], -0.3, [{3: -0.1}, {4: -0.2}], "stop", "x"),
+        (1, "bc", [7, 8], -0.9, [{7: -0.5}, {8: -0.4}], "length", None)]
+
+
 def test_multi_prompt_request_is_admitted_together_or_not_at_all(fake):
     """The sub-requests of one client request enter the engine between the same two steps;
     one bad prompt refuses all of them (none left running), naming which prompt."""
