@@ -15,8 +15,9 @@ a core busy for a while after its own run, and records that window's busy share.
 Results: tokens/s per engine and workload (median over reps), per-rep ratios,
 time to first token for the 1-prompt workload, and how many greedy outputs are identical.
 
-Engine `pagedjax-async` is pagedjax with asynchronous scheduling forced on (off by default on
-CPU): `--engines pagedjax,pagedjax-async --out bench/results/cpu/async_scheduling.json`.
+Engines `pagedjax-sync` and `pagedjax-async` are pagedjax with asynchronous scheduling forced
+off and on (`pagedjax` takes the default, on with one device):
+`--engines pagedjax-sync,pagedjax-async --out bench/results/cpu/async_scheduling.json`.
 Engine `pagedjax-heap-off` is pagedjax with `PAGEDJAX_KEEP_HEAP=0` (freed heap memory returned
 to the OS, as before `pagedjax/worker/host_heap.py`):
 `--engines pagedjax,pagedjax-heap-off --out bench/results/cpu/host_heap.json`
@@ -103,14 +104,15 @@ def ensure_peers(gguf: Path, hf_dir: Path) -> None:
 def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) -> list[str]:
     if name.startswith("pagedjax+"):  # pagedjax with its own overrides, e.g. an old default
         return worker_cmd("pagedjax", threads, hf_dir, [*engine_args, *name.split("+")[1:]])
-    if name in ("pagedjax", "pagedjax-async", "pagedjax-heap-off"):
+    if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
             cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
-        # "pagedjax-async": the same engine with asynchronous scheduling forced on (off by
-        # default on CPU), to measure what overlapping host and device work buys here.
-        mode = f"async_scheduling={name == 'pagedjax-async'}"
-        for a in [mode, *engine_args]:
+        # "pagedjax-sync" / "-async": asynchronous scheduling forced off / on, to measure what
+        # overlapping host and device work buys here.
+        modes = {"pagedjax-sync": ["async_scheduling=False"],
+                 "pagedjax-async": ["async_scheduling=True"]}.get(name, [])
+        for a in [*modes, *engine_args]:
             cmd += ["--engine-arg", a]
         return cmd
     script = {"vllm": "vllm_worker.py", "hf": "hf_worker.py"}[name]

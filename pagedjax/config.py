@@ -46,8 +46,9 @@ class EngineConfig:
     # the loop there (`worker.model_runner.resolve_layer_loop`).
     layer_loop: str | None = None
     # Asynchronous scheduling (thesis §4.6.1): schedule step N+1 and process step N's outputs
-    # while step N runs on the device. None: on for one accelerator, off on CPU (measured in
-    # bench/offline_throughput.py, engine pagedjax-async); outputs are identical either way.
+    # while step N runs on the device. None: on with one device, CPU included (measured in
+    # bench/offline_throughput.py, engines pagedjax-sync / pagedjax-async), off under tensor
+    # parallelism; outputs are identical either way.
     async_scheduling: bool | None = None
     # CPU has no device-memory budget to measure; this caps the automatic sizing there.
     cpu_kv_cache_gb: float = 0.5

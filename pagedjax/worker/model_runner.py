@@ -74,17 +74,18 @@ def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
 
 
 def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool:
-    """`EngineConfig.async_scheduling`; None: on for one accelerator, where host work hidden
-    behind the device step is time saved, off on CPU, where the host thread competes with
-    XLA's compute threads for the same cores (`bench/offline_throughput.py --engines
-    pagedjax,pagedjax-async` measures both).
+    """`EngineConfig.async_scheduling`; None: on with one device, where host work hidden
+    behind the device step is time saved. On CPU too: the host thread competes with XLA's
+    compute threads for the same cores, but on the 2-core Intel host it still gained 9.5 % at
+    one sequence and 2.5 % at 64, and lost 0.8 % at 256 (within noise;
+    `bench/results/cpu/async_scheduling.json`, `bench/offline_throughput.py --engines
+    pagedjax-sync,pagedjax-async`). It was off on CPU after an AMD host measured no gain.
     Not supported under tensor parallelism (the multi-process step broadcast carries host
     token ids only)."""
     if choice and tp > 1:
         raise ValueError("async_scheduling: not supported with tensor_parallel_size > 1")
     if choice is None:
-        platform = (devices[0] if devices else jax.devices()[0]).platform
-        choice = tp == 1 and platform != "cpu"
+        choice = tp == 1
     return bool(choice)
 
 

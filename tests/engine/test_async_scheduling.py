@@ -187,6 +187,7 @@ def test_async_scheduling_refused_with_tensor_parallelism():
         resolve_async_scheduling(True, 2)
     assert resolve_async_scheduling(None, 2) is False
     assert resolve_async_scheduling(False, 1) is False
+    assert resolve_async_scheduling(None, 1) is True  # the default with one device, CPU too
 
 
 def test_penalised_requests_run_ahead_and_equal_sync(tiny):
