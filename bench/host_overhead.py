@@ -37,8 +37,14 @@ class _Runner:
     """The engine's view of a runner, with no device work."""
 
     def __init__(self, config, params, engine_config, dtype, max_model_len, *a, **k) -> None:
+        from pagedjax.worker.host_heap import keep_freed_memory
         from pagedjax.worker.model_runner import kv_layout
         from pagedjax.worker.shapes import ShapePlan
+
+        # As the CPU runner does once its weights are placed: freed heap memory stays in the
+        # process, so a step's large host arrays (penalty histories: [rows, max_model_len])
+        # are not page-faulted in anew every step.
+        keep_freed_memory()
 
         self.num_gpu_blocks = engine_config.num_gpu_blocks
         self.num_cpu_blocks = 0

@@ -158,6 +158,11 @@ class LLM:
                         if out.finished:
                             pending.discard(out.request_id)
                         yield out
+            # Async scheduling may have launched one more step before the last finish was
+            # known: with nothing else to run, collect it so the engine is idle on return.
+            while (self.engine.get_num_unfinished_requests() == 0
+                   and self.engine.has_unfinished_requests()):
+                self.engine.step()
         finally:
             if pending:
                 self.engine.abort_request(list(pending))

@@ -73,7 +73,8 @@ def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
     return choice
 
 
-def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool:
+def resolve_async_scheduling(choice: bool | None, tp: int, devices=None,
+                             kv_policy: str = "paged") -> bool:
     """`EngineConfig.async_scheduling`; None: on with one device, where host work hidden
     behind the device step is time saved. On CPU too: the host thread competes with XLA's
     compute threads for the same cores, but on the 2-core Intel host it still gained 9.5 % at
@@ -81,11 +82,15 @@ def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool
     `bench/results/cpu/async_scheduling.json`, `bench/offline_throughput.py --engines
     pagedjax-sync,pagedjax-async`). It was off on CPU after an AMD host measured no gain.
     Not supported under tensor parallelism (the multi-process step broadcast carries host
-    token ids only)."""
+    token ids only), nor with the paper's contiguous-cache baselines (`kv_policy` other than
+    "paged": their managers reserve slots for host-known tokens only, and gave wrong tokens
+    with pending ones)."""
     if choice and tp > 1:
         raise ValueError("async_scheduling: not supported with tensor_parallel_size > 1")
+    if choice and kv_policy != "paged":
+        raise ValueError(f"async_scheduling: not supported with kv_policy={kv_policy!r}")
     if choice is None:
-        choice = tp == 1
+        choice = tp == 1 and kv_policy == "paged"
     return bool(choice)
 
 
@@ -261,7 +266,7 @@ class ModelRunner:
         # With speculative decoding a drafted step's results are awaited before the next
         # step is scheduled (`LLMEngine._launch`); the others overlap as usual.
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
-                                                    devices)
+                                                    devices, engine_config.kv_policy)
         self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn,
                                packed_matmul=native_packed_matmul(self.tp, devices))
 

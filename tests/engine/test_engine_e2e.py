@@ -296,12 +296,17 @@ def test_contiguous_baselines_give_same_outputs(demo_model, demo_tokenizer, refe
         LLM.from_params(config, params, demo_tokenizer, kv_policy="segmented")
 
 
-def test_update_params_mid_flight_recomputes_in_flight_requests(demo_model, demo_tokenizer):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_update_params_mid_flight_recomputes_in_flight_requests(demo_model, demo_tokenizer,
+                                                                async_scheduling):
     """Tokens after a weight swap come from the new weights over the whole context: each
     continuation equals the new model's greedy continuation of prompt + tokens so far (no
-    request mixes KV computed with the old weights into the new ones)."""
+    request mixes KV computed with the old weights into the new ones). With async scheduling
+    the step in flight at the swap completes with the old weights: "so far" is what the
+    engine holds once the swap returns, delivered or not."""
     config, params = demo_model
-    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8)
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8,
+                          async_scheduling=async_scheduling)
     eng = llm.engine
     prompts, _ = _workload(5, 3, config.vocab_size)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -317,6 +322,8 @@ def test_update_params_mid_flight_recomputes_in_flight_requests(demo_model, demo
         x + 0.1 * jax.numpy.std(x) * jax.random.normal(k, x.shape, x.dtype)
         for x, k in zip(leaves, keys)])
     llm.update_params(new_params)
+    for rid, req in eng._requests.items():  # the drained step's tokens count as so far
+        so_far[rid] = list(req.group.seqs[0].output_token_ids)
     final = {}
     while eng.has_unfinished_requests():
         for out in eng.step():

@@ -15,8 +15,10 @@ BS = 16
 @pytest.fixture(scope="module")
 def llm(demo_model, demo_tokenizer):
     config, params = demo_model
+    # Synchronous steps: these tests read block tables between steps, and with async
+    # scheduling a step's fan-out and writes land one step() call later.
     return LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, block_size=BS,
-                           max_num_seqs=16, max_num_batched_tokens=256)
+                           max_num_seqs=16, max_num_batched_tokens=256, async_scheduling=False)
 
 
 def test_n_samples_equal_separate_requests_seeded_s_plus_j(demo_model, llm):
