@@ -83,8 +83,8 @@ def resolve_async_scheduling(choice: bool | None, tp: int, devices=None,
     pagedjax-sync,pagedjax-async`). It was off on CPU after an AMD host measured no gain.
     Not supported under tensor parallelism (the multi-process step broadcast carries host
     token ids only), nor with the paper's contiguous-cache baselines (`kv_policy` other than
-    "paged": their managers reserve slots for host-known tokens only, and gave wrong tokens
-    with pending ones)."""
+    "paged": with pending tokens they gave wrong tokens in `test_contiguous_baselines_give_
+    same_outputs`; why was not investigated, they are benchmark baselines, sync is enough)."""
     if choice and tp > 1:
         raise ValueError("async_scheduling: not supported with tensor_parallel_size > 1")
     if choice and kv_policy != "paged":
