@@ -235,7 +235,6 @@ class _Live:
     metrics: RequestMetrics
     accepted: concurrent.futures.Future
     completion_tokens: int = 0
-    delta: bool = False  # the request's outputs are deltas (output_kind "delta")
 
 
 @dataclasses.dataclass
@@ -475,7 +474,7 @@ class AsyncEngine:
             now = time.monotonic()
             lives = [_Live(RequestStream(rid, aloop, delta),
                            RequestMetrics(rid, now, max_tokens=sp.max_tokens),
-                           concurrent.futures.Future(), delta=delta) for rid, _, _ in items]
+                           concurrent.futures.Future()) for rid, _, _ in items]
             with self._lock:
                 if not self.accepting:
                     raise NotReadyError("server is draining or stopped")
@@ -592,7 +591,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(rid, prompt, sp, prompt_token_ids=ids,
                                         arrival_time=live.metrics.arrival, strict_limits=True,
-                                        output_kind="delta" if live.delta else "cumulative")
+                                        output_kind="delta" if live.stream.delta else "cumulative")
             except ValueError as exc:
                 err = from_value_error(exc)
                 if len(batch) > 1:
@@ -633,7 +632,7 @@ class AsyncEngine:
         if m.scheduled is None and out.first_scheduled_time is not None:
             m.scheduled = out.first_scheduled_time
         total = sum(len(c.token_ids) for c in out.outputs)
-        if live.delta:  # this output's tokens are all new
+        if live.stream.delta:  # this output's tokens are all new
             total += live.completion_tokens
         if total > live.completion_tokens:
             if m.first_token is None:

@@ -185,15 +185,11 @@ def test_cancelled_before_acceptance_never_runs(fake):
         a.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["thread", "asyncio"])
-def test_slow_consumer_holds_one_pending_output(mode):
-    """A client that reads nothing while 200 tokens are generated holds at most the latest
-    cumulative output (plus the end marker), and its deltas still add up to the final text."""
-    fake = FakeEngine()
-    a = AsyncEngine(fake).start()
-
+def _read_slowly(a: AsyncEngine, mode: str, delta: bool):
+    """Start a 200-token request and read nothing until it is done (at most two items pending
+    all along); then the stream and everything it yields."""
     async def via_asyncio():
-        stream = await a.add_request_async("slow", "hi", {"max_tokens": 200})
+        stream = await a.add_request_async("slow", "hi", {"max_tokens": 200}, delta=delta)
         while a.num_in_flight():
             assert stream.num_pending <= 2
             await asyncio.sleep(0.001)
@@ -201,14 +197,20 @@ def test_slow_consumer_holds_one_pending_output(mode):
 
     try:
         if mode == "thread":
-            stream = a.add_request("slow", "hi", {"max_tokens": 200})
+            stream = a.submit("slow", "hi", {"max_tokens": 200}, delta=delta).result()
             while a.num_in_flight():
                 assert stream.num_pending <= 2
-            outs = list(stream)
-        else:
-            stream, outs = asyncio.run(via_asyncio())
+            return stream, list(stream)
+        return asyncio.run(via_asyncio())
     finally:
         a.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["thread", "asyncio"])
+def test_slow_consumer_holds_one_pending_output(mode):
+    """A client that reads nothing while 200 tokens are generated holds at most the latest
+    cumulative output (plus the end marker), and its deltas still add up to the final text."""
+    stream, outs = _read_slowly(AsyncEngine(FakeEngine()).start(), mode, delta=False)
     assert stream.coalesced > 0 and len(outs) <= 2
     tracker = DeltaTracker(SamplingParams(max_tokens=200))
     text = "".join(d.text for o in outs for d in tracker.update(o))
@@ -226,24 +228,7 @@ def test_slow_consumer_of_deltas_holds_one_merged_output(mode):
     a = AsyncEngine(fake).start()
     done = []
     a.on_request_done(done.append)
-
-    async def via_asyncio():
-        stream = await a.add_request_async("slow", "hi", {"max_tokens": 200}, delta=True)
-        while a.num_in_flight():
-            assert stream.num_pending <= 2
-            await asyncio.sleep(0.001)
-        return stream, [o async for o in stream]
-
-    try:
-        if mode == "thread":
-            stream = a.submit("slow", "hi", {"max_tokens": 200}, delta=True).result()
-            while a.num_in_flight():
-                assert stream.num_pending <= 2
-            outs = list(stream)
-        else:
-            stream, outs = asyncio.run(via_asyncio())
-    finally:
-        a.shutdown()
+    stream, outs = _read_slowly(a, mode, delta=True)
     assert fake._reqs == {} and stream.coalesced > 0 and len(outs) <= 2
     whole = "".join(f"w{i} " for i in range(200))
     tracker = DeltaTracker(SamplingParams(max_tokens=200), delta=True)
