@@ -56,6 +56,13 @@ class RequestFailedError(ServingError):
     kind = "internal"
 
 
+# Every `ServingError.kind`, so metrics can export each refusal count before the first one.
+REFUSAL_KINDS = tuple(sorted({c.kind for c in (ServingError, InvalidRequestError, UnsupportedError,
+                                               DuplicateRequestError, UnknownRequestError,
+                                               QueueFullError, NotReadyError,
+                                               RequestFailedError)}))
+
+
 def field_of(message: str) -> str | None:
     """The field a validation message names (engine messages start with it)."""
     if message.lower().startswith("unknown sampling parameter"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 
 from pagedjax.serving.async_engine import AsyncEngine, RequestMetrics
+from pagedjax.serving.errors import REFUSAL_KINDS
 from pagedjax.serving.http_limits import BoundServer, HttpLimits
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -43,6 +44,8 @@ class ServingMetrics:
         # failed inside the engine are pagedjax_requests_total{finish_reason="error"}).
         self.refused = Counter("pagedjax_requests_refused", "Requests refused before running, by "
                                "error kind", ["kind"], registry=r)
+        for kind in REFUSAL_KINDS:  # exported at 0 from the start: a rate over them needs a base
+            self.refused.labels(kind)
         self.step_failures = Gauge("pagedjax_engine_step_failures_total", "Engine steps (or the "
                                    "scheduling of one request) that raised", registry=r)
         self.cache_rebuilds = Gauge("pagedjax_kv_cache_rebuilds_total", "Device KV caches lost in "

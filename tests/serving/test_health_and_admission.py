@@ -101,3 +101,21 @@ def test_departed_client_aborts_every_prompt_of_its_request(srv):
     finally:
         fake.gate.set()
     assert client.generate("hi", {"max_tokens": 2}).outputs[0].finish_reason == "length"
+
+
+def test_refusal_counts_are_exported_at_zero_before_any_refusal():
+    """Each refusal kind is a series from the start (a scraper's rate needs its base; a test on a
+    fresh server must not depend on an earlier one having refused something)."""
+    from prometheus_client import generate_latest
+
+    from pagedjax.serving.errors import REFUSAL_KINDS, QueueFullError
+    from pagedjax.serving.metrics import ServingMetrics
+
+    m = ServingMetrics()
+    text = generate_latest(m.registry).decode()
+    assert {"invalid_argument", "resource_exhausted", "unavailable"} <= set(REFUSAL_KINDS)
+    for kind in REFUSAL_KINDS:
+        assert f'pagedjax_requests_refused_total{{kind="{kind}"}} 0.0' in text
+    m.refused.labels(QueueFullError.kind).inc()
+    assert 'pagedjax_requests_refused_total{kind="resource_exhausted"} 1.0' in generate_latest(
+        m.registry).decode()
