@@ -18,6 +18,13 @@
 // At one block (batch-1 decode) the whole next panel would be fetched during a single pass,
 // which measured slower, so none is.
 //
+// A step of at most three rows (batch-1 decode, a small verification step) reads every
+// weight once for very little arithmetic: it is bound by memory bandwidth. One sequential
+// stream per thread drew ~24 GB/s from this host's memory, four side by side ~29.5 (a
+// standalone read test), so such a step's items are groups of up to 6 / rows panels (at most
+// four) read together, one register block over all of them: the demo model's weight matmuls at
+// one row went from ~23.3 to ~19.7 ms, at two and three rows 6-8 % faster (docs/v1-core.md).
+//
 // With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; without
 // it, a portable loop. Each output is one fused multiply-add chain over k = 0 .. K-1 in
 // order, the same whichever block or chunk holds its row: results do not depend on the
@@ -41,6 +48,7 @@ namespace {
 constexpr int64_t kCols = 64;        // output columns per panel
 constexpr int64_t kBlockRows = 6;    // rows sharing one pass over a panel (register block)
 constexpr int64_t kChunkRows = 64;  // a 64-row step is one item per panel
+constexpr int64_t kGroupMaxRows = 3;  // steps of up to this many rows read panels in groups
 constexpr int64_t kAhead = 32;   // rows per work item: 8 blocks over a panel held in L2
 
 struct Dense {
@@ -93,6 +101,64 @@ void block(const Dense& p, int64_t b, int64_t m0, const char* ahead, int64_t lin
                             c[q][i]);
 }
 
+// Rows [m0, m0 + MR) of panels [b, b + G): G streams read side by side, no software prefetch
+// (the hardware's stream prefetchers follow G streams; extra prefetches measured slower).
+template <int MR, int G>
+void group_block(const Dense& p, int64_t b, int64_t m0) {
+  const float* w = p.w + b * p.K * kCols;
+  const int64_t stride = p.K * kCols;
+  const float* x = p.x + m0 * p.K;
+  __m512 c[G][MR][4];
+  for (int g = 0; g < G; ++g)
+    for (int q = 0; q < MR; ++q)
+      for (int i = 0; i < 4; ++i) c[g][q][i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < p.K; ++k) {
+    for (int g = 0; g < G; ++g) {
+      const float* wk = w + g * stride + k * kCols;
+      const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
+                   w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+      for (int q = 0; q < MR; ++q) {
+        const __m512 a = _mm512_set1_ps(x[q * p.K + k]);
+        c[g][q][0] = _mm512_fmadd_ps(a, w0, c[g][q][0]);
+        c[g][q][1] = _mm512_fmadd_ps(a, w1, c[g][q][1]);
+        c[g][q][2] = _mm512_fmadd_ps(a, w2, c[g][q][2]);
+        c[g][q][3] = _mm512_fmadd_ps(a, w3, c[g][q][3]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const int64_t nc = p.cols(b + g);
+    for (int q = 0; q < MR; ++q)
+      for (int i = 0; i < 4; ++i)
+        _mm512_mask_storeu_ps(p.y + (m0 + q) * p.N + (b + g) * kCols + 16 * i,
+                              lane_mask(nc, i), c[g][q][i]);
+  }
+}
+
+// Panels [b, b + g) for MR rows, at most 6 / MR (and 4) of them side by side: the register
+// block holds G x MR x 4 accumulators.
+template <int MR>
+void group_of(const Dense& p, int64_t b, int64_t g) {
+  constexpr int64_t kMax = MR == 1 ? 4 : 6 / MR;
+  for (; g > 0; b += kMax, g -= kMax) {
+    switch (std::min(g, kMax)) {
+      case 4: if constexpr (kMax >= 4) group_block<MR, 4>(p, b, 0); break;
+      case 3: if constexpr (kMax >= 3) group_block<MR, 3>(p, b, 0); break;
+      case 2: group_block<MR, 2>(p, b, 0); break;
+      default: group_block<MR, 1>(p, b, 0); break;
+    }
+  }
+}
+
+// All rows (M <= kGroupMaxRows) of panels [b, b + g).
+void group(const Dense& p, int64_t b, int64_t g) {
+  switch (p.M) {
+    case 1: group_of<1>(p, b, g); break;
+    case 2: group_of<2>(p, b, g); break;
+    default: group_of<3>(p, b, g); break;
+  }
+}
+
 // `dist`: how many panels on this thread's next one probably is.
 void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t dist) {
   const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
@@ -128,6 +194,10 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t) {
     for (int64_t c = 0; c < nc; ++c) p.y[m * p.N + b * kCols + c] = acc[c];
   }
 }
+
+void group(const Dense& p, int64_t b, int64_t g) {
+  for (int64_t i = 0; i < g; ++i) rows(p, b + i, 0, p.M, 1);
+}
 #endif
 
 // Shared by the calling thread and pool tasks; heap-held so a task that starts after the work
@@ -137,7 +207,21 @@ struct Shared {
   std::atomic<int64_t> active{0};
 };
 
-void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int64_t threads) {
+// Panels per item for a step of `m` rows: 0 = single panels in row chunks (`rows`).
+int64_t group_size(int64_t m, int64_t panels, int64_t threads) {
+  if (m > kGroupMaxRows) return 0;
+  const int64_t g = std::min<int64_t>(m == 1 ? 4 : 6 / m, (panels + threads - 1) / threads);
+  return std::max<int64_t>(1, g);
+}
+
+// `g`: `group_size` of this step (0: row chunks).
+void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int64_t threads,
+          int64_t g) {
+  if (g) {
+    for (int64_t i = sh->next.fetch_add(1); i * g < p.panels; i = sh->next.fetch_add(1))
+      group(p, i * g, std::min(g, p.panels - i * g));
+    return;
+  }
   for (int64_t i = sh->next.fetch_add(1); i < p.panels * chunks; i = sh->next.fetch_add(1)) {
     // Panel-major: a panel's chunks run back to back (on this thread or the other), so the
     // panel comes from memory once and from cache for its other chunks.
@@ -161,15 +245,18 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t panels = wd[0], chunks = (p.M + kChunkRows - 1) / kChunkRows;
   auto sh = std::make_shared<Shared>();
   // The calling thread works too: one helper fewer than the pool's threads (one per core).
-  const int64_t helpers = std::min<int64_t>(pool.num_threads() - 1, panels * chunks - 1);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t g = group_size(p.M, panels, threads);
+  const int64_t items = g ? (panels + g - 1) / g : panels * chunks;
+  const int64_t helpers = std::min<int64_t>(threads - 1, items - 1);
   for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([sh, p, chunks, helpers] {
+    pool.Schedule([sh, p, chunks, helpers, g] {
       sh->active.fetch_add(1);
-      work(sh, p, chunks, helpers + 1);
+      work(sh, p, chunks, helpers + 1, g);
       sh->active.fetch_sub(1);
     });
   }
-  work(sh, p, chunks, helpers + 1);
+  work(sh, p, chunks, helpers + 1, g);
   while (sh->active.load() > 0) std::this_thread::yield();
   return ffi::Error::Success();
 }

@@ -1,5 +1,6 @@
 """The native float32 panel matmul (`pallas_kernels/csrc/dense_matmul_cpu.cc`) against float64
-numpy, over row counts around its 6-row register block and 48-row work items, depths that are
+numpy, over row counts around its 6-row register block, its 64-row work items and the grouped
+panels of steps of up to three rows, depths that are
 not multiples of the vector width, widths with partial last panels; its rows do not depend on
 how many rows come with them; the panel layout and the embedding lookup from it; bad
 arguments refused; and the model with panelized weights against XLA's dots."""
@@ -20,8 +21,9 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(),
 _mm = jax.jit(cpu_native.dense_matmul_cpu, static_argnums=2)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 6, 7, 13, 48, 49, 100])
-@pytest.mark.parametrize("k,n", [(576, 960), (100, 1), (37, 63), (64, 65), (1536, 200)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 49, 100])
+@pytest.mark.parametrize("k,n", [(576, 960), (100, 1), (37, 63), (64, 65), (1536, 200),
+                                 (50, 64 * 9 + 5), (33, 64 * 7)])
 def test_matches_float64(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -35,15 +37,17 @@ def test_matches_float64(m, k, n):
 
 
 def test_rows_do_not_depend_on_the_batch():
-    """A row's result is bit-identical alone, in a 6-row block, in a partial block and in a
-    second 48-row work item: a sequence scores the same in a decode step and in a speculative
-    verification step."""
+    """A row's result is bit-identical alone, with one or two others (panels read in groups),
+    in a 6-row block, in a partial block and in a second 64-row work item: a sequence scores
+    the same in a decode step and in a speculative verification step."""
     rng = np.random.default_rng(7)
     w = to_dense_panels(jnp.asarray(rng.standard_normal((576, 300)), jnp.float32))
-    x = jnp.asarray(rng.standard_normal((61, 576)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((70, 576)), jnp.float32)
     whole = np.asarray(_mm(x, w, 300))
-    for r in (0, 5, 6, 47, 48, 60):
-        np.testing.assert_array_equal(np.asarray(_mm(x[r:r + 1], w, 300))[0], whole[r])
+    for r in (0, 5, 6, 47, 48, 60, 64, 67):
+        for rows in (1, 2, 3):
+            np.testing.assert_array_equal(np.asarray(_mm(x[r:r + rows], w, 300)),
+                                          whole[r:r + rows])
     np.testing.assert_array_equal(np.asarray(_mm(x[3:11], w, 300)), whole[3:11])
 
 
