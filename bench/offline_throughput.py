@@ -25,6 +25,14 @@ compares the two. An engine named `pagedjax+KEY=VALUE[+KEY=VALUE...]` is pagedja
 `EngineConfig` overrides on top of `--engine-arg`'s, e.g. `pagedjax+max_num_seqs=64` (the
 default before 256) beside `pagedjax`.
 
+Right before each timed run the engine generates 8 tokens for the job's first prompt, untimed
+(`--no-settle`: not). This host (a VM) charges the first work after a few seconds of idling:
+a 10-token request took ~50 ms back to back and 160-275 ms after 2-5 s idle, pure-Python
+dictionary work ~30x its time, a 540 MB weight read ~4x (docs/v1-core.md). Without the
+settling run, taking turns would charge that to every timed run (each engine idles while the
+others run), in proportion to how much of its process the engine touches, not to its speed;
+serving a steady load never idles that long. Every engine settles alike.
+
 `--busy-core` keeps the last CPU busy with a pinned spinning process during every timed run
 (started after the idle check), to measure how each engine degrades when another process takes
 a core; results go to `offline_throughput_busy.json`.
@@ -205,6 +213,9 @@ def main() -> None:
                          "requests as they arrive (pagedjax and vLLM; HF has no engine loop)")
     ap.add_argument("--poisson-requests", type=int, default=48)
     ap.add_argument("--poisson-tokens", type=int, default=64)
+    ap.add_argument("--no-settle", action="store_true",
+                    help="no untimed 8-token run right before each timed run (the docstring "
+                         "says why there is one)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out is None:
@@ -254,6 +265,9 @@ def main() -> None:
                 for e in order:
                     load = os.getloadavg()[0]
                     other = wait_quiet()
+                    if not args.no_settle:
+                        workers[e].run({"prompt_ids": job["prompt_ids"][:1], "max_tokens": 8,
+                                        "ignore_eos": True})
                     spinner = start_spinner() if args.busy_core else None
                     try:
                         r = workers[e].run(job)
@@ -329,6 +343,7 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
                 + ("; the last CPU kept busy by a spinning process during every timed run"
                    if args.busy_core else ""),
         "busy_core": bool(args.busy_core),
+        "settle_before_each_run": not args.no_settle,
         "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": args.threads,
                     "python": platform.python_version(),
                     "load_avg_1m_at_start": load0,

@@ -39,6 +39,7 @@ from pagedjax.parallel.mesh import (
     vocab_sharded,
 )
 from pagedjax.worker.host_heap import keep_freed_memory
+from pagedjax.worker.huge_pages import place_on_huge_pages
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pagedjax.worker.shapes import MIN_PREFILL_TOKENS, ShapePlan
 from pagedjax.worker.step_inputs import StepInputs, bucket
@@ -187,7 +188,8 @@ class ModelRunner:
         # identical type before and after a weight swap (no retrace, no recompile).
         if self.mesh is None:
             params = jax.device_put(params, jax.local_devices()[0])
-        self.params = self._panels(unstack_layers(params) if not self.scan_layers else params)
+        self.params = self._on_huge_pages(
+            self._panels(unstack_layers(params) if not self.scan_layers else params))
         del params
         if jax.local_devices()[0].platform == "cpu":
             # Device buffers are heap memory: keep what steps free for the next step, but only
@@ -364,7 +366,14 @@ class ModelRunner:
         else:
             placed = shard_params(params, self.model_config, self.mesh, self.shard_vocab,
                                   expert_parallel=self.expert_parallel)
-        return self._panels(placed if self.scan_layers else unstack_layers(placed))
+        return self._on_huge_pages(self._panels(placed if self.scan_layers else
+                                                unstack_layers(placed)))
+
+    def _on_huge_pages(self, params: dict) -> dict:
+        """One CPU device: the weights on transparent huge pages (`worker.huge_pages` says why)."""
+        if self.mesh is not None or jax.local_devices()[0].platform != "cpu":
+            return params
+        return place_on_huge_pages(params, jax.local_devices()[0])
 
     def _panels(self, params: dict) -> dict:
         """Packed weights in the 64-column panels the native CPU kernel streams

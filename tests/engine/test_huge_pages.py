@@ -1,0 +1,125 @@
+"""`worker/huge_pages.py`: a CPU runner's weights copied into one mapping advised for
+transparent huge pages and read in place by JAX, values unchanged; off by switch, for
+multi-device trees and where the kernel has no THP."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pagedjax.worker import huge_pages
+from pagedjax.worker.huge_pages import HUGE_PAGE, place_on_huge_pages, thp_available
+
+
+def _tree(rng):
+    cpu = jax.devices("cpu")[0]
+    return jax.device_put({
+        "a": rng.standard_normal((300, 577)).astype(np.float32),
+        "b": {"c": rng.standard_normal((3,)).astype(ml_dtypes.bfloat16),
+              "d": rng.integers(-128, 127, (64, 64, 5)).astype(np.int8),
+              "e": np.float32(3.5), "f": np.zeros((0, 4), np.float32)},
+        "g": [rng.standard_normal((1 << 19,)).astype(np.float32)]}, cpu)
+
+
+def _vma_of(address: int) -> str:
+    """The /proc/self/smaps entry of the mapping that holds ``address``."""
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+        lo, hi = (int(x, 16) for x in entry.split()[0].split("-"))
+        if lo <= address < hi:
+            return entry
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not thp_available(), reason="this kernel offers no transparent huge pages")
+def test_leaves_alias_one_huge_page_mapping_with_values_unchanged(monkeypatch):
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    tree = _tree(np.random.default_rng(0))
+    want = jax.tree.map(np.asarray, tree)
+    placed = place_on_huge_pages(tree)
+    leaves = jax.tree.leaves(placed)
+    assert jax.tree.structure(placed) == jax.tree.structure(tree)
+    for got, ref in zip(leaves, jax.tree.leaves(want)):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        np.testing.assert_array_equal(np.asarray(got), ref)
+        assert got.committed and got.devices() == {jax.devices("cpu")[0]}
+    ptrs = [x.unsafe_buffer_pointer() for x in leaves if x.size]
+    assert min(ptrs) % HUGE_PAGE == 0  # the first leaf starts a huge page
+    entry = _vma_of(ptrs[0])
+    assert all(_vma_of(p) == entry for p in ptrs)  # one mapping holds them all
+    assert re.search(r"THPeligible:\s+1", entry)  # advised: faults take 2 MiB pages
+    # The arrays stay valid once everything else that referenced the mapping is gone.
+    del tree, leaves
+    import gc
+
+    gc.collect()
+    out = jax.jit(lambda t: t["a"].sum() + t["g"][0].sum())(placed)
+    np.testing.assert_allclose(float(out), want["a"].sum(dtype=np.float64)
+                               + want["g"][0].sum(dtype=np.float64), rtol=1e-4)
+
+
+def test_switch_off_and_trees_it_leaves_alone(monkeypatch):
+    tree = _tree(np.random.default_rng(1))
+    monkeypatch.setenv(huge_pages.ENV, "0")
+    assert place_on_huge_pages(tree) is tree
+    monkeypatch.delenv(huge_pages.ENV)
+    monkeypatch.setattr(huge_pages, "thp_available", lambda: False)
+    assert place_on_huge_pages(tree) is tree
+    monkeypatch.setattr(huge_pages, "thp_available", lambda: True)
+    with_numpy = {"a": np.ones(3, np.float32), "b": jnp.ones(3)}
+    assert place_on_huge_pages(with_numpy) is with_numpy  # not all device arrays
+    assert place_on_huge_pages({}) == {}
+
+
+def test_a_client_that_copies_keeps_the_original_arrays(monkeypatch):
+    """If device_put copied instead of aliasing, the mapping would only waste memory."""
+    if not thp_available():
+        monkeypatch.setattr(huge_pages, "thp_available", lambda: True)
+    tree = _tree(np.random.default_rng(2))
+    real_put = jax.device_put
+    monkeypatch.setattr(huge_pages.jax, "device_put",
+                        lambda x, d=None: real_put(np.array(x), d))  # a fresh (copied) buffer
+    assert place_on_huge_pages(tree) is tree
+
+
+@pytest.mark.skipif(not thp_available(), reason="this kernel offers no transparent huge pages")
+def test_a_cpu_engine_reads_its_weights_from_huge_pages_and_swapped_ones_too(monkeypatch):
+    """The runner's params (and those of a weight swap) live in advised mappings, and the
+    engine's greedy tokens equal those of an engine whose weights stay on 4 KiB pages."""
+    from pagedjax import SamplingParams
+    from tests.serving.fuzz_support import tiny_engine
+
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    eng = tiny_engine(layer_loop="unrolled")
+    ptrs = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(eng.runner.params)]
+    assert all(re.search(r"THPeligible:\s+1", _vma_of(p)) for p in ptrs)
+    monkeypatch.setenv(huge_pages.ENV, "0")
+    plain = tiny_engine(layer_loop="unrolled")
+    assert not any(re.search(r"THPeligible:\s+1", _vma_of(x.unsafe_buffer_pointer()))
+                   for x in jax.tree.leaves(plain.runner.params))
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for e in (eng, plain):
+        e.add_request("r", None, sp, prompt_token_ids=[3, 1, 4, 1, 5, 9, 2, 6])
+        while e.has_unfinished_requests():
+            for o in e.step():
+                if o.finished:
+                    outs.append(o.outputs[0].token_ids)
+    assert len(outs) == 2 and list(outs[0]) == list(outs[1])
+    monkeypatch.delenv(huge_pages.ENV)
+    swapped = eng.runner.place_params(_checkpoint_params())
+    assert all(re.search(r"THPeligible:\s+1", _vma_of(x.unsafe_buffer_pointer()))
+               for x in jax.tree.leaves(swapped))
+
+
+def _checkpoint_params():
+    from models.config import ModelConfig
+    from models.weights import assemble_params
+    from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
+
+    config = ModelConfig.from_hf(TINY_HF_CONFIG)
+    return assemble_params(config, random_hf_tensors(config, seed=6).get)
