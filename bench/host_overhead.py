@@ -14,7 +14,9 @@ Steady state: N requests with 128-token prompts decode together, EOS ignored, th
 after start-up as the server does (`--no-gc-freeze`: not); the median and p99 over `--steps`
 decode steps are reported, for each sampling mix (`greedy`: all greedy;
 `mixed`: half the requests with top-p, penalties and logprobs) and output kind (`cumulative`:
-an output per request per step, as streaming; `final_only`: as `LLM.generate`).
+an output per request per step, as a library caller streaming; `delta`: an output per request
+per step holding only what is new, as the HTTP and gRPC servers ask; `final_only`: as
+`LLM.generate`; `--kinds` picks).
 """
 
 from __future__ import annotations
@@ -201,6 +203,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="32,128,256,1024")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kinds", default="cumulative,delta,final_only",
+                    help="output kinds to measure, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead.json"))
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="measure without gc.freeze() after start-up (the server freezes)")
@@ -259,7 +263,9 @@ def main() -> None:
                    "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows},
                   open(out, "w"), indent=1)
         return
-    for kind in ("cumulative", "final_only"):  # streaming outputs every step / LLM.generate
+    # Streaming outputs every step (a library caller's default), deltas (what the HTTP and
+    # gRPC servers ask for), or only the final one (LLM.generate).
+    for kind in args.kinds.split(","):
         for mix in ("greedy", "mixed"):
             for n in map(int, args.seqs.split(",")):
                 r = measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze)

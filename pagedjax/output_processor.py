@@ -131,7 +131,7 @@ class OutputProcessor:
                 req.logprobs[seq.seq_id].append(entry)
             items.append((seq.get_token_slice, len(seq.prompt_token_ids) + len(seq.output_token_ids),
                           req.detok[seq.seq_id], p.skip_special_tokens))
-        old_lens = [len(st.text) for _, _, st, _ in items]
+        old_lens = [st.length for _, _, st, _ in items]
         self.detokenizer.step(items)
         stopped = []
         for a, (get, total, state, skip), old in zip(applied, items, old_lens):
@@ -159,10 +159,11 @@ class OutputProcessor:
         this step or spanning into it: only that tail is searched, so the cost does not grow
         with the output, and text released before `min_tokens` never stops a sequence later."""
         start = max(0, old_len - p.longest_stop + 1)
+        tail = state.tail(start)
         for stop in p.stop_strings:
-            idx = state.text.find(stop, start)
+            idx = tail.find(stop)
             if idx >= 0:
-                end = idx + len(stop) if p.include_stop_str_in_output else idx
+                end = start + idx + (len(stop) if p.include_stop_str_in_output else 0)
                 state.text = state.text[:end]
                 return stop
         return None
@@ -185,15 +186,16 @@ class OutputProcessor:
         text sent is never cut afterwards."""
         sid = seq.seq_id
         p = req.params
-        text = req.detok[sid].text
+        state = req.detok[sid]
         tokens_sent, chars_sent = req.sent.get(sid, (0, 0))
-        visible = len(text)
+        visible = state.length
         if p.has_stop_strings and not seq.status.is_finished:
             visible = max(chars_sent, visible - p.longest_stop + 1)
         n = len(seq.output_token_ids)
         req.sent[sid] = (n, visible)
         return CompletionOutput(
-            index, text[chars_sent:visible], seq.output_token_ids[tokens_sent:n],
+            index, state.tail(chars_sent)[:visible - chars_sent],
+            seq.output_token_ids[tokens_sent:n],
             seq.cumulative_logprob,
             req.logprobs[sid][tokens_sent:n] if p.logprobs is not None else None,
             FINISH_REASON.get(seq.status), req.stop_reason.get(sid))

@@ -1,10 +1,13 @@
 """Batched incremental detokenization: same text as decoding everything at once, deltas never
-split a character, and per-step work reads only a window of each sequence."""
+split a character, per-step work reads only a window of each sequence, and the released text
+is kept in pieces that behave as one string."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 from pagedjax.detokenizer import (
     ByteTable,
@@ -148,3 +151,23 @@ def test_a_failing_table_build_leaves_the_windowed_path(demo_tokenizer, monkeypa
     det.step([(lambda a, b: ids[a:b], len(ids), st, True)])
     det.flush(lambda a, b: ids[a:b], len(ids), st, True)
     assert st.text == demo_tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(hst.lists(hst.text(max_size=40), max_size=300), hst.data())
+def test_text_pieces_equal_one_string(pieces, data):
+    """`DetokState` keeps its text in merged pieces: text, length and any tail equal a plain
+    string's, a truncation (a stop string) resets it, and the pieces stay logarithmic."""
+    state, plain = DetokState(), ""
+    for piece in pieces:
+        state.append(piece)
+        plain += piece
+        assert state.length == len(plain)
+        assert len(state._parts) <= 2 + 2 * max(1, len(plain)).bit_length()
+        start = data.draw(hst.integers(-3, len(plain) + 3))
+        assert state.tail(start) == plain[max(0, start):]
+    assert state.text == plain and state.length == len(plain)
+    cut = data.draw(hst.integers(0, len(plain)))
+    state.text = state.text[:cut]
+    state.append("xyz")
+    assert state.text == plain[:cut] + "xyz" and state.tail(cut) == "xyz"
