@@ -202,9 +202,12 @@ class ContiguousKVManager:
         return False
 
     def get_block_table(self, seq: Sequence) -> list[int]:
-        """The leading blocks of the region that hold the sequence's tokens (a contiguous range)."""
+        """The leading blocks of the region that hold the sequence's tokens (a contiguous range),
+        counting the token sampled by a step still in flight (async scheduling: its KV is
+        written by the step being scheduled, one slot past the known tokens) and drafts."""
         r = self._state(seq)
-        n = min(r.num_blocks, self._blocks(seq.num_total_tokens))
+        tokens = seq.num_total_tokens + seq.num_pending + len(seq.spec_token_ids)
+        n = min(r.num_blocks, self._blocks(tokens))
         return list(range(r.start, r.start + n))
 
     def get_block_table_ref(self, seq: Sequence) -> tuple[list[int], int]:

@@ -74,8 +74,7 @@ def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
     return choice
 
 
-def resolve_async_scheduling(choice: bool | None, tp: int, devices=None,
-                             kv_policy: str = "paged") -> bool:
+def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool:
     """`EngineConfig.async_scheduling`; None: on with one device, where host work hidden
     behind the device step is time saved. On CPU too: the host thread competes with XLA's
     compute threads for the same cores, but on the 2-core Intel host it still gained 9.5 % at
@@ -83,15 +82,12 @@ def resolve_async_scheduling(choice: bool | None, tp: int, devices=None,
     `bench/results/cpu/async_scheduling.json`, `bench/offline_throughput.py --engines
     pagedjax-sync,pagedjax-async`). It was off on CPU after an AMD host measured no gain.
     Not supported under tensor parallelism (the multi-process step broadcast carries host
-    token ids only), nor with the paper's contiguous-cache baselines (`kv_policy` other than
-    "paged": with pending tokens they gave wrong tokens in `test_contiguous_baselines_give_
-    same_outputs`; why was not investigated, they are benchmark baselines, sync is enough)."""
+    token ids only). The paper's contiguous-cache baselines run it too (their block tables
+    count the pending token since stop 35; before, they were forced synchronous)."""
     if choice and tp > 1:
         raise ValueError("async_scheduling: not supported with tensor_parallel_size > 1")
-    if choice and kv_policy != "paged":
-        raise ValueError(f"async_scheduling: not supported with kv_policy={kv_policy!r}")
     if choice is None:
-        choice = tp == 1 and kv_policy == "paged"
+        choice = tp == 1
     return bool(choice)
 
 
@@ -268,7 +264,7 @@ class ModelRunner:
         # With speculative decoding a drafted step's results are awaited before the next
         # step is scheduled (`LLMEngine._launch`); the others overlap as usual.
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
-                                                    devices, engine_config.kv_policy)
+                                                    devices)
         self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn,
                                packed_matmul=native_packed_matmul(self.tp, devices))
 

@@ -188,9 +188,6 @@ def test_async_scheduling_refused_with_tensor_parallelism():
     assert resolve_async_scheduling(None, 2) is False
     assert resolve_async_scheduling(False, 1) is False
     assert resolve_async_scheduling(None, 1) is True  # the default with one device, CPU too
-    assert resolve_async_scheduling(None, 1, kv_policy="contiguous-max") is False
-    with pytest.raises(ValueError, match="kv_policy"):
-        resolve_async_scheduling(True, 1, kv_policy="static")
 
 
 def test_penalised_requests_run_ahead_and_equal_sync(tiny):
