@@ -118,6 +118,24 @@ def test_reservation_rule(policy: str, prompt: int, out: int, tokens: int, block
     bm.check_invariants()
 
 
+def test_table_covers_pending_tokens_and_drafts() -> None:
+    """With async scheduling a sequence's sampled-but-unapplied token is written by the next
+    step one slot past its known tokens: the table must reach the block that slot starts
+    (it did not, and the baselines gave wrong tokens under async scheduling)."""
+    bm = ContiguousKVManager(64, 0, 16, policy="max", max_model_len=256)
+    g = group(16, 40)  # the prompt fills exactly one block
+    seq = g.seqs[0]
+    bm.allocate(g)
+    assert len(bm.get_block_table(seq)) == 1
+    seq.num_pending = 1  # token 17's KV goes to the second block
+    assert len(bm.get_block_table(seq)) == 2
+    seq.num_pending = 0
+    seq.spec_token_ids = [5] * 17  # drafts count too: 16 + 17 tokens -> 3 blocks
+    assert len(bm.get_block_table(seq)) == 3
+    r = bm.region(seq)
+    assert bm.get_block_table(seq) == list(range(r.start, r.start + 3))
+
+
 def test_oracle_without_max_tokens_reserves_max_len() -> None:
     bm = ContiguousKVManager(64, 0, 16, policy="oracle", max_model_len=128)
     g = group(10, None)
