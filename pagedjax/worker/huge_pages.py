@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import weakref
 from pathlib import Path
 
 import jax
@@ -37,6 +38,9 @@ ENV = "PAGEDJAX_HUGE_PAGES"
 HUGE_PAGE = 2 << 20
 _ALIGN = 4096  # each leaf page-aligned: more than the CPU client needs to alias it
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# (first byte, end, weakref to the arena's byte view): each leaf's view is a slice of that byte
+# view, so it lives exactly as long as some placed array does.
+_arenas: list[tuple[int, int, weakref.ref]] = []
 
 
 def thp_available() -> bool:
@@ -71,11 +75,12 @@ def place_on_huge_pages(tree, device: jax.Device | None = None):
     # Whole huge pages after the first boundary, however small the tree.
     arena = mmap.mmap(-1, -(-total // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE,
                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -_address(arena) % HUGE_PAGE  # first 2 MiB boundary: whole huge pages from there
     arena.madvise(mmap.MADV_HUGEPAGE)  # before any page is touched: no later collapse needed
+    whole = np.frombuffer(arena, np.uint8)
+    start = -whole.ctypes.data % HUGE_PAGE  # first 2 MiB boundary: whole huge pages from there
     placed, offset = [], start
     for x, size in zip(leaves, sizes):
-        view = np.frombuffer(arena, x.dtype, count=x.size, offset=offset).reshape(x.shape)
+        view = whole[offset:offset + x.nbytes].view(x.dtype).reshape(x.shape)
         view[...] = np.asarray(x)
         y = jax.device_put(view, device)
         if x.size and y.unsafe_buffer_pointer() != view.ctypes.data:  # copied: keep the old
@@ -83,8 +88,16 @@ def place_on_huge_pages(tree, device: jax.Device | None = None):
             return tree
         placed.append(y)
         offset += size
+    _arenas[:] = [a for a in _arenas if a[2]() is not None]
+    _arenas.append((whole.ctypes.data, whole.ctypes.data + whole.nbytes, weakref.ref(whole)))
     return jax.tree.unflatten(treedef, placed)
 
 
-def _address(buf: mmap.mmap) -> int:
-    return np.frombuffer(buf, np.uint8, count=1).ctypes.data
+def on_huge_pages(tree) -> bool:
+    """Every array of ``tree`` lies in a mapping `place_on_huge_pages` made. Asked of the
+    arrays themselves, not of /proc: under THP mode ``always`` any anonymous memory is
+    eligible, and numpy advises its own large buffers, so neither flag singles ours out."""
+    live = [(lo, hi) for lo, hi, ref in _arenas if ref() is not None]
+    leaves = [x for x in jax.tree.leaves(tree) if x.size]
+    return bool(leaves) and all(
+        any(lo <= x.unsafe_buffer_pointer() < hi for lo, hi in live) for x in leaves)
