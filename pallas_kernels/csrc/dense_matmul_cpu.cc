@@ -11,10 +11,12 @@
 // is what a speculative step's k + 1 rows need.
 //
 // Work items are (panel, chunk of rows) pairs over XLA's intra-op thread pool (the calling
-// thread too). With more than one register block of rows, an item also pulls the panel its
-// thread will most likely take next into L2, a few lines per k spread over the item's blocks,
-// so that panel's first pass does not wait on memory (in a standalone copy of this kernel the
-// demo model's weight matmuls at 64 rows went from ~91 to ~72 ms a step; docs/v1-core.md).
+// thread too), each thread with its own list. With more than one register block of rows, an
+// item also pulls the panel its thread takes next into L2, one line every few k spread over
+// the item's blocks, so that panel's first pass does not wait on memory (in a standalone copy
+// of this kernel the demo model's weight matmuls at 64 rows went from ~91 to ~72 ms a step
+// with a guessed next panel and bursts of prefetches, and from ~78 to ~66 ms with each
+// thread's own list and the prefetches spread evenly; docs/v1-core.md).
 // At one block (batch-1 decode) the whole next panel would be fetched during a single pass,
 // which measured slower, so none is.
 //
@@ -74,15 +76,21 @@ void block(const Dense& p, int64_t b, int64_t m0, const char* ahead, int64_t lin
   __m512 c[MR][4];
   for (int q = 0; q < MR; ++q)
     for (int i = 0; i < 4; ++i) c[q][i] = _mm512_setzero_ps();
+  // The later panel's lines one at a time, evenly over the pass: a software prefetch holds
+  // one of the core's few L1 fill buffers until memory answers, and bursts of them starved
+  // this pass's own loads from L2 (two lines per k over the first part of the pass ran the
+  // demo model's 64-row matmuls ~7 % slower in a standalone copy; docs/v1-core.md).
+  const int64_t every = std::max<int64_t>(1, p.K / std::max<int64_t>(1, lines));
+  int64_t wait = 0, line = ahead != nullptr ? 0 : lines;
   for (int64_t k = 0; k < p.K; ++k) {
     const float* wk = w + k * kCols;
     _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 32), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 16), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 48), _MM_HINT_T0);
-    if (ahead != nullptr && 2 * k < lines) {  // two blocks of rows or more: <= 2 lines per k
-      _mm_prefetch(ahead + 128 * k, _MM_HINT_T1);
-      if (2 * k + 1 < lines) _mm_prefetch(ahead + 128 * k + 64, _MM_HINT_T1);
+    if (line < lines && --wait <= 0) {  // a counter, not a division per k
+      _mm_prefetch(ahead + 64 * line++, _MM_HINT_T1);
+      wait = every;
     }
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
                  w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
@@ -159,13 +167,13 @@ void group(const Dense& p, int64_t b, int64_t g) {
   }
 }
 
-// `dist`: how many panels on this thread's next one probably is.
-void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t dist) {
+// `nb`: the panel this thread takes next (out of range: none).
+void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
   const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
   const int64_t lines = p.K * kCols * int64_t(sizeof(float)) / 64;  // one panel's
   const int64_t per = (lines + blocks - 1) / blocks;                // per block
-  const char* next = blocks > 1 && b + dist < p.panels
-                         ? reinterpret_cast<const char*>(p.w + (b + dist) * p.K * kCols)
+  const char* next = blocks > 1 && nb >= 0 && nb < p.panels
+                         ? reinterpret_cast<const char*>(p.w + nb * p.K * kCols)
                          : nullptr;
   for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
     const char* ahead = next != nullptr && j * per < lines ? next + 64 * j * per : nullptr;
@@ -183,7 +191,7 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t dist) {
 }
 #else
 // Portable: the same chain per output (a fused multiply-add where the target has one).
-void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t) {
+void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t /*nb*/) {
   const float* w = p.w + b * p.K * kCols;
   const int64_t nc = p.cols(b);
   for (int64_t m = m0; m < m1; ++m) {
@@ -196,15 +204,19 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t) {
 }
 
 void group(const Dense& p, int64_t b, int64_t g) {
-  for (int64_t i = 0; i < g; ++i) rows(p, b + i, 0, p.M, 1);
+  for (int64_t i = 0; i < g; ++i) rows(p, b + i, 0, p.M, -1);
 }
 #endif
 
 // Shared by the calling thread and pool tasks; heap-held so a task that starts after the work
 // is done (and finds nothing to claim) never touches a dead stack frame.
 struct Shared {
-  std::atomic<int64_t> next{0};
+  explicit Shared(int64_t threads) : own(new std::atomic<int64_t>[threads]) {
+    for (int64_t t = 0; t < threads; ++t) own[t].store(0);
+  }
+  std::atomic<int64_t> next{0};    // groups of panels: one list
   std::atomic<int64_t> active{0};
+  std::unique_ptr<std::atomic<int64_t>[]> own;  // row chunks: each thread's list
 };
 
 // Panels per item for a step of `m` rows: 0 = single panels in row chunks (`rows`).
@@ -214,21 +226,37 @@ int64_t group_size(int64_t m, int64_t panels, int64_t threads) {
   return std::max<int64_t>(1, g);
 }
 
-// `g`: `group_size` of this step (0: row chunks).
+// `g`: `group_size` of this step (0: row chunks); `id`: this thread's list (0: the caller's).
+//
+// Row chunks: item i is (panel i / chunks, chunk i % chunks), panel-major, so a panel's
+// chunks run side by side and it comes from memory once per thread. Thread t owns items
+// t, t + threads, ...: it knows which panel it takes next and pulls that one into L2 while it
+// works (with one shared counter it had to guess, and a wrong guess left the next panel
+// cold: the demo model's 64-row matmuls ran ~15 % faster with own lists in a standalone
+// copy). A thread done with its list takes from the others' (no prefetching for them), so a
+// helper that starts late or is preempted holds up nothing it has not claimed.
 void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int64_t threads,
-          int64_t g) {
+          int64_t g, int64_t id) {
   if (g) {
     for (int64_t i = sh->next.fetch_add(1); i * g < p.panels; i = sh->next.fetch_add(1))
       group(p, i * g, std::min(g, p.panels - i * g));
     return;
   }
-  for (int64_t i = sh->next.fetch_add(1); i < p.panels * chunks; i = sh->next.fetch_add(1)) {
-    // Panel-major: a panel's chunks run back to back (on this thread or the other), so the
-    // panel comes from memory once and from cache for its other chunks.
-    const int64_t b = i / chunks, m0 = (i % chunks) * kChunkRows;
-    // Threads take items in turn: with fewer chunks than threads a thread's next panel is
-    // about `threads / chunks` on, else the next one.
-    rows(p, b, m0, std::min(p.M, m0 + kChunkRows), std::max<int64_t>(1, threads / chunks));
+  const int64_t items = p.panels * chunks;
+  for (int64_t o = 0; o < threads; ++o) {
+    const int64_t t = (id + o) % threads;
+    for (int64_t j = sh->own[t].fetch_add(1); t + j * threads < items;
+         j = sh->own[t].fetch_add(1)) {
+      const int64_t i = t + j * threads, b = i / chunks, m0 = (i % chunks) * kChunkRows;
+      int64_t nb = -1;  // the owner's next panel other than b
+      if (o == 0)
+        for (int64_t i2 = i + threads; i2 < items; i2 += threads)
+          if (i2 / chunks != b) {
+            nb = i2 / chunks;
+            break;
+          }
+      rows(p, b, m0, std::min(p.M, m0 + kChunkRows), nb);
+    }
   }
 }
 
@@ -243,20 +271,20 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   Dense p{xd[0], xd[1], yd[1], wd[0], x.typed_data(), w.typed_data(), y->typed_data()};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t panels = wd[0], chunks = (p.M + kChunkRows - 1) / kChunkRows;
-  auto sh = std::make_shared<Shared>();
   // The calling thread works too: one helper fewer than the pool's threads (one per core).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t g = group_size(p.M, panels, threads);
   const int64_t items = g ? (panels + g - 1) / g : panels * chunks;
   const int64_t helpers = std::min<int64_t>(threads - 1, items - 1);
+  auto sh = std::make_shared<Shared>(helpers + 1);
   for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([sh, p, chunks, helpers, g] {
+    pool.Schedule([sh, p, chunks, helpers, g, i] {
       sh->active.fetch_add(1);
-      work(sh, p, chunks, helpers + 1, g);
+      work(sh, p, chunks, helpers + 1, g, i + 1);
       sh->active.fetch_sub(1);
     });
   }
-  work(sh, p, chunks, helpers + 1, g);
+  work(sh, p, chunks, helpers + 1, g, 0);
   while (sh->active.load() > 0) std::this_thread::yield();
   return ffi::Error::Success();
 }

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(),
 _mm = jax.jit(cpu_native.dense_matmul_cpu, static_argnums=2)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 49, 100])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 49, 100, 130, 257])
 @pytest.mark.parametrize("k,n", [(576, 960), (100, 1), (37, 63), (64, 65), (1536, 200),
                                  (50, 64 * 9 + 5), (33, 64 * 7)])
 def test_matches_float64(m, k, n):
@@ -38,13 +38,13 @@ def test_matches_float64(m, k, n):
 
 def test_rows_do_not_depend_on_the_batch():
     """A row's result is bit-identical alone, with one or two others (panels read in groups),
-    in a 6-row block, in a partial block and in a second 64-row work item: a sequence scores
+    in a 6-row block, in a partial block and in a later 64-row work item: a sequence scores
     the same in a decode step and in a speculative verification step."""
     rng = np.random.default_rng(7)
     w = to_dense_panels(jnp.asarray(rng.standard_normal((576, 300)), jnp.float32))
-    x = jnp.asarray(rng.standard_normal((70, 576)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((200, 576)), jnp.float32)
     whole = np.asarray(_mm(x, w, 300))
-    for r in (0, 5, 6, 47, 48, 60, 64, 67):
+    for r in (0, 5, 6, 47, 48, 60, 64, 67, 130, 197):
         for rows in (1, 2, 3):
             np.testing.assert_array_equal(np.asarray(_mm(x[r:r + rows], w, 300)),
                                           whole[r:r + rows])
