@@ -11,7 +11,8 @@
 // is what a speculative step's k + 1 rows need.
 //
 // Work items are (panel, chunk of rows) pairs over XLA's intra-op thread pool (the calling
-// thread too), each thread with its own list. With more than one register block of rows, an
+// thread too), each thread with its own list (a last item that does not divide evenly is cut
+// between the threads by rows: `Split`). With more than one register block of rows, an
 // item also pulls the panel its thread takes next into L2, one line every few k spread over
 // the item's blocks, so that panel's first pass does not wait on memory (in a standalone copy
 // of this kernel the demo model's weight matmuls at 64 rows went from ~91 to ~72 ms a step
@@ -226,6 +227,36 @@ int64_t group_size(int64_t m, int64_t panels, int64_t threads) {
   return std::max<int64_t>(1, g);
 }
 
+// The row-chunk items of a step: (panel, chunk) pairs, panel-major, except that when they do
+// not divide evenly among the threads the last `items % threads` of them are each cut into
+// `threads` parts of whole register blocks, one per thread. Otherwise a matrix of few panels
+// (the demo model's o and down projections have 9) keeps one thread working on its extra
+// panel while the other waits (~40 us a call at 64 rows in a standalone copy).
+struct Split {
+  Split(const Dense& p, int64_t chunks, int64_t threads)
+      : M(p.M), chunks(chunks), threads(threads) {
+    const int64_t all = p.panels * chunks;
+    whole = all - all % threads;
+    items = whole + (all % threads) * threads;
+  }
+  int64_t M, chunks, threads, whole, items;
+  // The (panel, chunk) pair behind item i.
+  int64_t unit(int64_t i) const { return i < whole ? i : whole + (i - whole) / threads; }
+  int64_t panel(int64_t i) const { return unit(i) / chunks; }
+  void rows_of(int64_t i, int64_t& m0, int64_t& m1) const {
+    const int64_t c0 = (unit(i) % chunks) * kChunkRows, c1 = std::min(M, c0 + kChunkRows);
+    if (i < whole) {
+      m0 = c0;
+      m1 = c1;
+      return;
+    }
+    const int64_t part = (i - whole) % threads;  // == the owner's id: items step by threads
+    const int64_t blocks = (c1 - c0 + kBlockRows - 1) / kBlockRows;
+    m0 = std::min(c1, c0 + kBlockRows * (part * blocks / threads));
+    m1 = std::min(c1, c0 + kBlockRows * ((part + 1) * blocks / threads));
+  }
+};
+
 // `g`: `group_size` of this step (0: row chunks); `id`: this thread's list (0: the caller's).
 //
 // Row chunks: item i is (panel i / chunks, chunk i % chunks), panel-major, so a panel's
@@ -242,20 +273,22 @@ void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int
       group(p, i * g, std::min(g, p.panels - i * g));
     return;
   }
-  const int64_t items = p.panels * chunks;
+  const Split sp(p, chunks, threads);
   for (int64_t o = 0; o < threads; ++o) {
     const int64_t t = (id + o) % threads;
-    for (int64_t j = sh->own[t].fetch_add(1); t + j * threads < items;
+    for (int64_t j = sh->own[t].fetch_add(1); t + j * threads < sp.items;
          j = sh->own[t].fetch_add(1)) {
-      const int64_t i = t + j * threads, b = i / chunks, m0 = (i % chunks) * kChunkRows;
+      const int64_t i = t + j * threads, b = sp.panel(i);
       int64_t nb = -1;  // the owner's next panel other than b
       if (o == 0)
-        for (int64_t i2 = i + threads; i2 < items; i2 += threads)
-          if (i2 / chunks != b) {
-            nb = i2 / chunks;
+        for (int64_t i2 = i + threads; i2 < sp.items; i2 += threads)
+          if (sp.panel(i2) != b) {
+            nb = sp.panel(i2);
             break;
           }
-      rows(p, b, m0, std::min(p.M, m0 + kChunkRows), nb);
+      int64_t m0, m1;
+      sp.rows_of(i, m0, m1);
+      if (m0 < m1) rows(p, b, m0, m1, nb);
     }
   }
 }

@@ -38,12 +38,16 @@ def test_matches_float64(m, k, n):
 
 def test_rows_do_not_depend_on_the_batch():
     """A row's result is bit-identical alone, with one or two others (panels read in groups),
-    in a 6-row block, in a partial block and in a later 64-row work item: a sequence scores
-    the same in a decode step and in a speculative verification step."""
+    in a 6-row block, in a partial block, in a later 64-row work item and in an item cut
+    between threads (the batch's items do not divide evenly: 5 panels x 3 chunks at 130
+    rows): a sequence scores the same in a decode step and in a speculative verification
+    step."""
     rng = np.random.default_rng(7)
     w = to_dense_panels(jnp.asarray(rng.standard_normal((576, 300)), jnp.float32))
     x = jnp.asarray(rng.standard_normal((200, 576)), jnp.float32)
     whole = np.asarray(_mm(x, w, 300))
+    np.testing.assert_array_equal(np.asarray(_mm(x[:130], w, 300)), whole[:130])
+    np.testing.assert_array_equal(np.asarray(_mm(x[:64], w, 300)), whole[:64])
     for r in (0, 5, 6, 47, 48, 60, 64, 67, 130, 197):
         for rows in (1, 2, 3):
             np.testing.assert_array_equal(np.asarray(_mm(x[r:r + rows], w, 300)),
