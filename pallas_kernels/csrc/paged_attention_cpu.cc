@@ -244,6 +244,81 @@ inline void attend_block_row16(const float* qr, const float* kp, const float* vp
   }
   for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + 16 * j, a[j]);
 }
+
+// attend_block_row16 for the R query heads that share one KV head (R = the GQA group, rows
+// contiguous in qr, m, l, acc), one query token: the same operations per row in the same
+// order, so the results are bit-identical, but the value pass loads each V row once for all
+// R rows and runs R x DC / 16 independent accumulator chains instead of DC / 16 (one row's
+// chain of 16 dependent FMAs per block was what a decode step's attention waited on).
+template <int DC, int R>
+inline void attend_block_rows16(const float* qr, const float* kp, const float* vp, int64_t t0,
+                                int64_t keys, float* m, float* l, float* acc) {
+  constexpr int NV = DC / 16;
+  for (int64_t tb = t0; tb < keys; tb += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, keys - tb));
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    alignas(64) float w[R][16];
+    float alpha[R];
+    for (int r = 0; r < R; ++r) {
+      __m512 qv[NV];
+      for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qr + r * DC + 16 * j);
+      __m512 part[16];
+#pragma GCC unroll 16
+      for (int t = 0; t < 16; ++t) {
+        if (t < n) {
+          const float* kr = kp + (tb + t) * DC;
+          __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+          for (int j = 1; j < NV; ++j)
+            x = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kr + 16 * j), x);
+          part[t] = x;
+        } else {
+          part[t] = _mm512_setzero_ps();
+        }
+      }
+      const __m512 sc = _mm512_mask_blend_ps(live, _mm512_set1_ps(kMask), lane_sums16(part));
+      const float mx = std::max(m[r], _mm512_reduce_max_ps(sc));
+      const __m512 e = exp_nonpos16(_mm512_sub_ps(sc, _mm512_set1_ps(mx)));
+      alpha[r] = exp_nonpos(m[r] - mx);
+      l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(e);
+      m[r] = mx;
+      _mm512_store_ps(w[r], e);
+    }
+    __m512 a[R][NV];
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(alpha[r]);
+      for (int j = 0; j < NV; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * DC + 16 * j), av);
+    }
+    for (int t = 0; t < n; ++t) {
+      const float* vr = vp + (tb + t) * DC;
+      __m512 v[NV];
+      for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vr + 16 * j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 wt = _mm512_set1_ps(w[r][t]);
+        for (int j = 0; j < NV; ++j) a[r][j] = _mm512_fmadd_ps(wt, v[j], a[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * DC + 16 * j, a[r][j]);
+  }
+}
+
+// The G rows of one query token against one block through attend_block_rows16, where it
+// applies (head dims in whole vectors, no soft cap, G of 2 to 4); false: not handled.
+template <int DC>
+inline bool attend_block_group(int64_t G, const float* qr, const float* kp, const float* vp,
+                               int64_t t0, int64_t keys, float softcap, float* m, float* l,
+                               float* acc) {
+  if constexpr (DC > 0 && DC % 16 == 0 && DC <= 128) {
+    if (softcap != 0.f) return false;
+    switch (G) {
+      case 2: attend_block_rows16<DC, 2>(qr, kp, vp, t0, keys, m, l, acc); return true;
+      case 3: attend_block_rows16<DC, 3>(qr, kp, vp, t0, keys, m, l, acc); return true;
+      case 4: attend_block_rows16<DC, 4>(qr, kp, vp, t0, keys, m, l, acc); return true;
+      default: return false;
+    }
+  }
+  return false;
+}
 #endif
 
 // One query row against keys [t0, keys) of one block: scores, then the online-softmax
@@ -370,6 +445,11 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
       const int64_t keys = std::min<int64_t>(bs, pos0 + i + 1 - j * bs);  // causal, by length
       const int64_t t0 = std::max<int64_t>(pos0 + i - p.span + 1 - j * bs, 0);  // window
       if (keys <= t0) continue;
+#if defined(__AVX512F__)
+      if (attend_block_group<DC>(G, qf + i * G * D, kp, vp, t0, keys, p.softcap, m + i * G,
+                                 l + i * G, acc + i * G * D))
+        continue;
+#endif
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
         attend_block_row<DC>(qf + r * D, kp, vp, D, t0, keys, p.softcap, s, m[r], l[r],

@@ -95,6 +95,25 @@ def test_traced_layer_under_scan_matches_per_layer_calls():
         np.testing.assert_array_equal(got[layer], np.asarray(one))
 
 
+@pytest.mark.parametrize("group,head_dim,bs", [(2, 64, 16), (3, 64, 8), (4, 128, 32)])
+def test_a_query_head_scores_the_same_with_or_without_its_group(group, head_dim, bs):
+    """The kernel runs the query heads of one KV head together (one pass over V for the
+    group); each head's output is bit-identical to the same head attended on its own
+    (a group of one), prompts and decodes, fp32 and bf16."""
+    for seed, dtype in ((11, "float32"), (12, "bfloat16")):
+        seqs, pc, q, cu, kv_lens, tables, _ = _random_batch(seed, dtype, group, head_dim, bs)
+        k, v = jnp.asarray(pc.k_poison), jnp.asarray(pc.v_poison)
+        args = (jnp.asarray(kv_lens), jnp.asarray(tables), jnp.asarray(cu),
+                jnp.int32(len(seqs)))
+        whole = np.asarray(ragged_paged_attention(jnp.asarray(q), k, v, *args, scale=0.1,
+                                                  layer=1, backend="cpu").astype(jnp.float32))
+        for g in range(group):
+            alone = ragged_paged_attention(jnp.asarray(q[:, g::group]), k, v, *args,
+                                           scale=0.1, layer=1, backend="cpu")
+            np.testing.assert_array_equal(np.asarray(alone.astype(jnp.float32)),
+                                          whole[:, g::group])
+
+
 def test_float16_falls_back_to_the_xla_path():
     """No native float16 variant: backend "cpu" gives exactly the XLA reference's result."""
     seqs, pc, q, cu, kv_lens, tables, _ = _random_batch(5, "float16", 2, 64, 16)
