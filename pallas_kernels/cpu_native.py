@@ -44,11 +44,12 @@ TARGET = "pagedjax_ragged_paged_attention_cpu"
 WRITE_TARGET = "pagedjax_write_kv_bytes_cpu"
 PACKED_TARGET = "pagedjax_packed_matmul_cpu"
 DENSE_TARGET = "pagedjax_dense_matmul_cpu"
-# One library: the attention kernel (and its FP8 byte scatter), the packed-weight matmul and
-# the float32 panel matmul.
+ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
+# One library: the attention kernel (and its FP8 byte scatter), the packed-weight matmul,
+# the float32 panel matmul and the KV cache's zero fill on huge pages.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
-                             "dense_matmul_cpu.cc"))
+                             "dense_matmul_cpu.cc", "zeros_huge_pages_cpu.cc"))
 SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
 # shared library with it pulls in crtfastmath.o, which turns on flush-to-zero for the whole
@@ -120,6 +121,8 @@ def _register() -> bool:
         PACKED_TARGET, jax.ffi.pycapsule(lib.PagedjaxPackedMatmulCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         DENSE_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        ZEROS_TARGET, jax.ffi.pycapsule(lib.PagedjaxZerosHugePagesCpu), platform="cpu")
     return True
 
 
@@ -222,3 +225,15 @@ def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     lead, k = x.shape[:-1], x.shape[-1]
     call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((math.prod(lead), n), x.dtype))
     return call(x.reshape(-1, k), panels).reshape(*lead, n)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype, device: jax.Device | None = None
+                        ) -> jax.Array:
+    """Zeros in a buffer XLA allocates on the CPU ``device`` (default: the first), advised
+    for 2 MiB pages before its pages are touched (`csrc/zeros_huge_pages_cpu.cc` says why):
+    for the KV cache, which the step donates and XLA then keeps in place."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    device = device or jax.devices("cpu")[0]
+    call = jax.ffi.ffi_call(ZEROS_TARGET, jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)))
+    return jax.jit(call, out_shardings=jax.sharding.SingleDeviceSharding(device))()

@@ -38,6 +38,7 @@ from pagedjax.parallel.mesh import (
     validate_tp,
     vocab_sharded,
 )
+from pagedjax.worker import huge_pages
 from pagedjax.worker.host_heap import keep_freed_memory
 from pagedjax.worker.huge_pages import place_on_huge_pages
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
@@ -306,7 +307,13 @@ class ModelRunner:
         c = self.config
         shape = (self.cache_slots, c.num_kv_heads, num_blocks, self.block_size, c.head_dim)
         if self.mesh is None:
-            return jax.device_put(jnp.zeros(shape, self.kv_dtype), jax.local_devices()[0])  # committed
+            from pallas_kernels import cpu_native
+
+            device = jax.local_devices()[0]
+            if device.platform == "cpu" and huge_pages.enabled() and cpu_native.available():
+                # 2 MiB pages for the blocks the attention reads (`csrc/zeros_huge_pages_cpu.cc`)
+                return cpu_native.zeros_on_huge_pages(shape, self.kv_dtype, device)
+            return jax.device_put(jnp.zeros(shape, self.kv_dtype), device)  # committed
         return jnp.zeros(shape, self.kv_dtype, device=cache_sharding(self.mesh))
 
     def _place_scales(self, scales: np.ndarray) -> jax.Array:

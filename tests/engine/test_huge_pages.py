@@ -35,6 +35,17 @@ def _vma_of(address: int) -> str:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def _huge_bytes(x) -> int:
+    """Bytes of 2 MiB pages (smaps AnonHugePages) in the mappings that hold ``x``'s buffer."""
+    lo = x.unsafe_buffer_pointer()
+    hi, total = lo + x.nbytes, 0
+    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+        a, b = (int(v, 16) for v in entry.split()[0].split("-"))
+        if a < hi and lo < b:
+            total += int(re.search(r"AnonHugePages:\s+(\d+) kB", entry).group(1)) << 10
+    return total
+
+
 def _eligible(x) -> bool:
     return bool(re.search(r"THPeligible:\s+1", _vma_of(x.unsafe_buffer_pointer())))
 
@@ -128,3 +139,51 @@ def _checkpoint_params():
 
     config = ModelConfig.from_hf(TINY_HF_CONFIG)
     return assemble_params(config, random_hf_tensors(config, seed=6).get)
+
+
+@pytest.mark.skipif(not thp_available(), reason="this kernel offers no transparent huge pages")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
+def test_kv_cache_zeros_on_huge_pages(dtype):
+    """`zeros_on_huge_pages`: zeros of the shape and dtype asked, committed to the CPU
+    device, in XLA's own buffer (so a donating step keeps it in place) whose whole 2 MiB
+    pages are huge pages."""
+    from pallas_kernels.cpu_native import zeros_on_huge_pages
+
+    shape = (2, 3, 700, 16, 64)  # ~4.3 MB at fp32: at least one whole aligned 2 MiB page
+    x = zeros_on_huge_pages(shape, dtype)
+    assert x.shape == shape and x.dtype == dtype and x.committed
+    assert x.devices() == {jax.devices("cpu")[0]}
+    assert not np.asarray(x.astype(jnp.float32)).any()
+    whole = (x.unsafe_buffer_pointer() + x.nbytes) // HUGE_PAGE * HUGE_PAGE - (
+        -(-x.unsafe_buffer_pointer() // HUGE_PAGE) * HUGE_PAGE)
+    assert _huge_bytes(x) >= whole > 0
+    before = x.unsafe_buffer_pointer()
+    y = jax.jit(lambda c: c.at[1, 2, 3].set(1), donate_argnums=0)(x)
+    assert y.unsafe_buffer_pointer() == before and _huge_bytes(y) >= whole
+
+
+@pytest.mark.skipif(not thp_available(), reason="this kernel offers no transparent huge pages")
+def test_an_engines_kv_cache_stays_on_huge_pages_through_steps_and_swaps(monkeypatch):
+    """The CPU engine's K and V caches start on 2 MiB pages and keep their buffers through
+    steps with prefix-cache hits, block copies and swaps out and in (each donates the caches
+    and writes in place), so the attention reads huge pages for the engine's life."""
+    from pagedjax import SamplingParams
+    from tests.serving.fuzz_support import tiny_engine
+
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    eng = tiny_engine(layer_loop="unrolled", num_gpu_blocks=4096, enable_prefix_caching=True)
+    r = eng.runner
+    ptrs = (r.k_cache.unsafe_buffer_pointer(), r.v_cache.unsafe_buffer_pointer())
+    assert r.k_cache.nbytes >= 4 * HUGE_PAGE
+    assert all(_huge_bytes(c) >= c.nbytes - 2 * HUGE_PAGE for c in (r.k_cache, r.v_cache))
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for i in range(6):
+        eng.add_request(str(i), None, sp, prompt_token_ids=list(range(3, 20)) + [50 + i] * i)
+    while eng.has_unfinished_requests():
+        eng.step()
+    r.copy_blocks([(1, 2), (3, 4)])
+    r.swap_out([(5, 0), (6, 1)])
+    r.swap_in([(0, 7), (1, 8)])
+    np.testing.assert_array_equal(np.asarray(r.k_cache[:, :, 7]), np.asarray(r.k_cache[:, :, 5]))
+    assert (r.k_cache.unsafe_buffer_pointer(), r.v_cache.unsafe_buffer_pointer()) == ptrs
+    assert all(_huge_bytes(c) >= c.nbytes - 2 * HUGE_PAGE for c in (r.k_cache, r.v_cache))
