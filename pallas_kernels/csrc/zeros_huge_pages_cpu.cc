@@ -6,11 +6,11 @@
 // head) at the demo model's shapes, from wherever the block table puts them. On 4 KiB pages
 // every block is its own page, so each costs a TLB miss and the hardware prefetchers stop at
 // its end; reading random 4 KiB chunks from a 1.5 GB buffer (two streams per thread, two
-// threads) drew 14.5 GB/s on this project's host, 21.5 GB/s on 2 MiB pages
-// (docs/v1-core.md). The cache must be XLA's own buffer, since the step donates it and XLA
-// aliases only buffers it allocated (a view of a mapping of ours, as the weights use, would
-// be copied on every step): so the output buffer XLA hands this call is advised here, before
-// the zero fill faults its pages in, 2 MiB at a time.
+// threads; `bench/memory_read.cc`) drew 16.8-19.1 GB/s on this project's host, 19.7-23.0 GB/s
+// on 2 MiB pages (docs/v1-core.md). The cache must be XLA's own buffer, since the step donates
+// it and XLA aliases only buffers it allocated (a view of a mapping of ours, as the weights
+// use, would be copied on every step): so the output buffer XLA hands this call is advised
+// here, before the zero fill faults its pages in, 2 MiB at a time.
 
 #include <sys/mman.h>
 

@@ -1,0 +1,37 @@
+"""`bench/native_ab.py`: a kernel source built into its own library under a renamed FFI
+handler computes what the engine's build computes (the A/B runs compare two such builds)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.qlinear import to_dense_panels
+from pallas_kernels import cpu_native
+
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C++ compiler")
+
+
+def test_a_renamed_build_matches_the_engines_kernel(tmp_path):
+    spec = importlib.util.spec_from_file_location("native_ab", ROOT / "bench/native_ab.py")
+    native_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native_ab)
+    name, symbol = native_ab.FILES["matmul"]
+    source = (ROOT / "pallas_kernels/csrc" / name).read_text()
+    lib, renamed = native_ab.build(source, symbol, "test", tmp_path)
+    assert renamed == f"{symbol}_test" and f"{symbol}_test" in (tmp_path / "test.cc").read_text()
+    jax.ffi.register_ffi_target("native_ab_test", jax.ffi.pycapsule(getattr(lib, renamed)),
+                                platform="cpu")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((9, 100)), jnp.float32)
+    w = to_dense_panels(jnp.asarray(rng.standard_normal((100, 130)), jnp.float32))
+    got = jax.ffi.ffi_call("native_ab_test", jax.ShapeDtypeStruct((9, 130), jnp.float32))(x, w)
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(cpu_native.dense_matmul_cpu(x, w, 130)))
