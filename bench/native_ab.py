@@ -13,7 +13,8 @@ into its own library under its own FFI target, and times one jitted workload thr
 - `attention`: 30 layers of decode attention for ``--seqs`` sequences of ``--ctx`` tokens
   (9 query / 3 KV heads, head dim 64, 16-token blocks) with random block tables over a cache
   twice the size they need, as blocks end up after a while of serving; the cache on 2 MiB
-  pages as the engine allocates it (``--small-pages``: XLA's own 4 KiB pages).
+  pages as the engine allocates it (``--small-pages``: XLA's own 4 KiB pages; ``--resident``:
+  every sequence and layer reads the same blocks, which stay in cache).
 
 Both versions must give the same outputs (checked: bit for bit). Reports the median of
 ``--iters`` interleaved calls each, with the load average at the start; writes
@@ -98,7 +99,7 @@ def matmul_workload(rows: int):
     return timed, {"rows": rows, "gflop_per_call": flops / 1e9}
 
 
-def attention_workload(seqs: int, ctx: int, small_pages: bool):
+def attention_workload(seqs: int, ctx: int, small_pages: bool, resident: bool = False):
     """(a function of the FFI target (and page size) giving the timed call, the workload)."""
     import jax
     import jax.numpy as jnp
@@ -121,7 +122,8 @@ def attention_workload(seqs: int, ctx: int, small_pages: bool):
             caches[small] = [fill(make_zeros(shape, jnp.float32), values) for _ in range(2)]
         return caches[small]
     tables = np.zeros((seqs, 64), np.int32)
-    tables[:, :per] = rng.permutation(n)[:seqs * per].reshape(seqs, per)
+    tables[:, :per] = (np.arange(per) if resident else  # every sequence the same blocks
+                       rng.permutation(n)[:seqs * per].reshape(seqs, per))
     kv_lens, cu = jnp.full((seqs,), ctx, jnp.int32), jnp.arange(seqs + 1, dtype=jnp.int32)
     q = jax.device_put(rng.standard_normal((seqs, hkv * group, d), dtype=np.float32))
 
@@ -133,7 +135,8 @@ def attention_workload(seqs: int, ctx: int, small_pages: bool):
             out = q
             for layer in range(layers):
                 out = out + call(out, k, v, kv_lens, tables, cu, jnp.int32(seqs),
-                                 jnp.int32(layer), jnp.int32(0), jnp.zeros((0,), jnp.float32),
+                                 jnp.int32(0 if resident else layer), jnp.int32(0),
+                                 jnp.zeros((0,), jnp.float32),
                                  scale=np.float32(0.125), softcap=np.float32(0),
                                  data_slots=np.int64(0))
             return out
@@ -149,7 +152,7 @@ def attention_workload(seqs: int, ctx: int, small_pages: bool):
     return timed, {
         "seqs": seqs, "ctx": ctx, "kv_gb_per_call": gb,
         "cache_gb": 2 * float(np.prod(shape)) * 4 / 1e9,
-        "cache_pages": "4 KiB" if small_pages else "2 MiB"}
+        "cache_pages": "4 KiB" if small_pages else "2 MiB", "cache_resident": resident}
 
 
 def main() -> None:
@@ -163,6 +166,9 @@ def main() -> None:
     ap.add_argument("--seqs", type=int, default=64)
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--small-pages", action="store_true")
+    ap.add_argument("--resident", action="store_true",
+                    help="attention: every sequence and layer reads the same blocks (they "
+                         "stay in cache: the arithmetic alone)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -184,7 +190,7 @@ def main() -> None:
     if args.kind == "matmul":
         timed, meta = matmul_workload(args.rows)
     else:
-        timed, meta = attention_workload(args.seqs, args.ctx, args.small_pages)
+        timed, meta = attention_workload(args.seqs, args.ctx, args.small_pages, args.resident)
     calls = {}
     with tempfile.TemporaryDirectory() as tmp:
         for tag, src in sources.items():
