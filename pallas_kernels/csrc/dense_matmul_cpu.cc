@@ -16,8 +16,9 @@
 // item also pulls the panel its thread takes next into L2, one line every few k spread over
 // the item's blocks, so that panel's first pass does not wait on memory (in a standalone copy
 // of this kernel the demo model's weight matmuls at 64 rows went from ~91 to ~72 ms a step
-// with a guessed next panel and bursts of prefetches, and from ~78 to ~66 ms with each
-// thread's own list and the prefetches spread evenly; docs/v1-core.md).
+// with a guessed next panel and bursts of prefetches; with each thread's own list, the
+// prefetches spread evenly and uneven items cut, 74.3 -> 64.3 ms in `bench/native_ab.py
+// --kind matmul --base 4ded95e`; docs/v1-core.md).
 // At one block (batch-1 decode) the whole next panel would be fetched during a single pass,
 // which measured slower, so none is.
 //
