@@ -234,6 +234,11 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype, device: jax.Device | None
     for the KV cache, which the step donates and XLA then keeps in place."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
-    device = device or jax.devices("cpu")[0]
-    call = jax.ffi.ffi_call(ZEROS_TARGET, jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)))
-    return jax.jit(call, out_shardings=jax.sharding.SingleDeviceSharding(device))()
+    return _zero_fill(tuple(shape), jnp.dtype(dtype), device or jax.devices("cpu")[0])()
+
+
+@functools.cache
+def _zero_fill(shape: tuple[int, ...], dtype, device: jax.Device):
+    """One compiled zero fill per (shape, dtype, device): the K and V caches share it."""
+    call = jax.ffi.ffi_call(ZEROS_TARGET, jax.ShapeDtypeStruct(shape, dtype))
+    return jax.jit(call, out_shardings=jax.sharding.SingleDeviceSharding(device))

@@ -26,10 +26,16 @@ def _tree(rng):
         "g": [rng.standard_normal((1 << 19,)).astype(np.float32)]}, cpu)
 
 
-def _vma_of(address: int) -> str:
-    """The /proc/self/smaps entry of the mapping that holds ``address``."""
+def _mappings():
+    """(first byte, end, entry) of each mapping in /proc/self/smaps."""
     for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
         lo, hi = (int(x, 16) for x in entry.split()[0].split("-"))
+        yield lo, hi, entry
+
+
+def _vma_of(address: int) -> str:
+    """The /proc/self/smaps entry of the mapping that holds ``address``."""
+    for lo, hi, entry in _mappings():
         if lo <= address < hi:
             return entry
     raise AssertionError(f"no mapping holds {address:#x}")
@@ -38,12 +44,9 @@ def _vma_of(address: int) -> str:
 def _huge_bytes(x) -> int:
     """Bytes of 2 MiB pages (smaps AnonHugePages) in the mappings that hold ``x``'s buffer."""
     lo = x.unsafe_buffer_pointer()
-    hi, total = lo + x.nbytes, 0
-    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
-        a, b = (int(v, 16) for v in entry.split()[0].split("-"))
-        if a < hi and lo < b:
-            total += int(re.search(r"AnonHugePages:\s+(\d+) kB", entry).group(1)) << 10
-    return total
+    hi = lo + x.nbytes
+    return sum(int(re.search(r"AnonHugePages:\s+(\d+) kB", entry).group(1)) << 10
+               for a, b, entry in _mappings() if a < hi and lo < b)
 
 
 def _interior_advised(x) -> bool:
@@ -51,14 +54,9 @@ def _interior_advised(x) -> bool:
     flag ``hg``): what `zeros_on_huge_pages` does, whatever the kernel then manages to give."""
     lo = -(-x.unsafe_buffer_pointer() // HUGE_PAGE) * HUGE_PAGE
     hi = (x.unsafe_buffer_pointer() + x.nbytes) // HUGE_PAGE * HUGE_PAGE
-    seen = False
-    for entry in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
-        a, b = (int(v, 16) for v in entry.split()[0].split("-"))
-        if a < hi and lo < b:
-            seen = True
-            if "hg" not in re.search(r"VmFlags:(.*)", entry).group(1).split():
-                return False
-    return seen and hi > lo
+    over = [entry for a, b, entry in _mappings() if a < hi and lo < b]
+    return hi > lo and bool(over) and all(
+        "hg" in re.search(r"VmFlags:(.*)", entry).group(1).split() for entry in over)
 
 
 def _eligible(x) -> bool:
@@ -122,7 +120,7 @@ def test_a_cpu_engine_reads_its_weights_from_huge_pages_and_swapped_ones_too(mon
     """The runner's params (and those of a weight swap) live in advised mappings, and the
     engine's greedy tokens equal those of an engine whose weights stay on 4 KiB pages."""
     from pagedjax import SamplingParams
-    from tests.serving.fuzz_support import tiny_engine
+    from tests.serving.fuzz_support import assert_pool_whole, tiny_engine
 
     monkeypatch.delenv(huge_pages.ENV, raising=False)
     eng = tiny_engine(layer_loop="unrolled")
@@ -142,6 +140,8 @@ def test_a_cpu_engine_reads_its_weights_from_huge_pages_and_swapped_ones_too(mon
                 if o.finished:
                     outs.append(o.outputs[0].token_ids)
     assert len(outs) == 2 and list(outs[0]) == list(outs[1])
+    assert_pool_whole(eng)
+    assert_pool_whole(plain)
     monkeypatch.delenv(huge_pages.ENV)
     swapped = eng.runner.place_params(_checkpoint_params())
     assert on_huge_pages(swapped) and all(_eligible(x) for x in jax.tree.leaves(swapped))
@@ -183,7 +183,7 @@ def test_an_engines_kv_cache_stays_on_huge_pages_through_steps_and_swaps(monkeyp
     steps with prefix-cache hits, block copies and swaps out and in (each donates the caches
     and writes in place), so the attention reads huge pages for the engine's life."""
     from pagedjax import SamplingParams
-    from tests.serving.fuzz_support import tiny_engine
+    from tests.serving.fuzz_support import assert_pool_whole, tiny_engine
 
     monkeypatch.delenv(huge_pages.ENV, raising=False)
     eng = tiny_engine(layer_loop="unrolled", num_gpu_blocks=4096, enable_prefix_caching=True)
@@ -196,6 +196,7 @@ def test_an_engines_kv_cache_stays_on_huge_pages_through_steps_and_swaps(monkeyp
         eng.add_request(str(i), None, sp, prompt_token_ids=list(range(3, 20)) + [50 + i] * i)
     while eng.has_unfinished_requests():
         eng.step()
+    assert_pool_whole(eng)
     r.copy_blocks([(1, 2), (3, 4)])
     r.swap_out([(5, 0), (6, 1)])
     r.swap_in([(0, 7), (1, 8)])
