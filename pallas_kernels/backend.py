@@ -65,6 +65,11 @@ def resolve_backend(backend: str | None) -> Backend:
     choice = choice.lower()
     if choice not in BACKENDS:
         raise ValueError(f"unknown attention backend {choice!r}; expected one of {BACKENDS}")
+    if choice == "cpu" and target_platform() != "cpu":
+        # The native kernel is an XLA:CPU custom call: on a GPU it has no implementation, and
+        # the first H100 run showed it failing deep inside the compile instead of saying so.
+        raise ValueError(f"attention backend 'cpu' runs the native XLA:CPU kernel, but this "
+                         f"computation lowers for {target_platform()!r}; use 'pallas' or 'xla'")
     if choice == "cpu" and not native_cpu_available():
         raise ValueError("attention backend 'cpu': the native CPU kernel is unavailable "
                          "(no C++ compiler, or PAGEDJAX_NATIVE_CPU=0); use 'xla'")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 STAGES = ("kernels", "bench", "e2e", "paper")
 # Seconds per stage on an H100: kernels + bench share one 10-minute call (docs/gpu.md).
-BUDGET_S = {"kernels": 150, "bench": 330, "e2e": 480, "paper": 480}
+BUDGET_S = {"kernels": 180, "bench": 240, "e2e": 480, "paper": 480}
 # Caps for --dry-run: the work is tiny (e2e takes ~40 s on a quiet 2-core host), but a CI worker
 # shares its cores with another, and at 90 s the e2e stage once ran out before its bf16 half.
 DRY_BUDGET_S = {"kernels": 240, "bench": 240, "e2e": 240, "paper": 240}

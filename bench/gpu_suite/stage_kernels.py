@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,14 @@ from pathlib import Path
 
 from bench.gpu_suite.common import REPO, Budget, Recorder
 
+CPU_ONLY_FILES = ("test_cpu_native.py", "test_dense_matmul.py", "test_packed_matmul.py")
 _LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+# pytest-xdist's -v lines put the outcome first: "[gw1] [ 12%] PASSED tests/...::test[x]".
+_XDIST_LINE = re.compile(r"^\[gw\d+\]\s+\[\s*\d+%\]\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+"
+                         r"(tests/\S+::\S+)")
+# The first H100 run (one process) spent ~1.1 s a test, nearly all of it compiling Triton
+# kernels on the host: a few workers on the GPU host's 16 cores share the one GPU.
+GPU_WORKERS = 4
 _SUMMARY = re.compile(r"=+ (.*\bin [\d.]+s.*) =+$")
 _COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
 
@@ -29,11 +37,13 @@ def parse_pytest_log(text: str) -> dict:
     failures = []
     for line in text.splitlines():
         m = _LINE.match(line)
-        if m:
-            key = {"ERROR": "error", "XFAIL": "xfailed", "XPASS": "xpassed"}.get(m[2], m[2].lower())
+        x = None if m else _XDIST_LINE.match(line)
+        test, outcome = (m[1], m[2]) if m else (x[2], x[1]) if x else (None, None)
+        if test:
+            key = {"ERROR": "error", "XFAIL": "xfailed", "XPASS": "xpassed"}.get(outcome, outcome.lower())
             counts[key] += 1
-            if m[2] in ("FAILED", "ERROR"):
-                failures.append(m[1])
+            if outcome in ("FAILED", "ERROR"):
+                failures.append(test)
     summary = None
     for line in text.splitlines():
         m = _SUMMARY.search(line.strip())
@@ -49,6 +59,12 @@ def parse_pytest_log(text: str) -> dict:
     return {**counts, "failures": failures, "summary_line": summary}
 
 
+def _has_xdist() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xdist") is not None
+
+
 def run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
     from pallas_kernels.backend import interpret_mode
 
@@ -58,10 +74,15 @@ def run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
     rec.set("interpret_mode", interp)
     # Dry run: one fast file interpreted on CPU (checks the harness, not the kernels).
     target = ["tests/kernels/test_cache_ops.py"] if dry_run else ["tests/kernels"]
+    # The C++ CPU kernels (jax.ffi on the host) are CI's to test; on a GPU host they would only
+    # spend the budget compiling C++. Not -x: a first failure must not hide the others, but
+    # --maxfail keeps a broken backend from eating the whole budget on one traceback each.
+    ignore = [] if dry_run or not on_gpu else [f"--ignore=tests/kernels/{f}" for f in CPU_ONLY_FILES]
     log_path = out_dir / "kernels_pytest.log"
     junit = out_dir / "kernels_junit.xml"
-    cmd = [sys.executable, "-m", "pytest", *target, "-x", "-v", "-p", "no:cacheprovider",
-           "-o", "addopts=-ra", f"--junitxml={junit}"]
+    workers = [] if dry_run or not on_gpu or not _has_xdist() else ["-n", str(GPU_WORKERS)]
+    cmd = [sys.executable, "-m", "pytest", *target, *ignore, *workers, "--maxfail=40", "-v",
+           "-p", "no:cacheprovider", "-o", "addopts=-ra", f"--junitxml={junit}"]
     env = {k: v for k, v in os.environ.items() if k != "PAGEDJAX_PALLAS_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     rec.set("command", " ".join(cmd))
@@ -69,10 +90,11 @@ def run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
     t0 = time.monotonic()
     timed_out = False
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own group: xdist workers die with it
         while proc.poll() is None:  # progress into the JSON every few seconds
             if time.monotonic() - t0 > timeout:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
                 timed_out = True
                 break
             time.sleep(2.0)

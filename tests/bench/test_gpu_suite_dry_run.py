@@ -179,6 +179,16 @@ def test_parse_pytest_log_counts_partial_and_final_output():
     assert (final["passed"], final["failed"], final["skipped"]) == (70, 1, 2)
 
 
+def test_parse_pytest_log_reads_xdist_lines():
+    """With workers (the GPU run uses -n), -v lines put the outcome before the test id."""
+    log = ("[gw0] [  1%] PASSED tests/kernels/test_a.py::test_x[1-pallas] \n"
+           "[gw3] [ 12%] SKIPPED tests/kernels/test_a.py::test_x[1-cpu] \n"
+           "[gw1] [100%] FAILED tests/kernels/test_b.py::test_y \n")
+    res = parse_pytest_log(log)
+    assert (res["passed"], res["skipped"], res["failed"]) == (1, 1, 1)
+    assert res["failures"] == ["tests/kernels/test_b.py::test_y"]
+
+
 def test_launch_kwargs_follow_the_kernel_signature():
     def old(q, *, num_warps=4, num_stages=2, pages_per_chunk=None, block_q=None):
         return q

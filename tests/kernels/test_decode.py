@@ -134,12 +134,26 @@ def test_backend_env_override(monkeypatch):
     from pallas_kernels import resolve_backend
 
     monkeypatch.delenv("PAGEDJAX_ATTENTION_BACKEND", raising=False)
-    assert resolve_backend(None) == "cpu"  # CPU default: the native kernel (it builds here)
+    # The platform's default: the native kernel on a CPU host (it builds here), Pallas on a GPU.
+    assert resolve_backend(None) == ("pallas" if jax.default_backend() in ("gpu", "cuda") else "cpu")
     monkeypatch.setenv("PAGEDJAX_ATTENTION_BACKEND", "pallas")
     assert resolve_backend(None) == "pallas"
     assert resolve_backend("xla") == "xla"
     with pytest.raises(ValueError):
         resolve_backend("cudnn")
+
+
+def test_cpu_backend_on_a_gpu_target_is_refused_by_name():
+    """The native kernel is an XLA:CPU custom call; asked for on a GPU it must say so."""
+    from pallas_kernels import resolve_backend
+
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=132, platform="cuda")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), (jax.sharding.AxisType.Explicit,),
+                                     abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        with pytest.raises(ValueError, match="backend 'cpu'.*lowers for 'cuda'.*'pallas' or 'xla'"):
+            resolve_backend("cpu")
+        assert resolve_backend(None) == "pallas"
 
 
 def test_pallas_lowering_env(monkeypatch):
