@@ -116,6 +116,7 @@ class DecoderLayer(nn.Module):
     attn_fn: Callable[..., tuple[jax.Array, KVCache]]
     dtype: Any = jnp.float32
     fused: bool = False  # params from `unstack_layers`: qkv_proj and gate_up_proj
+    fused_shards: int = 1  # the fused columns are grouped per tensor-parallel shard
     static_layer: int | None = None  # the unrolled loop's layer index (window, rope known)
     moe_fn: Callable[..., jax.Array] | None = None  # routed experts (None: `moe_mlp`)
     packed_matmul: Callable[..., jax.Array] | None = None  # packed weights (`models.qlinear`)
@@ -135,7 +136,7 @@ class DecoderLayer(nn.Module):
         h = rms_norm(x, norm("attn_norm"), c.rms_norm_eps)
         if self.fused:
             qkv = dense(nq + 2 * nkv, "qkv_proj", c.qkv_bias)(h)
-            q, k, v = qkv[..., :nq], qkv[..., nq : nq + nkv], qkv[..., nq + nkv :]
+            q, k, v = split_fused(qkv, (nq, nkv, nkv), self.fused_shards)
         else:
             q = dense(nq, "q_proj", c.qkv_bias)(h)
             k = dense(nkv, "k_proj", c.qkv_bias)(h)
@@ -162,7 +163,7 @@ class DecoderLayer(nn.Module):
         else:
             if self.fused:
                 gate_up = dense(2 * c.intermediate_size, "gate_up_proj")(h)
-                gate, up = gate_up[..., : c.intermediate_size], gate_up[..., c.intermediate_size :]
+                gate, up = split_fused(gate_up, (c.intermediate_size,) * 2, self.fused_shards)
             else:
                 gate = dense(c.intermediate_size, "gate_proj")(h)
                 up = dense(c.intermediate_size, "up_proj")(h)
@@ -218,6 +219,7 @@ class DecoderLM(nn.Module):
     attn_fn: Callable[..., tuple[jax.Array, KVCache]]
     dtype: Any = jnp.float32
     scan_layers: bool = True  # False: params from `unstack_layers`, one graph node per layer
+    fused_shards: int = 1  # `unstack_layers(shards=)`: the tensor-parallel degree
     moe_fn: Callable[..., jax.Array] | None = None  # e.g. `parallel.experts.ExpertParallelMoE`
     # Multiplies by a packed weight directly (`models.qlinear.Linear`); None: XLA dequantizes.
     packed_matmul: Callable[..., jax.Array] | None = None
@@ -265,7 +267,8 @@ class DecoderLM(nn.Module):
         else:
             carry = (x, kv_cache)
             for i in range(c.num_layers):
-                layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True, static_layer=i,
+                layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True,
+                                     fused_shards=self.fused_shards, static_layer=i,
                                      moe_fn=self.moe_fn, packed_matmul=self.packed_matmul,
                                      name=f"{UNSTACKED_PREFIX}{i}")
                 carry, _ = layer(carry, jnp.int32(i), rope, meta)
@@ -304,11 +307,29 @@ FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"),
                      "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def unstack_layers(params: dict) -> dict:
+def split_fused(y: jax.Array, widths: tuple[int, ...], shards: int = 1) -> list[jax.Array]:
+    """The outputs of a fused projection (`unstack_layers`), in `FUSED_PROJECTIONS` order.
+
+    With ``shards`` > 1 the columns are grouped per tensor-parallel shard (shard 0's q, k, v,
+    then shard 1's, ...), so each device's slice of the fused output holds its own heads and
+    the split needs no data from another device."""
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, shards, y.shape[-1] // shards)
+    out, at = [], 0
+    for w in widths:
+        out.append(y[..., at : at + w // shards].reshape(*lead, w))
+        at += w // shards
+    return out
+
+
+def unstack_layers(params: dict, shards: int = 1) -> dict:
     """Stacked checkpoint params (``params["layers"]`` with a leading layer axis) to the
     per-layer layout of ``DecoderLM(scan_layers=False)``: ``layer_0 .. layer_{L-1}``,
     with each layer's projections fused (`FUSED_PROJECTIONS`: kernels, and biases where the
     family has them, concatenated along the output axis; MoE layers have no dense gate/up).
+    Under tensor parallelism (``shards`` devices, columns sharded) the concatenation is per
+    shard (`split_fused`), and each fused matrix keeps its parts' sharding: a plain
+    concatenation would put q columns on the devices that hold k and v.
 
     Works on arrays (each layer becomes its own buffer, so the stacked original can be freed)
     and on ShapeDtypeStructs (for compile-only lowering)."""
@@ -317,7 +338,10 @@ def unstack_layers(params: dict) -> dict:
 
     def take(a, i):
         if isinstance(a, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=getattr(a, "sharding", None))
+            sh = getattr(a, "sharding", None)
+            if isinstance(sh, jax.sharding.NamedSharding):  # the layer axis leaves the spec
+                sh = jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec(*sh.spec[1:]))
+            return jax.ShapeDtypeStruct(a.shape[1:], a.dtype, sharding=sh)
         return a[i]
 
     def concat(parts):
@@ -325,7 +349,13 @@ def unstack_layers(params: dict) -> dict:
             width = sum(p.shape[-1] for p in parts)
             return jax.ShapeDtypeStruct((*parts[0].shape[:-1], width), parts[0].dtype,
                                         sharding=getattr(parts[0], "sharding", None))
-        return jnp.concatenate(parts, axis=-1)
+        if shards == 1:
+            return jnp.concatenate(parts, axis=-1)
+        lead = parts[0].shape[:-1]
+        grouped = [p.reshape(*lead, shards, p.shape[-1] // shards) for p in parts]
+        fused = jnp.concatenate(grouped, axis=-1).reshape(*lead, -1)
+        sh = getattr(parts[0], "sharding", None)
+        return jax.device_put(fused, sh) if isinstance(sh, jax.sharding.NamedSharding) else fused
 
     out = {k: v for k, v in params.items() if k != "layers"}
     for i in range(num_layers):

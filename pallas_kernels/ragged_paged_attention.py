@@ -466,8 +466,11 @@ def ragged_paged_attention(
             interpret=interpret_mode())
     tuned = tuning.lookup("ragged", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
+    # A soft-cap costs registers like the window masks do: Gemma 2's window-free layers
+    # (unrolled, so their window is a constant 0) spilled at the tuned launch with head dim
+    # 256 on sm_90a; with the windowed launch they compile clean (`make aot-report`).
     tuned = windowed_launch(tuning.quantized_launch(tuned) if kv_scale is not None else tuned,
-                            windowed)
+                            windowed or cap is not None)
     group = q.shape[1] // k_cache.shape[-4]
     return _ragged_pallas(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win, kv_scale,

@@ -59,13 +59,15 @@ class KernelCase:
     kv_dtype: str | None = None  # a quantized cache's storage (None: the cache is `dtype`)
 
     def tuned(self, arch: str) -> tuning.KernelTuning:
-        """The launch the engine gets (the windowed ragged variant has its own)."""
+        """The launch the engine gets (windowed or soft-capped ragged variants have their own)."""
         if self.launch is not None:
             return self.launch
         t = tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
         if self.kv_dtype is not None:
             t = tuning.quantized_launch(t)
-        return windowed_launch(t, self.windowed) if self.kernel == "ragged" else t
+        if self.kernel == "ragged":
+            return windowed_launch(t, self.windowed or self.softcap is not None)
+        return t
 
     def chunk_tokens(self, arch: str) -> int:
         """The chunk size the kernel runs with (the tuned one is capped for small pages)."""

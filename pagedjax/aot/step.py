@@ -28,7 +28,7 @@ from pagedjax.config import EngineConfig
 from pagedjax.core.scheduler import ScheduledSeq
 from pagedjax.sampler import SamplingMetadata, SeqSamplingState, sample
 from pagedjax.sampling_params import MAX_LOGPROBS, SamplingParams
-from pagedjax.worker.model_runner import ModelRunner
+from pagedjax.worker.model_runner import ModelRunner, default_layer_loop
 from pagedjax.worker.step_inputs import build_step_inputs
 
 MODELS = {
@@ -103,14 +103,20 @@ def _abstract(x, sharding):
 
 def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block_size: int = 16,
                  max_model_len: int = 4096, shapes: list[StepShape] | None = None,
-                 log=print, kv_cache_dtype: str = "auto") -> list[dict]:
-    """Compile the runner's step (and the sampler) for every shape; a report row each."""
+                 log=print, kv_cache_dtype: str = "auto", layer_loop: str | None = None
+                 ) -> list[dict]:
+    """Compile the runner's step (and the sampler) for every shape; a report row each.
+
+    ``layer_loop`` None compiles the loop the engine picks for a GPU, whatever
+    $PAGEDJAX_LAYER_LOOP says (the test suite sets it to "scan" for its CPU compiles)."""
     config = MODELS[model]
     devices = compile_only_devices(target, tp)
+    if layer_loop is None:
+        layer_loop = default_layer_loop("gpu", tp)
     engine_config = EngineConfig(block_size=block_size, tensor_parallel_size=tp,
                                  attention_backend="pallas", num_gpu_blocks=1,
                                  max_num_seqs=256, max_num_batched_tokens=2048,
-                                 kv_cache_dtype=kv_cache_dtype)
+                                 kv_cache_dtype=kv_cache_dtype, layer_loop=layer_loop)
     runner = ModelRunner.compile_only(config, engine_config, dtype, max_model_len, devices)
     rows = []
     for shape in shapes or step_shapes(max_model_len):
@@ -126,15 +132,19 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
                    **({"kv_cache_dtype": kv_cache_dtype} if kv_cache_dtype != "auto" else {}),
                    block_size=block_size, shape=shape.name, tokens=int(inputs.input_ids.shape[0]),
                    seqs=len(shape.seqs), table_width=int(inputs.meta.block_tables.shape[-1]),
-                   decode_only=bool(inputs.meta.decode_only))
+                   decode_only=bool(inputs.meta.decode_only), layer_loop=layer_loop)
         try:
             with jax.default_device(devices[0]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 lowered = ModelRunner._step.lower(runner, params, k_cache, v_cache, *args)
-                _, kernels, _ = compile_with_resources(lowered)
+                compiled, kernels, _ = compile_with_resources(lowered)
             row["error"] = None
+            # Scratch memory of the step: under a layer scan it holds a copy of each layer's
+            # weights (resolve_layer_loop's docstring), unrolled only activations.
+            row["temp_mib"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
         except Exception as e:
             kernels, row["error"] = {}, f"{type(e).__name__}: {str(e)[:3000]}"
+            row["temp_mib"] = None
         row["compile_s"] = round(time.perf_counter() - t0, 2)
         row["kernels"] = len(kernels)
         row["max_registers"] = max((k.registers for k in kernels.values()), default=0)

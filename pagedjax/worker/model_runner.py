@@ -62,17 +62,31 @@ LAYER_LOOP_ENV = "PAGEDJAX_LAYER_LOOP"
 
 
 def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
-    """`EngineConfig.layer_loop`, else $PAGEDJAX_LAYER_LOOP, else "unrolled" on one CPU device
-    (1.7x faster decode, but each step shape compiles in ~9 s instead of ~1 s for a 30-layer
-    model) and "scan" elsewhere (no GPU measurement yet; the test suite sets the variable to
-    "scan" to keep its many compiles cheap, and tests the loop explicitly)."""
+    """`EngineConfig.layer_loop`, else $PAGEDJAX_LAYER_LOOP, else "unrolled" on GPUs (any
+    TP: the fused projections are grouped per shard, `models.decoder.split_fused`) and on
+    one CPU device, "scan" on several CPU devices.
+
+    GPU: under `scan`, XLA slices each layer's weights out of the stacked parameters and
+    materializes the slice before every GEMM (its Triton GEMM fusions cannot take a sliced
+    operand), so the weights cross HBM three times a step. The first H100 run measured a
+    Llama-3-8B decode step at 22-28 ms where reading the weights and KV once takes ~11-15 ms;
+    the deviceless compile shows 436 MB of per-layer copies under `scan` and none unrolled
+    (`tests/aot/test_step_memory.py`). One CPU device: 1.7x faster decode. The price is
+    compile time (a 30-layer step shape in ~9 s on CPU instead of ~1 s; ~3x on GPU), so the
+    test suite sets the variable to "scan" and tests the loop explicitly."""
     choice = choice or os.environ.get(LAYER_LOOP_ENV) or None
     if choice not in (None, "scan", "unrolled"):
         raise ValueError(f"{LAYER_LOOP_ENV}: must be 'scan' or 'unrolled'; got {choice!r}")
     if choice is None:
-        platform = (devices[0] if devices else jax.devices()[0]).platform
-        choice = "unrolled" if tp == 1 and platform == "cpu" else "scan"
+        choice = default_layer_loop((devices[0] if devices else jax.devices()[0]).platform, tp)
     return choice
+
+
+def default_layer_loop(platform: str, tp: int) -> str:
+    """The loop `resolve_layer_loop` picks when nothing is set (the AOT tier compiles it).
+    Several CPU devices (tests, the TP benchmark) keep the scan for its compile time."""
+    gpu = platform in ("gpu", "cuda", "rocm")
+    return "unrolled" if gpu or (tp == 1 and platform == "cpu") else "scan"
 
 
 def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool:
@@ -186,7 +200,7 @@ class ModelRunner:
         if self.mesh is None:
             params = jax.device_put(params, jax.local_devices()[0])
         self.params = self._on_huge_pages(
-            self._panels(unstack_layers(params) if not self.scan_layers else params))
+            self._panels(unstack_layers(params, self.tp) if not self.scan_layers else params))
         del params
         if jax.local_devices()[0].platform == "cpu":
             # Device buffers are heap memory: keep what steps free for the next step, but only
@@ -267,7 +281,8 @@ class ModelRunner:
         self.feed_tokens = resolve_async_scheduling(engine_config.async_scheduling, self.tp,
                                                     devices)
         self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn,
-                               packed_matmul=native_packed_matmul(self.tp, devices))
+                               packed_matmul=native_packed_matmul(self.tp, devices),
+                               fused_shards=self.tp)
 
     @classmethod
     def compile_only(cls, config: ModelConfig, engine_config: EngineConfig, dtype,
@@ -299,7 +314,7 @@ class ModelRunner:
                                              self.shard_vocab, self.expert_parallel)
             cache = jax.ShapeDtypeStruct(shape, dtype, sharding=cache_sharding(self.mesh))
         if not self.scan_layers:
-            params = unstack_layers(params)
+            params = unstack_layers(params, self.tp)
         return params, cache, cache
 
     def _zeros_cache(self, num_blocks: int) -> jax.Array:
@@ -335,7 +350,7 @@ class ModelRunner:
 
         model = DecoderLM(self.config, CalibrationAttention(), self.dtype,
                           scan_layers=self.scan_layers, moe_fn=self.model.moe_fn,
-                          packed_matmul=self.model.packed_matmul)
+                          packed_matmul=self.model.packed_matmul, fused_shards=self.tp)
         c = self.config
         amax = calibrate_amax(model, self.params, c.num_layers, c.num_kv_heads, c.head_dim,
                               token_ids)
@@ -370,7 +385,7 @@ class ModelRunner:
             placed = shard_params(params, self.model_config, self.mesh, self.shard_vocab,
                                   expert_parallel=self.expert_parallel)
         return self._on_huge_pages(self._panels(placed if self.scan_layers else
-                                                unstack_layers(placed)))
+                                                unstack_layers(placed, self.tp)))
 
     def _on_huge_pages(self, params: dict) -> dict:
         """One CPU device: the weights on transparent huge pages (`worker.huge_pages` says why)."""

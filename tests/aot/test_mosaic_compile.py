@@ -25,7 +25,7 @@ def test_mosaic_kernels_compile_clean_and_match_committed_report():
 
 
 def test_engine_steps_compile_with_mosaic_for_h100(monkeypatch):
-    """The whole bf16 engine step (layers under the scan) lowers and compiles for H100 with
+    """The whole bf16 engine step (layers unrolled, as on one GPU) lowers and compiles for H100 with
     PAGEDJAX_PALLAS_LOWERING=mosaic, decode and mixed prefill + decode, and its attention is
     no longer a Triton kernel (write_kv still is)."""
     from pagedjax.aot.step import compile_step, step_shapes

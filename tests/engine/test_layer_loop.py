@@ -1,4 +1,5 @@
-"""The unrolled layer loop (CPU serving default) computes what the scanned layers compute.
+"""The unrolled layer loop (the serving default on GPU and one CPU device) computes what
+the scanned layers compute.
 
 The suite runs the scan (tests/conftest.py sets PAGEDJAX_LAYER_LOOP=scan for compile time);
 these tests pin the loop explicitly: per-layer params from `unstack_layers`, greedy outputs
@@ -7,13 +8,15 @@ under preemption and weight swaps, and the demo model's HF chat goldens.
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models.config import ModelConfig
-from models.decoder import FUSED_PROJECTIONS, unstack_layers
+from models.decoder import FUSED_PROJECTIONS, split_fused, unstack_layers
 from models.weights import abstract_params, assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.config import EngineConfig
@@ -50,10 +53,46 @@ def test_unstack_layers_splits_arrays_and_shapes(tiny):
         jax.tree.map(lambda x: (x.shape, x.dtype), flat)
 
 
+def test_fused_projections_grouped_per_shard_split_back_exactly(tiny):
+    """`unstack_layers(shards=2)` lays out shard 0's q, k, v columns, then shard 1's;
+    `split_fused` recovers the three outputs from the fused product."""
+    config, params = tiny
+    stacked = params["layers"]
+    layer = unstack_layers(params, shards=2)["layer_1"]
+    w = np.asarray(layer["qkv_proj"]["kernel"])
+    parts = [np.asarray(stacked[n]["kernel"])[1] for n in FUSED_PROJECTIONS["qkv_proj"]]
+    halves = [np.split(p, 2, axis=-1) for p in parts]
+    want = np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=-1)
+    np.testing.assert_array_equal(w, want)
+    x = np.random.default_rng(0).standard_normal((3, w.shape[0])).astype(np.float32)
+    got = split_fused(jnp.asarray(x @ w), tuple(p.shape[-1] for p in parts), shards=2)
+    for g, p in zip(got, parts, strict=True):
+        np.testing.assert_allclose(np.asarray(g), x @ p, rtol=1e-5, atol=1e-5)
+
+
+def test_unstack_layers_drops_the_layer_axis_from_a_named_sharding(tiny):
+    """Compile-only params sharded over a mesh: each layer's spec loses its leading entry
+    (the stacked spec applied to a layer's rank-2 matrix was an error)."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    config, _ = tiny
+    mesh = Mesh(np.array(jax.devices()[:1]), ("tp",))
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            mesh, P(None, *([None] * (x.ndim - 2)), "tp") if x.ndim >= 2 else P())),
+        abstract_params(config))
+    layer = unstack_layers(params)["layer_0"]
+    for leaf in jax.tree.leaves(layer):
+        assert len(leaf.sharding.spec) == leaf.ndim and leaf.sharding.spec[-1] == "tp"
+
+
 def test_layer_loop_choice(monkeypatch):
     monkeypatch.delenv("PAGEDJAX_LAYER_LOOP", raising=False)
     assert resolve_layer_loop(None, 1) == "unrolled"  # one CPU device
     assert resolve_layer_loop(None, 2) == "scan"
+    gpu = [types.SimpleNamespace(platform="gpu")]  # any TP: scan copies each layer's weights
+    assert resolve_layer_loop(None, 1, gpu) == resolve_layer_loop(None, 4, gpu) == "unrolled"
     assert resolve_layer_loop("scan", 1) == "scan"
     monkeypatch.setenv("PAGEDJAX_LAYER_LOOP", "scan")
     assert resolve_layer_loop(None, 1) == "scan"

@@ -140,6 +140,21 @@ def test_communication_is_two_all_reduces_per_layer(tiny):
     assert coll["outside_layers"] == {"all-reduce": 1, "all-gather": 1}
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_unrolled_layers_match_tp1_with_no_resharding(tiny, tp):
+    """The unrolled loop's fused q/k/v and gate/up are grouped per shard (`split_fused`), so
+    each device multiplies its own heads' columns: the same Megatron all-reduces as the scan,
+    one pair per layer, and nothing that moves a fused projection between devices."""
+    got = tiny[f"tp{tp}_unrolled"]
+    _assert_matches(tiny["tp1"], got, atol=1e-4)
+    assert got["free_blocks_ok"]
+    if tp == 2:
+        layers = TINY_HF_CONFIG["num_hidden_layers"]
+        coll = got["collectives"]
+        assert coll["per_layer"] == {}  # no scan body
+        assert coll["outside_layers"] == {"all-reduce": 2 * layers + 1, "all-gather": 1}
+
+
 def test_demo_model_tp3_matches_tp1(tmp_path_factory):
     """SmolLM2-135M: 9 query / 3 KV heads, TP=3 splits without replication."""
     demo = _scenario(tmp_path_factory, "demo")

@@ -124,6 +124,12 @@ def main(mode: str, out_path: str) -> None:
                                  quantization="int8", **common)
         results["tp2_q8w"] = run(cfg, params, 2, prompts, 16, num_gpu_blocks=12,
                                  quantization="int8", **common)
+        # The unrolled layer loop (the GPU default at any TP): q/k/v and gate/up fused per
+        # shard. TP=4 > 2 KV heads replicates KV columns inside the fused matrix.
+        results["tp2_unrolled"] = run(cfg, params, 2, prompts, 16, num_gpu_blocks=12,
+                                      preemption_mode="swap", layer_loop="unrolled", **common)
+        results["tp4_unrolled"] = run(cfg, params, 4, prompts, 16, num_gpu_blocks=12,
+                                      layer_loop="unrolled", **common)
         # The Pallas kernels (interpret mode on CPU) inside shard_map.
         results["tp2_pallas"] = run(cfg, params, 2, prompts[:2], 6, num_gpu_blocks=32,
                                     attention_backend="pallas", **common)
