@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
 from models.weights import abstract_params
@@ -20,8 +21,6 @@ from pagedjax.aot.step import MODELS, compile_step, step_shapes
 
 def _layer_mib(model: str) -> float:
     layers = abstract_params(MODELS[model], jnp.bfloat16)["layers"]
-    import jax
-
     total = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(layers))
     return total / MODELS[model].num_layers / 2**20
 
