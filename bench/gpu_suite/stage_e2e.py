@@ -248,6 +248,24 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
         rec.summarize(f"{spec.name} decode b{r['batch']} ctx{r['context']} ({perf['layer_loop']})",
                       f"{r['step_ms']:.2f} ms vs roofline {r['roofline_ms']:.2f} ms "
                       f"({r['pct_of_roofline']:.0f}%)", "info")
+    other = "scan" if perf["layer_loop"] == "unrolled" else "unrolled"
+    if perf["decode_vs_roofline"] and roof.allows(30 if not dry_run else 1):
+        # The same first point under the other layer loop, on the same warm device: the scan
+        # copied each layer's weights before its GEMMs (docs/gpu.md), which unrolling removes.
+        b, c = points[0]
+        alt = LLM.from_params(cfg, params, NoTokenizer(), attention_backend=backend, block_size=16,
+                              num_gpu_blocks=b * -(-c // 16) + 16, max_num_seqs=b,
+                              max_num_batched_tokens=512 if dry_run else 2048, max_model_len=mml,
+                              layer_loop=other, warmup=False)
+        ms = _decode_step_ms(alt.engine.runner, b, c, 3 if dry_run else 10) * 1e3
+        del alt
+        gc.collect()
+        base = perf["decode_vs_roofline"][0]["step_ms"]
+        perf["other_layer_loop"] = {"layer_loop": other, "batch": b, "context": c, "step_ms": ms,
+                                    "default_step_ms": base}
+        rec.save()
+        rec.summarize(f"{spec.name} decode b{b} ctx{c}: {other} / {perf['layer_loop']}",
+                      f"{ms:.2f} vs {base:.2f} ms ({ms / base:.2f}x)", "info")
 
     vocab = cfg.vocab_size
     n_off = 6 if dry_run else 256

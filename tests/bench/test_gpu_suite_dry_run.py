@@ -82,6 +82,8 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
     assert rec["goldens"]["tiny/float32"]["score"]["max_abs_diff"] < 1e-4
     perf = rec["perf"]
     assert perf["decode_vs_roofline"] and all(r["step_ms"] > 0 for r in perf["decode_vs_roofline"])
+    other = perf["other_layer_loop"]  # the first point again under the other layer loop
+    assert other["layer_loop"] != perf["layer_loop"] and other["step_ms"] > 0
     assert perf["offline_sharegpt"]["output_tokens"] > 0
     assert math.isfinite(perf["online_sharegpt"]["ttft_s"]["p50"])
 
