@@ -62,6 +62,7 @@ from pagedjax.sampler import (
     SeqSamplingState,
     prompt_logprobs,
     sample,
+    sample_greedy,
 )
 from pagedjax.sampling_params import (
     MAX_BAD_WORDS,
@@ -320,6 +321,8 @@ class LLMEngine:
             most = pow2_at_least(r + plan.max_num_seqs) if plan.spec_tokens else 0
             spec_batches = [b for b in plan.sample_buckets if plan.seq_cap < b <= most]
             for b in {self._sample_batch(1, s), plan.seq_cap, *spec_batches}:
+                jax.block_until_ready(sample_greedy(logits, np.zeros(b, np.int32),
+                                                    num_logprobs=MAX_LOGPROBS))
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
                     jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
@@ -790,7 +793,11 @@ class LLMEngine:
         meta = self._sampling_metadata(rows, b_pad, masks, bans)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
-        out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
+        if (meta.plain_greedy and not meta.want_topk and self.spec_config is None
+                and not any(info[0].is_beam for info in row_info)):
+            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS)  # beams need raw rows
+        else:
+            out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
         fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
         if beams:

@@ -14,6 +14,7 @@ from pagedjax.sampler import (
     filter_logits,
     prompt_logprobs,
     sample,
+    sample_greedy,
 )
 from pagedjax.sampling_params import SamplingParams
 
@@ -226,6 +227,40 @@ def test_logprobs_match_numpy_log_softmax() -> None:
     np.testing.assert_array_equal(np.asarray(out.ranks), ranks)
     assert toks[0] != logits[0].argmax()  # penalised away, yet logprob is raw
     assert sample(logits, meta).topk_ids.shape == (5, 0)
+
+
+def test_greedy_fast_path_matches_sample_and_numpy() -> None:
+    """`sample_greedy` (plain greedy batches, no top logprobs) gives `sample`'s tokens and ranks
+    exactly and its logprobs (float64 numpy within 1e-5), with rows repeated (n > 1 fan-out),
+    tied maxima (the first wins) and a NaN row; and only plain greedy metadata qualifies."""
+    rng = np.random.default_rng(7)
+    r, b = 6, 9
+    logits = rng.normal(size=(r, V)).astype(np.float32) * 4
+    logits[2, [17, 300]] = logits[2].max() + 1.0  # a tie: index 17 must win
+    logits[4, 99] = np.nan
+    rows = np.array([0, 1, 2, 2, 3, 4, 5, 5, 0], np.int32)
+    meta = meta_for([SamplingParams(temperature=0)] * b, [st()] * b, b).replace(
+        want_topk=np.bool_(False))
+    assert meta.plain_greedy
+    ref = sample(jnp.asarray(logits), meta, num_logprobs=4, rows=rows)
+    got = sample_greedy(jnp.asarray(logits), rows, num_logprobs=4)
+    np.testing.assert_array_equal(np.asarray(got.token_ids), np.asarray(ref.token_ids))
+    assert int(got.token_ids[2]) == 17
+    np.testing.assert_array_equal(np.asarray(got.ranks), np.asarray(ref.ranks))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), rtol=1e-6,
+                               atol=1e-6)
+    fine = rows != 4  # the NaN row's logprob is NaN on both paths
+    want = np_log_softmax(logits)[rows, np.asarray(got.token_ids)]
+    np.testing.assert_allclose(np.asarray(got.logprobs)[fine], want[fine], rtol=1e-5)
+    assert np.isnan(np.asarray(got.logprobs)[~fine]).all() and np.isnan(np.asarray(ref.logprobs)[~fine]).all()
+    assert got.topk_ids.shape == (b, 4) and not np.asarray(got.topk_ids).any()
+    # Anything that changes the logits, or a sampled row, takes `sample`.
+    for p in (SamplingParams(temperature=0.7), SamplingParams(temperature=0, presence_penalty=0.5),
+              SamplingParams(temperature=0, logit_bias={3: 1.0}),
+              SamplingParams(temperature=0, min_tokens=4)):
+        other = meta_for([SamplingParams(temperature=0), p], [st(), st()], 2, eos_token_id=1,
+                         history_width=8, ban_width=4, bias_width=4)
+        assert not other.plain_greedy, p
 
 
 def test_prompt_logprobs_helper() -> None:
