@@ -21,7 +21,9 @@ off and on (`pagedjax` takes the default, on with one device):
 Engine `pagedjax-heap-off` is pagedjax with `PAGEDJAX_KEEP_HEAP=0` (freed heap memory returned
 to the OS, as before `pagedjax/worker/host_heap.py`):
 `--engines pagedjax,pagedjax-heap-off --out bench/results/cpu/host_heap.json`
-compares the two. An engine named `pagedjax+KEY=VALUE[+KEY=VALUE...]` is pagedjax with those
+compares the two. Engine `pagedjax-sampler-full` is pagedjax with `PAGEDJAX_GREEDY_FAST_PATH=0`
+(plain greedy batches through the full `sample` instead of `sample_greedy`). An engine named
+`pagedjax+KEY=VALUE[+KEY=VALUE...]` is pagedjax with those
 `EngineConfig` overrides on top of `--engine-arg`'s, e.g. `pagedjax+max_num_seqs=64` (the
 default before 256) beside `pagedjax`.
 
@@ -112,10 +114,13 @@ def ensure_peers(gguf: Path, hf_dir: Path) -> None:
 def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) -> list[str]:
     if name.startswith("pagedjax+"):  # pagedjax with its own overrides, e.g. an old default
         return worker_cmd("pagedjax", threads, hf_dir, [*engine_args, *name.split("+")[1:]])
-    if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off"):
+    if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
+                "pagedjax-sampler-full"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
             cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
+        if name == "pagedjax-sampler-full":  # plain greedy batches through the full sampler
+            cmd = ["env", "PAGEDJAX_GREEDY_FAST_PATH=0", *cmd]
         # "pagedjax-sync" / "-async": asynchronous scheduling forced off / on, to measure what
         # overlapping host and device work buys here.
         modes = {"pagedjax-sync": ["async_scheduling=False"],

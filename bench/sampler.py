@@ -14,6 +14,8 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
   it (all rows greedy with no top logprobs; all rows temperature 0.8, top-p 0.9; greedy with
   the top-20 logprobs), over standard-normal logits: a flat distribution whose nucleus holds
   thousands of tokens, the top-p worst case (the threshold by bisection);
+- `sample_greedy_fast`: `sample_greedy`, what the engine runs for a plain greedy batch (no
+  penalties, bans, masks, biases or top logprobs): argmax and logprob per logits row;
 - `sample_top_p_peaked`: top-p over the same logits times 8, a confident distribution whose
   nucleus lies within the 64 candidates (`TOP_CANDIDATES`), the common case for a trained model.
 
@@ -43,7 +45,13 @@ def child(rows: list[int], iters: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from pagedjax.sampler import SamplingMetadata, SeqSamplingState, first_argmax, sample
+    from pagedjax.sampler import (
+        SamplingMetadata,
+        SeqSamplingState,
+        first_argmax,
+        sample,
+        sample_greedy,
+    )
     from pagedjax.sampling_params import SamplingParams
     from pagedjax.worker.host_heap import keep_freed_memory
 
@@ -71,6 +79,7 @@ def child(rows: list[int], iters: int) -> dict:
             "log_softmax": lambda x=logits: log_softmax(x),
             "sample_greedy": lambda x=logits, m=greedy, i=idx: sample(x, m, num_logprobs=20,
                                                                       rows=i),
+            "sample_greedy_fast": lambda x=logits, i=idx: sample_greedy(x, i, num_logprobs=20),
             "sample_top_p": lambda x=logits, m=top_p, i=idx: sample(x, m, num_logprobs=20,
                                                                     rows=i),
             "sample_logprobs": lambda x=logits, m=with_lp, i=idx: sample(x, m, num_logprobs=20,

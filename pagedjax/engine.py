@@ -29,6 +29,7 @@ import dataclasses
 import gc
 import itertools
 import logging
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -84,6 +85,9 @@ from pagedjax.worker.step_inputs import build_step_inputs
 MAX_WARM_BEAM_WIDTH = 8
 
 logger = logging.getLogger(__name__)
+# Plain greedy batches sample through `sample_greedy`; PAGEDJAX_GREEDY_FAST_PATH=0 sends them
+# through `sample` (`bench/offline_throughput.py --engines pagedjax,pagedjax-sampler-full`).
+GREEDY_FAST_PATH = os.environ.get("PAGEDJAX_GREEDY_FAST_PATH", "1") != "0"
 
 
 @dataclasses.dataclass
@@ -793,7 +797,8 @@ class LLMEngine:
         meta = self._sampling_metadata(rows, b_pad, masks, bans)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
-        if (meta.plain_greedy and not meta.want_topk and self.spec_config is None
+        if (GREEDY_FAST_PATH and meta.plain_greedy and not meta.want_topk
+                and self.spec_config is None
                 and not any(info[0].is_beam for info in row_info)):
             out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS)  # beams need raw rows
         else:
