@@ -797,10 +797,12 @@ class LLMEngine:
         meta = self._sampling_metadata(rows, b_pad, masks, bans)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
+        # Beams rank candidates from `sample`'s raw log-softmax rows; speculative steps keep
+        # the one sampler they were verified with.
         if (GREEDY_FAST_PATH and meta.plain_greedy and not meta.want_topk
                 and self.spec_config is None
                 and not any(info[0].is_beam for info in row_info)):
-            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS)  # beams need raw rows
+            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS)
         else:
             out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
