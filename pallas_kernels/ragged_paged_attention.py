@@ -172,13 +172,16 @@ def _ragged_kernel(
     plgpu.store(out_ref.at[head, row_slice, :], out, mask=row_valid[:, None])
 
 
-def windowed_launch(tuned: tuning.KernelTuning, windowed: bool) -> tuning.KernelTuning:
-    """The launch of the windowed variant: the tuned one with a pipeline stage fewer when it
-    has 3 or more, else half the query rows (at least 16). Its window masks cost registers the
-    tuned tiles do not have: at the tuned launch it spilled on sm_90a (bf16, head_dim 128 with
-    64-token pages; head_dim 256 with group 8); with this rule the bf16 sweep over head dims
-    64-256, blocks 16-256 and groups 1/2/8 compiles clean on sm_90a and sm_80 (`make aot-report`)."""
-    if not windowed:
+def windowed_launch(tuned: tuning.KernelTuning, windowed: bool,
+                    softcap: float | None = None) -> tuning.KernelTuning:
+    """The launch of the windowed or soft-capped variants: the tuned one with a pipeline stage
+    fewer when it has 3 or more, else half the query rows (at least 16). Window masks cost
+    registers the tuned tiles do not have: at the tuned launch the windowed kernel spilled on
+    sm_90a (bf16, head_dim 128 with 64-token pages; head_dim 256 with group 8), and so did the
+    window-free soft-capped one at head_dim 256 (Gemma 2's global layers, unrolled); with this
+    rule the bf16 sweep over head dims 64-256, blocks 16-256 and groups 1/2/8 and the engine
+    steps compile clean on sm_90a and sm_80 (`make aot-report`)."""
+    if not windowed and softcap is None:
         return tuned
     if tuned.num_stages > 2:
         return dataclasses.replace(tuned, num_stages=tuned.num_stages - 1)
@@ -466,11 +469,8 @@ def ragged_paged_attention(
             interpret=interpret_mode())
     tuned = tuning.lookup("ragged", q.dtype if kv_scale is not None else k_cache.dtype,
                           q.shape[-1])
-    # A soft-cap costs registers like the window masks do: Gemma 2's window-free layers
-    # (unrolled, so their window is a constant 0) spilled at the tuned launch with head dim
-    # 256 on sm_90a; with the windowed launch they compile clean (`make aot-report`).
     tuned = windowed_launch(tuning.quantized_launch(tuned) if kv_scale is not None else tuned,
-                            windowed or cap is not None)
+                            windowed, cap)
     group = q.shape[1] // k_cache.shape[-4]
     return _ragged_pallas(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, lay, win, kv_scale,

@@ -65,9 +65,7 @@ class KernelCase:
         t = tuning.lookup(self.kernel, self.dtype, self.head_dim, arch)
         if self.kv_dtype is not None:
             t = tuning.quantized_launch(t)
-        if self.kernel == "ragged":
-            return windowed_launch(t, self.windowed or self.softcap is not None)
-        return t
+        return windowed_launch(t, self.windowed, self.softcap) if self.kernel == "ragged" else t
 
     def chunk_tokens(self, arch: str) -> int:
         """The chunk size the kernel runs with (the tuned one is capped for small pages)."""
