@@ -25,13 +25,14 @@ is reached.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import gc
 import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import jax
@@ -79,10 +80,12 @@ from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.host_heap import release_freed_memory
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner, kv_bytes_per_block
+from pagedjax.worker.parallel_warmup import run_bounded, warmup_memory_budget, warmup_threads
 from pagedjax.worker.shapes import pow2_at_least
 from pagedjax.worker.step_inputs import build_step_inputs
 
 MAX_WARM_BEAM_WIDTH = 8
+WARMUP_TEMPS_PER_LOGIT = 4  # a sampler call's [rows, vocab] arrays, logits included (warm-up)
 
 logger = logging.getLogger(__name__)
 # Plain greedy batches sample through `sample_greedy`; PAGEDJAX_GREEDY_FAST_PATH=0 sends them
@@ -309,56 +312,76 @@ class LLMEngine:
         step at every shape of the runner's `ShapePlan`, block copies and swaps, and for every
         logits shape the sampler (plain and penalised/banned variants), prompt logprobs and
         beam candidate selection. Returns the number of XLA compilations it took."""
-        before = num_backend_compiles()
-        plan = self.runner.shape_plan
+        before, t0 = num_backend_compiles(), time.monotonic()
         with_prompt_lp = not self.engine_config.enable_prefix_caching
-        shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp)
-        self.runner.warmup_token_feed(history_width=self.max_model_len)
+        threads = warmup_threads()
+        # Independent compilations run side by side: XLA compiles with the GIL released, and
+        # on a GPU one step shape of an 8B model compiles (and autotunes) for seconds, so the
+        # sequential warm-up of a 13B-like engine (31 step shapes, ~500 sampler and beam
+        # variants) ran past five minutes (`worker.parallel_warmup`). Sampler and beam calls
+        # are pure, so they run in the pool as they are, admitted by their logits' bytes; the
+        # steps donate the KV cache, so the runner compiles them in the pool and then runs them
+        # one at a time (`ModelRunner.warmup`).
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp, pool=pool)
+            self.runner.warmup_token_feed(history_width=self.max_model_len)
+            run_bounded(pool, self._warmup_sampler_calls(shapes), warmup_memory_budget())
+        n = num_backend_compiles() - before
+        logger.info("warm-up: %d step shapes, %d compilations in %.1f s (%d threads)", len(shapes),
+                    n, time.monotonic() - t0, threads)
+        return n
+
+    def _warmup_sampler_calls(self, shapes: list[tuple]) -> Iterator[tuple[int, Callable[[], object]]]:
+        """(bytes, thunk) per sampler, prompt-logprob and beam-selection compilation of
+        warm-up: each thunk runs its function once on zero logits it allocates itself (so only
+        the calls in flight hold any), and ``bytes`` bounds what it allocates."""
+        plan = self.runner.shape_plan
         vocab = self.model_config.vocab_size
         dummy = SamplingParams(max_tokens=1)
         full = SamplingParams(max_tokens=2, min_tokens=1, repetition_penalty=1.1)
         dev = jax.local_devices()[0]  # the step's logits are committed there: same jit key
+
+        def call(n: int, f: Callable, *args, **kw) -> tuple[int, Callable[[], object]]:
+            def thunk() -> object:
+                zeros = jax.device_put(jnp.zeros((n, vocab), jnp.float32), dev)
+                return jax.block_until_ready(f(zeros, *args, **kw))
+            # The logits and a few [rows, vocab] temporaries (log-softmax, masks, top-k).
+            return WARMUP_TEMPS_PER_LOGIT * 4 * n * vocab, thunk
+
         for _t, s, _m, r, _decode in shapes:
-            logits = jax.device_put(jnp.zeros((r, vocab), jnp.float32), dev)
             # Speculative steps sample up to one row per logits row, plus a fresh n>1
             # prompt's fan-out: more rows than sequences.
             most = pow2_at_least(r + plan.max_num_seqs) if plan.spec_tokens else 0
             spec_batches = [b for b in plan.sample_buckets if plan.seq_cap < b <= most]
             for b in {self._sample_batch(1, s), plan.seq_cap, *spec_batches}:
-                jax.block_until_ready(sample_greedy(logits, np.zeros(b, np.int32),
-                                                    num_logprobs=MAX_LOGPROBS))
+                rows = np.zeros(b, np.int32)
+                yield call(r, sample_greedy, rows, num_logprobs=MAX_LOGPROBS)
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
-                    jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
-                                                 rows=np.zeros(b, np.int32)))
+                    yield call(r, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
                     if p is full and self.runner.feed_tokens:
                         # Async scheduling writes pending tokens into the histories on the
                         # device (`merge_pending_history`): a committed array is another
                         # jit key than the host one.
                         meta = meta.replace(output_token_ids=jax.device_put(
                             meta.output_token_ids, dev))
-                        jax.block_until_ready(sample(logits, meta, num_logprobs=MAX_LOGPROBS,
-                                                     rows=np.zeros(b, np.int32)))
+                        yield call(r, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
             if r > s:
-                jax.block_until_ready(prompt_logprobs(logits, np.zeros(r, np.int32), MAX_LOGPROBS,
-                                                      rows=np.zeros(r, np.int32)))
+                rows = np.zeros(r, np.int32)
+                yield call(r, prompt_logprobs, rows, MAX_LOGPROBS, rows=rows)
         # Beam selection per (batch, groups, width) bucket: padded widths up to 8 (wider beams
         # compile on first use) and groups * width <= 4 * batch, which covers every mix of
         # groups whose live beams fill the batch (padding each of groups and width at most 2x).
         for b in plan.seq_buckets:  # beams never run with speculation
-            lp = jax.device_put(jnp.zeros((b, vocab), jnp.float32), dev)
             w = 2
             while w <= min(b, MAX_WARM_BEAM_WIDTH):
                 g = 1
                 while g * w <= 4 * b:
                     z = np.zeros((g, w), np.int32)
-                    jax.block_until_ready(beam_candidates_from_rows(
-                        lp, z, z.astype(np.float32), z.astype(bool), 2 * w))
+                    yield call(b, beam_candidates_from_rows, z, z.astype(np.float32),
+                               z.astype(bool), 2 * w)
                     g *= 2
                 w *= 2
-        n = num_backend_compiles() - before
-        logger.info("warm-up: %d step shapes, %d compilations", len(shapes), n)
-        return n
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -249,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--figures", default="core",
                     help="'core' (Fig. 2, 12, 13, 18b) or a comma list of 14,16,17,19 (own JSON)")
     args = ap.parse_args(argv)
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("pagedjax.engine").setLevel(logging.INFO)  # the warm-up's time
     figs = {"core"} if args.figures == "core" else set(args.figures.split(","))
     if not figs <= {"core", "14", "16", "17", "19"}:
         ap.error(f"--figures: unknown {sorted(figs - {'core', '14', '16', '17', '19'})}")
@@ -274,9 +277,17 @@ def main(argv: list[str] | None = None) -> None:
     out = outdir / f"paper{tag}.json"
     kw = engine_kw(cfg)
     t_start = time.time()
+    # Printed before and after: on a GPU the build (weights drawn on the device, then the
+    # warm-up's compilations) is the run's longest silent part; the first H200 run was cut at
+    # its 276 s limit inside it with nothing in its log.
+    print(f"building {args.model} ({args.dtype or 'default dtype'}) with warm-up ...", flush=True)
+    t_build = time.time()
     eng = build_llm(**kw, model=args.model, dtype=args.dtype).engine
+    build_s = time.time() - t_build
+    print(f"built in {build_s:.1f} s", flush=True)
     cost, calib, calib_runs = calibrate(eng, cfg, figs)
     result = {"config": cfg, "device": args.device, "figures": sorted(figs),
+              "build_s": round(build_s, 1),
               "threshold_rule": f"{THRESHOLD_X}x paged at lowest rate",
               "cost_model": {"features": list(FEATURES),
                              "coef_s": cost.coef, "num_calib_steps": len(calib),

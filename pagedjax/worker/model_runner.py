@@ -8,6 +8,7 @@ calls before the step, also in place.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -463,18 +464,24 @@ class ModelRunner:
             v_cache = jax.lax.with_sharding_constraint(v_cache, cache_sharding(self.mesh))
         return logits, k_cache, v_cache
 
-    def warmup(self, prompt_logprobs: bool = True) -> list[tuple]:
+    def warmup(self, prompt_logprobs: bool = True,
+               pool: concurrent.futures.Executor | None = None) -> list[tuple]:
         """Compile the step at every shape of `shape_plan` (with or without the prompt-logprob
         row variants); returns the shapes. After this, serving never compiles a step.
 
         Each dummy step writes nowhere (slot -1) and reads nothing (context lengths 0), so the
-        KV cache is untouched.
+        KV cache is untouched. With a `pool`, the shapes are first compiled side by side
+        (ahead of time: lowering takes the caches without consuming them, and the jitted step
+        then finds each executable compiled), then run one at a time, since each run donates
+        the caches. A multi-process runner compiles as it runs: its followers compile when
+        the leader's steps reach them.
         """
         from pagedjax.core.scheduler import ScheduledSeq
         from pagedjax.worker.step_inputs import build_step_inputs
 
         plan = self.shape_plan
         shapes = plan.step_shapes(prompt_logprobs)
+        dummies: list[StepInputs] = []
         for t, s, m, r, decode in shapes:
             rows = spec_lens = None
             if decode:
@@ -495,6 +502,12 @@ class ModelRunner:
             assert inputs.shape_key == (t, s, m, r, decode), (inputs.shape_key, (t, s, m, r))
             inputs.meta.slot_mapping[:] = -1
             inputs.meta.kv_lens[:] = 0
+            dummies.append(inputs)
+        if pool is not None and not multihost.is_multiprocess():
+            compile_ahead = lambda inp: type(self)._step.lower(self, *self._step_args(inp)).compile()  # noqa: E731
+            for _ in pool.map(compile_ahead, dummies):
+                pass
+        for inputs in dummies:
             jax.block_until_ready(self.execute(inputs))
         for n in plan.copy_buckets(self.num_gpu_blocks):
             self.copy_blocks([(0, 0)] * n)  # block 0 onto itself: a no-op (broadcast when multi-process)
@@ -522,18 +535,21 @@ class ModelRunner:
             multihost.send_step(inputs)
         return self._execute_local(inputs)
 
-    def _execute_local(self, inputs: StepInputs) -> jax.Array:
-        if inputs.shape_key not in self.compiled_shapes:
-            self.compiled_shapes.add(inputs.shape_key)
+    def _step_args(self, inputs: StepInputs) -> tuple:
+        """`_step`'s arguments for one step (the caches as they are now)."""
         ids = inputs.input_ids
         if self.feed_tokens:  # always merged, so the step sees one argument type
             prev = inputs.prev_tokens if inputs.prev_tokens is not None else self._no_tokens()
             rows = inputs.prev_rows if inputs.prev_rows is not None else np.full(
                 ids.shape, -1, np.int32)
             ids = self._merge_ids(ids, rows, prev)
-        logits, self.k_cache, self.v_cache = self._step(
-            self.params, self.k_cache, self.v_cache, ids, inputs.positions,
-            self.step_meta(inputs.meta), inputs.logits_indices)
+        return (self.params, self.k_cache, self.v_cache, ids, inputs.positions,
+                self.step_meta(inputs.meta), inputs.logits_indices)
+
+    def _execute_local(self, inputs: StepInputs) -> jax.Array:
+        if inputs.shape_key not in self.compiled_shapes:
+            self.compiled_shapes.add(inputs.shape_key)
+        logits, self.k_cache, self.v_cache = self._step(*self._step_args(inputs))
         if self.mesh is not None:
             # Replicated: this process's first shard is the full [R, vocab] array, so sampling
             # runs on one local device (and only on the leader in multi-process runs).
