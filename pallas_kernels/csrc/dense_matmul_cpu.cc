@@ -39,6 +39,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -59,8 +62,10 @@ struct Dense {
   int64_t M, K, N, panels;
   const float* x;  // [M, K]
   const float* w;  // [ceil(N / 64), K, 64]
-  float* y;        // [M, N]
+  float* y;        // output (m, n) at y[(m - row0) * ldy + n - col0]: [M, N], or a helper's
+  int64_t ldy, row0 = 0, col0 = 0;  // scratch for one work item (`Shared`)
   int64_t cols(int64_t b) const { return std::min(kCols, N - b * kCols); }
+  float* out(int64_t m, int64_t n) const { return y + (m - row0) * ldy + (n - col0); }
 };
 
 #if defined(__AVX512F__)
@@ -107,8 +112,7 @@ void block(const Dense& p, int64_t b, int64_t m0, const char* ahead, int64_t lin
   const int64_t nc = p.cols(b);
   for (int q = 0; q < MR; ++q)
     for (int i = 0; i < 4; ++i)
-      _mm512_mask_storeu_ps(p.y + (m0 + q) * p.N + b * kCols + 16 * i, lane_mask(nc, i),
-                            c[q][i]);
+      _mm512_mask_storeu_ps(p.out(m0 + q, b * kCols + 16 * i), lane_mask(nc, i), c[q][i]);
 }
 
 // Rows [m0, m0 + MR) of panels [b, b + G): G streams read side by side, no software prefetch
@@ -140,8 +144,8 @@ void group_block(const Dense& p, int64_t b, int64_t m0) {
     const int64_t nc = p.cols(b + g);
     for (int q = 0; q < MR; ++q)
       for (int i = 0; i < 4; ++i)
-        _mm512_mask_storeu_ps(p.y + (m0 + q) * p.N + (b + g) * kCols + 16 * i,
-                              lane_mask(nc, i), c[g][q][i]);
+        _mm512_mask_storeu_ps(p.out(m0 + q, (b + g) * kCols + 16 * i), lane_mask(nc, i),
+                              c[g][q][i]);
   }
 }
 
@@ -201,7 +205,7 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t /*nb*/) {
     const float* x = p.x + m * p.K;
     for (int64_t k = 0; k < p.K; ++k)
       for (int64_t c = 0; c < kCols; ++c) acc[c] = __builtin_fmaf(x[k], w[k * kCols + c], acc[c]);
-    for (int64_t c = 0; c < nc; ++c) p.y[m * p.N + b * kCols + c] = acc[c];
+    for (int64_t c = 0; c < nc; ++c) *p.out(m, b * kCols + c) = acc[c];
   }
 }
 
@@ -210,16 +214,58 @@ void group(const Dense& p, int64_t b, int64_t g) {
 }
 #endif
 
-// Shared by the calling thread and pool tasks; heap-held so a task that starts after the work
-// is done (and finds nothing to claim) never touches a dead stack frame.
+// Work sharing that tolerates a stalled helper. On a shared machine the OS preempts a pool
+// thread for a whole time slice (milliseconds) while it holds a work item; if the caller
+// waited for it, every matmul of the step would wait out the other process, and the second
+// core's remaining half was lost (one core busy: the demo model's one-row matmuls ran 35.2 ms
+// with two threads, 34.5 with one; docs/v1-core.md). So a call returns as soon as every item
+// is done, by its claimant or by the caller:
+// - helpers compute an item into their own scratch from a copy of x (held here, so a helper
+//   that resumes after the call returned reads nothing XLA may have reused or freed), then
+//   commit it to y only by winning kClaimed -> kWriting on the item's state;
+// - the caller, out of unclaimed items, takes over each item a helper still holds
+//   (kFree/kClaimed -> kStolen) and computes it into y itself; the late helper's commit then
+//   fails and its result is dropped. Every output is computed the same way by anyone, so the
+//   result does not depend on who did an item.
+// Heap-held (shared_ptr) so a task that starts, or resumes, after the call never touches a
+// dead stack frame.
+enum : int8_t { kFree = 0, kClaimed = 1, kWriting = 2, kDone = 3, kStolen = 4 };
+
 struct Shared {
-  explicit Shared(int64_t threads) : own(new std::atomic<int64_t>[threads]) {
+  Shared(int64_t threads, int64_t items, const Dense& p)
+      : own(new std::atomic<int64_t>[threads]), state(new std::atomic<int8_t>[items]) {
     for (int64_t t = 0; t < threads; ++t) own[t].store(0);
+    for (int64_t i = 0; i < items; ++i) state[i].store(kFree);
+    if (threads > 1) {  // only helpers read the copy
+      xcopy.reset(new float[p.M * p.K]);
+      std::memcpy(xcopy.get(), p.x, sizeof(float) * p.M * p.K);
+    }
   }
   std::atomic<int64_t> next{0};    // groups of panels: one list
-  std::atomic<int64_t> active{0};
   std::unique_ptr<std::atomic<int64_t>[]> own;  // row chunks: each thread's list
+  std::unique_ptr<std::atomic<int8_t>[]> state;  // per item
+  std::unique_ptr<float[]> xcopy;  // x as the helpers read it
 };
+
+// PAGEDJAX_MATMUL_TAKE_OVER=0: the caller never takes an item over, it waits for the helper
+// (the behaviour before; `bench/offline_throughput.py --engines pagedjax,pagedjax-wait-helpers`).
+bool take_over() {
+  static const bool on = [] {
+    const char* v = std::getenv("PAGEDJAX_MATMUL_TAKE_OVER");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
+
+// Debug: helpers sleep this many microseconds before committing each item
+// (PAGEDJAX_MATMUL_HELPER_STALL_US; tests stand it in for a preempted thread).
+int64_t helper_stall_us() {
+  static const int64_t us = [] {
+    const char* v = std::getenv("PAGEDJAX_MATMUL_HELPER_STALL_US");
+    return v != nullptr ? std::max<int64_t>(0, std::atoll(v)) : int64_t(0);
+  }();
+  return us;
+}
 
 // Panels per item for a step of `m` rows: 0 = single panels in row chunks (`rows`).
 int64_t group_size(int64_t m, int64_t panels, int64_t threads) {
@@ -258,6 +304,66 @@ struct Split {
   }
 };
 
+// Item i of a step: panels [i * g, ...) of every row (g > 0), or the (panel, rows) of `sp`.
+struct Items {
+  const Split& sp;
+  int64_t g, panels;
+  int64_t count() const { return g ? (panels + g - 1) / g : sp.items; }
+  // First panel, panel count and rows of item i.
+  void span(int64_t i, int64_t& b, int64_t& nb, int64_t& m0, int64_t& m1) const {
+    if (g) {
+      b = i * g;
+      nb = std::min(g, panels - b);
+      m0 = 0;
+      m1 = sp.M;
+      return;
+    }
+    b = sp.panel(i);
+    nb = 1;
+    sp.rows_of(i, m0, m1);
+  }
+};
+
+// Item i into p's output; `next`: the panel to pull into L2 meanwhile (-1: none).
+void compute(const Dense& p, const Items& it, int64_t i, int64_t next) {
+  int64_t b, nb, m0, m1;
+  it.span(i, b, nb, m0, m1);
+  if (it.g)
+    group(p, b, nb);
+  else if (m0 < m1)
+    rows(p, b, m0, m1, next);
+}
+
+// A helper's item: computed into scratch from the copy of x, committed unless stolen.
+void helper_item(Shared& sh, const Dense& p, const Items& it, int64_t i, int64_t next,
+                 float* scratch) {
+  int8_t expect = kFree;
+  if (!sh.state[i].compare_exchange_strong(expect, kClaimed)) return;  // the caller has it
+  int64_t b, nb, m0, m1;
+  it.span(i, b, nb, m0, m1);
+  Dense q = p;
+  q.x = sh.xcopy.get();
+  q.y = scratch;
+  q.ldy = nb * kCols;
+  q.row0 = m0;
+  q.col0 = b * kCols;
+  compute(q, it, i, next);
+  if (const int64_t us = helper_stall_us()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+  expect = kClaimed;
+  if (!sh.state[i].compare_exchange_strong(expect, kWriting)) return;  // stolen: drop it
+  const int64_t n0 = b * kCols, n1 = std::min(p.N, (b + nb) * kCols);
+  for (int64_t m = m0; m < m1; ++m)
+    std::memcpy(p.out(m, n0), q.out(m, n0), sizeof(float) * (n1 - n0));
+  sh.state[i].store(kDone, std::memory_order_release);
+}
+
+// The caller's item: straight into y (nobody else commits an item the caller claimed).
+void caller_item(Shared& sh, const Dense& p, const Items& it, int64_t i, int64_t next) {
+  int8_t expect = kFree;
+  if (!sh.state[i].compare_exchange_strong(expect, kStolen)) return;  // cannot happen: claimed once
+  compute(p, it, i, next);
+}
+
 // `g`: `group_size` of this step (0: row chunks); `id`: this thread's list (0: the caller's).
 //
 // Row chunks: item i is (panel i / chunks, chunk i % chunks), panel-major, so a panel's
@@ -265,31 +371,62 @@ struct Split {
 // t, t + threads, ...: it knows which panel it takes next and pulls that one into L2 while it
 // works (with one shared counter it had to guess, and a wrong guess left the next panel
 // cold: the demo model's 64-row matmuls ran ~15 % faster with own lists in a standalone
-// copy). A thread done with its list takes from the others' (no prefetching for them), so a
-// helper that starts late or is preempted holds up nothing it has not claimed.
+// copy). A thread done with its list takes from the others' (no prefetching for them).
 void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int64_t threads,
           int64_t g, int64_t id) {
-  if (g) {
-    for (int64_t i = sh->next.fetch_add(1); i * g < p.panels; i = sh->next.fetch_add(1))
-      group(p, i * g, std::min(g, p.panels - i * g));
-    return;
-  }
   const Split sp(p, chunks, threads);
-  for (int64_t o = 0; o < threads; ++o) {
-    const int64_t t = (id + o) % threads;
-    for (int64_t j = sh->own[t].fetch_add(1); t + j * threads < sp.items;
-         j = sh->own[t].fetch_add(1)) {
-      const int64_t i = t + j * threads, b = sp.panel(i);
-      int64_t nb = -1;  // the owner's next panel other than b
-      if (o == 0)
-        for (int64_t i2 = i + threads; i2 < sp.items; i2 += threads)
-          if (sp.panel(i2) != b) {
-            nb = sp.panel(i2);
-            break;
-          }
-      int64_t m0, m1;
-      sp.rows_of(i, m0, m1);
-      if (m0 < m1) rows(p, b, m0, m1, nb);
+  const Items it{sp, g, p.panels};
+  float scratch[kChunkRows * kCols];  // a helper's item: <= 64 rows x 64, or <= 6 x 64 x 1-3 rows
+  int64_t own_items = 0;  // the caller's, and the time they took
+  const auto t0 = std::chrono::steady_clock::now();
+  auto run = [&](int64_t i, int64_t next) {
+    if (id == 0) {
+      caller_item(*sh, p, it, i, next);
+      ++own_items;
+    } else {
+      helper_item(*sh, p, it, i, next, scratch);
+    }
+  };
+  if (g) {
+    for (int64_t i = sh->next.fetch_add(1); i < it.count(); i = sh->next.fetch_add(1)) run(i, -1);
+  } else {
+    for (int64_t o = 0; o < threads; ++o) {
+      const int64_t t = (id + o) % threads;
+      for (int64_t j = sh->own[t].fetch_add(1); t + j * threads < sp.items;
+           j = sh->own[t].fetch_add(1)) {
+        const int64_t i = t + j * threads, b = sp.panel(i);
+        int64_t nb = -1;  // the owner's next panel other than b
+        if (o == 0)
+          for (int64_t i2 = i + threads; i2 < sp.items; i2 += threads)
+            if (sp.panel(i2) != b) {
+              nb = sp.panel(i2);
+              break;
+            }
+        run(i, nb);
+      }
+    }
+  }
+  if (id != 0) return;
+  // Every item is claimed. A helper that is running finishes its last item within about an
+  // item's time, which is much sooner than the caller could redo it (taking each over at once
+  // cost 13 % at one row and 5 % at 64 rows in `bench/native_ab.py`: the last item done twice
+  // in every call). So wait up to twice the caller's own mean item time (at least 20 us), then
+  // take over what is left; a preempted helper stays away for a time slice (milliseconds).
+  const auto now = std::chrono::steady_clock::now();
+  const auto mean = own_items ? (now - t0) / own_items : std::chrono::nanoseconds(0);
+  const auto deadline = now + std::max<std::chrono::nanoseconds>(2 * mean, std::chrono::microseconds(20));
+  for (int64_t i = 0; i < it.count(); ++i) {
+    for (;;) {
+      int8_t s = sh->state[i].load(std::memory_order_acquire);
+      if (s == kDone || s == kStolen) break;
+      if (s == kWriting || !take_over() || std::chrono::steady_clock::now() < deadline) {
+        _mm_pause();
+        continue;
+      }
+      if (sh->state[i].compare_exchange_strong(s, kStolen)) {
+        compute(p, it, i, -1);
+        break;
+      }
     }
   }
 }
@@ -302,7 +439,7 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   if (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || wd[0] * kCols < yd[1] ||
       (wd[0] - 1) * kCols >= yd[1])
     return ffi::Error::InvalidArgument("expected w in panels [ceil(N / 64), K, 64]");
-  Dense p{xd[0], xd[1], yd[1], wd[0], x.typed_data(), w.typed_data(), y->typed_data()};
+  Dense p{xd[0], xd[1], yd[1], wd[0], x.typed_data(), w.typed_data(), y->typed_data(), yd[1]};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t panels = wd[0], chunks = (p.M + kChunkRows - 1) / kChunkRows;
   // The calling thread works too: one helper fewer than the pool's threads (one per core).
@@ -310,16 +447,11 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t g = group_size(p.M, panels, threads);
   const int64_t items = g ? (panels + g - 1) / g : panels * chunks;
   const int64_t helpers = std::min<int64_t>(threads - 1, items - 1);
-  auto sh = std::make_shared<Shared>(helpers + 1);
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([sh, p, chunks, helpers, g, i] {
-      sh->active.fetch_add(1);
-      work(sh, p, chunks, helpers + 1, g, i + 1);
-      sh->active.fetch_sub(1);
-    });
-  }
-  work(sh, p, chunks, helpers + 1, g, 0);
-  while (sh->active.load() > 0) std::this_thread::yield();
+  const Split sp(p, chunks, helpers + 1);
+  auto sh = std::make_shared<Shared>(helpers + 1, g ? items : sp.items, p);
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([sh, p, chunks, helpers, g, i] { work(sh, p, chunks, helpers + 1, g, i + 1); });
+  work(sh, p, chunks, helpers + 1, g, 0);  // returns with every item in y (`Shared`)
   return ffi::Error::Success();
 }
 
