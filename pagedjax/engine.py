@@ -318,7 +318,7 @@ class LLMEngine:
         # Independent compilations run side by side: XLA compiles with the GIL released, and
         # on a GPU one step shape of an 8B model compiles (and autotunes) for seconds, so the
         # sequential warm-up of a 13B-like engine (31 step shapes, ~500 sampler and beam
-        # variants) ran past five minutes (`worker.parallel_warmup`). Sampler and beam calls
+        # variants) had not finished after 276 s on an H200 (`worker.parallel_warmup`). Sampler and beam calls
         # are pure, so they run in the pool as they are, admitted by their logits' bytes; the
         # steps donate the KV cache, so the runner compiles them in the pool and then runs them
         # one at a time (`ModelRunner.warmup`).
