@@ -1,10 +1,11 @@
-"""The native panel matmul does not wait for a stalled helper thread
+"""The native panel matmul does not keep waiting for a stalled helper thread
 (`pallas_kernels/csrc/dense_matmul_cpu.cc`, `Shared`): with every helper made to sleep 40 ms
 before committing each work item (PAGEDJAX_MATMUL_HELPER_STALL_US, the stand-in for a thread
-the OS preempted), each call still returns in a fraction of that, the caller taking over the
-helpers' items, and every result, including those of calls made while earlier calls' helpers
-are still asleep, matches float64 numpy and the same product computed with no stall. Runs in a
-subprocess: the kernel reads the setting once per process."""
+the OS preempted), calls return in a fraction of that once the kernel has seen a stall, the
+caller taking over the helpers' items, and every result, including those of calls made while
+earlier calls' helpers are still asleep, matches float64 numpy and, bit for bit, the same
+product computed with no stall. Runs in subprocesses: the kernel reads its settings once per
+process."""
 
 from __future__ import annotations
 
@@ -57,9 +58,12 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(stall_us: int) -> list[dict]:
+def _run(stall_us: int, take_over: str | None = None) -> list[dict]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO),
            "PAGEDJAX_MATMUL_HELPER_STALL_US": str(stall_us)}
+    env.pop("PAGEDJAX_MATMUL_TAKE_OVER", None)
+    if take_over is not None:
+        env["PAGEDJAX_MATMUL_TAKE_OVER"] = take_over
     proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(SHAPES)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -68,12 +72,21 @@ def _run(stall_us: int) -> list[dict]:
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="helpers need a second intra-op thread")
 def test_calls_do_not_wait_for_stalled_helpers():
-    quiet, stalled = _run(0), _run(STALL_US)
-    assert len(quiet) == len(stalled) == 3 * len(SHAPES)
-    for q, s in zip(quiet, stalled, strict=True):
-        assert s["err"] <= s["tol"] and q["err"] <= q["tol"]
-        # Whoever computed an item, the bits are the same.
-        assert s["hash"] == q["hash"] and s["sum"] == q["sum"]
-    # Waiting for a helper would cost at least one 40 ms stall per call; the caller instead
-    # takes over (a few calls may still meet a helper mid-commit, hence the median).
-    assert np.median([s["ms"] for s in stalled]) < STALL_US / 1e3 / 4
+    """Adaptive (the default): the first stall switches the kernel to taking items over;
+    "1": always taking over; "0": always waiting, which the stall then slows down (so the
+    stand-in does stall a waiting caller)."""
+    quiet = _run(0)
+    runs = {mode: _run(STALL_US, mode) for mode in (None, "1", "0")}
+    for mode, stalled in runs.items():
+        assert len(stalled) == len(quiet) == 3 * len(SHAPES), mode
+        for q, s in zip(quiet, stalled, strict=True):
+            assert s["err"] <= s["tol"] and q["err"] <= q["tol"]
+            # Whoever computed an item, in either mode, the bits are the same.
+            assert s["hash"] == q["hash"] and s["sum"] == q["sum"], mode
+    # Waiting for a helper costs at least one 40 ms stall per call; taking over does not
+    # (a few calls may still meet a helper mid-commit, hence the median).
+    stall_ms = STALL_US / 1e3
+    assert np.median([s["ms"] for s in runs[None]]) < stall_ms / 4
+    assert np.median([s["ms"] for s in runs["1"]]) < stall_ms / 4
+    # Always waiting: calls whose helper claimed an item in time wait out its stall.
+    assert max(s["ms"] for s in runs["0"]) >= stall_ms
