@@ -219,18 +219,19 @@ void group(const Dense& p, int64_t b, int64_t g) {
 // waited for it, every matmul of the step would wait out the other process, and the second
 // core's remaining half was lost (one core busy: the demo model's one-row matmuls ran 35.2 ms
 // with two threads, 34.5 with one; docs/v1-core.md). Every item has a state, and a call runs
-// in one of two modes (`Mode`):
-// - direct (a quiet machine): helpers claim an item (kFree -> kClaimed), compute it straight
-//   into y and mark it kDone; the caller, out of unclaimed items, waits for those in flight.
-//   It costs what the plain scheme did. If that wait was a stall (far longer than an item
-//   takes), the next calls run taking over.
-// - taking over (after a stall, for the next kTakeOverCalls calls): helpers compute an item
+// in one of two modes (`take_over`):
+// - direct (the default): helpers claim an item (kFree -> kClaimed), compute it straight into
+//   y and mark it kDone; the caller, out of unclaimed items, waits for those in flight.
+// - taking over (PAGEDJAX_MATMUL_TAKE_OVER=1, for shared machines): helpers compute an item
 //   into their own scratch from a copy of x (held here, so a helper that resumes after the
 //   call returned reads nothing XLA may have reused or freed), then commit it to y only by
 //   winning kClaimed -> kWriting; the caller waits for items in flight up to twice its own
 //   mean item time (a running helper finishes within that), then takes over what is left
 //   (kFree/kClaimed -> kStolen) and computes it into y itself, and the late helper's commit
-//   fails. This costs ~2 % on a quiet machine (the copy of x, the scratch), hence the modes.
+//   fails. This costs ~2-3 % on a quiet machine (the copy of x, the scratch), and in the whole
+//   engine with one core taken by another process it gained only 2-8 % (the matmuls alone:
+//   1.25-1.4x; docs/v1-core.md), so it is not the default. Switching to it after a detected
+//   stall misfired on this project's noisy VM: quiet runs paid the 2-3 %.
 // In both, an item still kFree after its list ran out (its helper stalled between the claim
 // and kClaimed) is the caller's. Every output is computed by the same code whoever does it,
 // so results do not depend on who did an item or on the mode.
@@ -256,29 +257,15 @@ struct Shared {
   std::unique_ptr<float[]> xcopy;  // x as the helpers read it (taking over)
 };
 
-// PAGEDJAX_MATMUL_TAKE_OVER: unset, the modes switch as above; 0: always direct (the caller
-// waits out a stalled helper, as before; `bench/offline_throughput.py --engines
-// pagedjax,pagedjax-wait-helpers`); 1: always taking over.
-enum class Mode { kAdaptive, kDirect, kTakeOver };
-Mode mode_setting() {
-  static const Mode m = [] {
+// PAGEDJAX_MATMUL_TAKE_OVER=1: take items over (`bench/offline_throughput.py --engines
+// pagedjax-wait-helpers,pagedjax-take-over --busy-core`); unset or 0: direct.
+bool take_over_setting() {
+  static const bool on = [] {
     const char* v = std::getenv("PAGEDJAX_MATMUL_TAKE_OVER");
-    if (v == nullptr || *v == 0) return Mode::kAdaptive;
-    return std::strcmp(v, "0") == 0 ? Mode::kDirect : Mode::kTakeOver;
+    return v != nullptr && std::strcmp(v, "1") == 0;
   }();
-  return m;
+  return on;
 }
-
-// Adaptive: calls are numbered; after a stall, calls up to `g_take_over_until` take over. A
-// step of the demo model makes ~150 calls, so the window is ~70 steps, after which one more
-// stall (one time slice lost) is what it takes to find the machine still shared.
-constexpr int64_t kTakeOverCalls = 10000;
-std::atomic<int64_t> g_calls{0}, g_take_over_until{0};
-
-// The caller's wait for helpers' items counts as a stall past this many of its own mean item
-// times, and at least this long.
-constexpr int64_t kStallItems = 8;
-constexpr auto kStallMin = std::chrono::microseconds(300);
 
 // Debug: helpers sleep this many microseconds before committing each item
 // (PAGEDJAX_MATMUL_HELPER_STALL_US; tests stand it in for a preempted thread).
@@ -404,7 +391,7 @@ void caller_item(Shared& sh, const Dense& p, const Items& it, int64_t i, int64_t
 // cold: the demo model's 64-row matmuls ran ~15 % faster with own lists in a standalone
 // copy). A thread done with its list takes from the others' (no prefetching for them).
 void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int64_t threads,
-          int64_t g, int64_t id, int64_t call) {
+          int64_t g, int64_t id) {
   const Split sp(p, chunks, threads);
   const Items it{sp, g, p.panels};
   float scratch[kChunkRows * kCols];  // a helper's item: <= 64 rows x 64, or <= 6 x 64 x 1-3 rows
@@ -443,7 +430,7 @@ void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int
   // cost 13 % at one row and 5 % at 64 rows in `bench/native_ab.py`: the last item done twice
   // in every call). So, taking over, wait up to twice the caller's own mean item time (at
   // least 20 us), then take over what is left; a preempted helper stays away for a time slice
-  // (milliseconds). Direct, wait for kClaimed items and note a stall.
+  // (milliseconds). Direct, wait for kClaimed items.
   const auto now = std::chrono::steady_clock::now();
   const auto mean = own_items ? (now - t0) / own_items : std::chrono::nanoseconds(0);
   const auto deadline = now + std::max<std::chrono::nanoseconds>(2 * mean, std::chrono::microseconds(20));
@@ -462,11 +449,6 @@ void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int
         break;
       }
     }
-  }
-  if (!sh->take_over && mode_setting() == Mode::kAdaptive) {
-    const auto waited = std::chrono::steady_clock::now() - now;
-    if (waited > std::max<std::chrono::nanoseconds>(kStallItems * mean, kStallMin))
-      g_take_over_until.store(call + kTakeOverCalls, std::memory_order_relaxed);
   }
 }
 
@@ -487,16 +469,10 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   const int64_t items = g ? (panels + g - 1) / g : panels * chunks;
   const int64_t helpers = std::min<int64_t>(threads - 1, items - 1);
   const Split sp(p, chunks, helpers + 1);
-  const int64_t call = g_calls.fetch_add(1, std::memory_order_relaxed);
-  const Mode mode = mode_setting();
-  const bool take_over = mode == Mode::kTakeOver ||
-      (mode == Mode::kAdaptive && call < g_take_over_until.load(std::memory_order_relaxed));
-  auto sh = std::make_shared<Shared>(helpers + 1, g ? items : sp.items, p, take_over);
+  auto sh = std::make_shared<Shared>(helpers + 1, g ? items : sp.items, p, take_over_setting());
   for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([sh, p, chunks, helpers, g, i, call] {
-      work(sh, p, chunks, helpers + 1, g, i + 1, call);
-    });
-  work(sh, p, chunks, helpers + 1, g, 0, call);  // returns with every item in y (`Shared`)
+    pool.Schedule([sh, p, chunks, helpers, g, i] { work(sh, p, chunks, helpers + 1, g, i + 1); });
+  work(sh, p, chunks, helpers + 1, g, 0);  // returns with every item in y (`Shared`)
   return ffi::Error::Success();
 }
 
