@@ -322,10 +322,24 @@ class LLMEngine:
         # are pure, so they run in the pool as they are, admitted by their logits' bytes; the
         # steps donate the KV cache, so the runner compiles them in the pool and then runs them
         # one at a time (`ModelRunner.warmup`).
-        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp, pool=pool)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp, pool=pool)
+                self.runner.warmup_token_feed(history_width=self.max_model_len)
+                run_bounded(pool, self._warmup_sampler_calls(shapes), warmup_memory_budget())
+        except Exception as e:
+            # Side-by-side compilation is new on GPUs (Triton lowering, autotuning, memory
+            # beside a full KV cache): a failure there falls back to the one-at-a-time order,
+            # and an error that is not about concurrency fails again there and is raised.
+            if threads == 1:
+                raise
+            logger.warning("parallel warm-up failed (%s: %s); warming up one call at a time",
+                           type(e).__name__, e)
+            threads = 1
+            shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp)
             self.runner.warmup_token_feed(history_width=self.max_model_len)
-            run_bounded(pool, self._warmup_sampler_calls(shapes), warmup_memory_budget())
+            for _, thunk in self._warmup_sampler_calls(shapes):
+                thunk()
         n = num_backend_compiles() - before
         logger.info("warm-up: %d step shapes, %d compilations in %.1f s (%d threads)", len(shapes),
                     n, time.monotonic() - t0, threads)

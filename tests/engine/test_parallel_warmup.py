@@ -13,7 +13,7 @@ import pytest
 
 from models.config import ModelConfig
 from models.weights import assemble_params
-from pagedjax import LLM
+from pagedjax import LLM, SamplingParams
 from pagedjax.worker import parallel_warmup
 from pagedjax.worker.compile_stats import num_backend_compiles
 from pagedjax.worker.parallel_warmup import run_bounded, warmup_threads
@@ -128,3 +128,29 @@ def test_steps_compiled_ahead_are_the_ones_warmup_runs(tiny):
     assert len(compiles_in_runs) == len(shapes) > 4
     assert compiles_in_runs == [0] * len(shapes)
     np.testing.assert_array_equal(np.asarray(runner.k_cache), before_k)
+
+
+def test_a_failing_parallel_warmup_falls_back_to_one_at_a_time(tiny, monkeypatch, caplog):
+    """A failure in the side-by-side part (stood in for by `run_bounded` raising) is logged
+    and warm-up redone one call at a time: every step shape is compiled and serving then
+    compiles nothing."""
+    import pagedjax.engine as engine_mod
+
+    def broken(*_a, **_k):
+        raise RuntimeError("stand-in for a concurrent compilation failure")
+
+    monkeypatch.setattr(engine_mod, "run_bounded", broken)
+    monkeypatch.setenv(parallel_warmup.ENV_THREADS, "2")
+    config, params = tiny
+    with caplog.at_level("WARNING", logger="pagedjax.engine"):
+        llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=24, block_size=8,
+                              max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+                              swap_space_gb=0, warmup=True)
+    assert "parallel warm-up failed" in caplog.text
+    engine = llm.engine
+    shapes = engine.runner.shape_plan.step_shapes(True)
+    assert {tuple(s) for s in shapes} <= set(engine.runner.compiled_shapes)
+    before = num_backend_compiles()
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert num_backend_compiles() == before
