@@ -315,18 +315,9 @@ class LLMEngine:
         before, t0 = num_backend_compiles(), time.monotonic()
         with_prompt_lp = not self.engine_config.enable_prefix_caching
         threads = warmup_threads()
-        # Independent compilations run side by side: XLA compiles with the GIL released, and
-        # on a GPU one step shape of an 8B model compiles (and autotunes) for seconds, so the
-        # sequential warm-up of a 13B-like engine (31 step shapes, ~500 sampler and beam
-        # variants) had not finished after 276 s on an H200 (`worker.parallel_warmup`). Sampler and beam calls
-        # are pure, so they run in the pool as they are, admitted by their logits' bytes; the
-        # steps donate the KV cache, so the runner compiles them in the pool and then runs them
-        # one at a time (`ModelRunner.warmup`).
         try:
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp, pool=pool)
-                self.runner.warmup_token_feed(history_width=self.max_model_len)
-                run_bounded(pool, self._warmup_sampler_calls(shapes), warmup_memory_budget())
+                shapes = self._warmup_calls(with_prompt_lp, pool)
         except Exception as e:
             # Side-by-side compilation is new on GPUs (Triton lowering, autotuning, memory
             # beside a full KV cache): a failure there falls back to the one-at-a-time order,
@@ -336,14 +327,31 @@ class LLMEngine:
             logger.warning("parallel warm-up failed (%s: %s); warming up one call at a time",
                            type(e).__name__, e)
             threads = 1
-            shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp)
-            self.runner.warmup_token_feed(history_width=self.max_model_len)
-            for _, thunk in self._warmup_sampler_calls(shapes):
-                thunk()
+            shapes = self._warmup_calls(with_prompt_lp, None)
         n = num_backend_compiles() - before
         logger.info("warm-up: %d step shapes, %d compilations in %.1f s (%d threads)", len(shapes),
                     n, time.monotonic() - t0, threads)
         return n
+
+    def _warmup_calls(self, with_prompt_lp: bool,
+                      pool: concurrent.futures.Executor | None) -> list[tuple]:
+        """Warm-up's compilations; returns the step shapes. Independent compilations run side by
+        side in ``pool`` (XLA compiles with the GIL released; on a GPU one step shape of an 8B
+        model compiles and autotunes for seconds, and the one-at-a-time warm-up of a 13B-like
+        engine, 31 step shapes and ~500 sampler and beam variants, had not finished after 276 s
+        on an H200: `worker.parallel_warmup`). Sampler and beam calls are pure, so they run in
+        the pool as they are, admitted by their logits' bytes; the steps donate the KV cache, so
+        the runner compiles them in the pool and then runs them one at a time
+        (`ModelRunner.warmup`). ``pool`` None: one call at a time."""
+        shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp, pool=pool)
+        self.runner.warmup_token_feed(history_width=self.max_model_len)
+        calls = self._warmup_sampler_calls(shapes)
+        if pool is None:
+            for _, thunk in calls:
+                thunk()
+        else:
+            run_bounded(pool, calls, warmup_memory_budget())
+        return shapes
 
     def _warmup_sampler_calls(self, shapes: list[tuple]) -> Iterator[tuple[int, Callable[[], object]]]:
         """(bytes, thunk) per sampler, prompt-logprob and beam-selection compilation of

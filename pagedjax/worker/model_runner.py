@@ -504,7 +504,9 @@ class ModelRunner:
             inputs.meta.kv_lens[:] = 0
             dummies.append(inputs)
         if pool is not None and not multihost.is_multiprocess():
-            compile_ahead = lambda inp: type(self)._step.lower(self, *self._step_args(inp)).compile()  # noqa: E731
+            def compile_ahead(inp: StepInputs) -> None:
+                type(self)._step.lower(self, *self._step_args(inp)).compile()
+
             for _ in pool.map(compile_ahead, dummies):
                 pass
         for inputs in dummies:
