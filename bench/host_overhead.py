@@ -143,6 +143,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
 
     def fake_sample(logits, meta, num_logprobs=0, rows=None):
         b = len(rows)
+        state["calls"] = state.get("calls", 0) + 1
         i = state["i"]
         state["i"] = (i + b) % (len(vocab_ids) - 2 * b)
         toks = vocab_ids[i : i + b]
@@ -151,8 +152,14 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                              np.full((b, k), -2.0, np.float32),
                              np.tile(np.arange(k, dtype=np.int32), (b, 1)), None)
 
-    orig_runner, orig_sample = eng_mod.ModelRunner, eng_mod.sample
-    eng_mod.ModelRunner, eng_mod.sample = _Runner, fake_sample
+    def fake_sample_greedy(logits, rows, num_logprobs=0):
+        return fake_sample(logits, None, num_logprobs, rows)
+
+    # Both samplers: greedy batches take `sample_greedy`, which on the stub's zero logits
+    # would draw token 0 (a special token, skipped by detokenization) every step.
+    orig = eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy
+    eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy = \
+        _Runner, fake_sample, fake_sample_greedy
     try:
         max_len = 128 + steps + 256  # outlives the prefill of the last request
         blocks = num_seqs * -(-max_len // 16) + 16
@@ -185,8 +192,11 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         if phases is not None:
             phases.on = False
         assert len(engine.scheduler.running) == num_seqs
+        # Every token came from the stub (ordinary text tokens), none from a real sampler.
+        outs = [s.output_token_ids for g in engine.scheduler.running for s in g.seqs]
+        assert all(len(o) > steps and min(o) >= 200 for o in outs)
     finally:
-        eng_mod.ModelRunner, eng_mod.sample = orig_runner, orig_sample
+        eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy = orig
     times.sort()
     if freeze_gc:
         import gc

@@ -86,13 +86,17 @@ Slicer = Callable[[int, int], list[int]]
 
 
 def _release(prefix: str, full: str, state: DetokState, total: int) -> str:
-    if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
-        delta = full[len(prefix):]
-        state.append(delta)
-        state.prefix_offset = state.read_offset
-        state.read_offset = total
-        return delta
-    return ""
+    """Release the text the tokens since `read_offset` add, unless it ends inside a
+    character. Tokens that add no text at all (skipped special tokens) are passed over too:
+    held back, they would widen every later window of the sequence (a model that keeps
+    emitting them, e.g. with ``ignore_eos``, made each step's work grow with its output)."""
+    if full.endswith(REPLACEMENT) or (len(full) <= len(prefix) and full != prefix):
+        return ""
+    delta = full[len(prefix):]
+    state.append(delta)
+    state.prefix_offset = state.read_offset
+    state.read_offset = total
+    return delta
 
 
 def detokenize_incrementally(tokenizer, token_ids: list[int], state: DetokState,
@@ -249,9 +253,10 @@ class Detokenizer:
                     slow.append(i)
                     continue
                 # The released text ends on a character boundary, so the new tokens' text is
-                # their bytes alone; held back while they end inside a character.
+                # their bytes alone; held back while they end inside a character. No bytes
+                # (skipped special tokens) leave nothing pending: move on (see `_release`).
                 text = data.decode("utf-8", "replace")
-                if text and not text.endswith(REPLACEMENT):
+                if not text.endswith(REPLACEMENT):
                     st.append(text)
                     st.prefix_offset = st.read_offset
                     st.read_offset = total

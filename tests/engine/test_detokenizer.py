@@ -67,6 +67,28 @@ def test_batched_equals_one_by_one_and_whole_decode(demo_tokenizer, skip):
         assert st.text == ref.text == tok.decode(s.out, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("table", [True, False])
+def test_skipped_special_tokens_do_not_widen_the_window(demo_tokenizer, table):
+    """A sequence that keeps sampling special tokens (EOS with ignore_eos) while they are
+    skipped adds no text; the window each step reads must stay short anyway (it used to grow
+    with the output), on the byte-table path and the tokenizer's."""
+    tok = demo_tokenizer
+    eos = tok.eos_token_id
+    out = tok(" hi").input_ids + [eos] * 60 + tok(" there é").input_ids + [eos] * 40
+    seq = CountingSeq(tok("Q:").input_ids, out)
+    det = Detokenizer(tok)
+    if not table:
+        det._table = None
+    st = DetokState("", 0, len(seq.prompt))
+    for _ in out:
+        seq.n += 1
+        before = seq.read
+        det.step([(seq.get, len(seq.prompt) + seq.n, st, True)])
+        assert seq.read - before <= 8
+    det.flush(seq.get, len(seq.prompt) + seq.n, st, True)
+    assert st.text == tok.decode(out, skip_special_tokens=True) == " hi there é"
+
+
 def test_plain_decode_objects_work_without_backend():
     class Plain:
         def decode(self, ids, skip_special_tokens=True):
