@@ -817,6 +817,10 @@ class LLMEngine:
         b_pad = self._sample_batch(len(row_info), inputs.shape_key[1])
         src = np.zeros(b_pad, np.int32)
         src[: len(row_src)] = row_src
+        if self._plain_greedy(row_info):
+            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS)
+            fl.row_info, fl.out = row_info, out
+            return self._mark_pending(fl, out) if self.runner.feed_tokens else fl
         hist = self.input_batch.histories  # penalty histories: persistent, grown by deltas
         rows = [(req.params, SeqSamplingState(
                     *(hist(seq) if req.params.uses_penalties
@@ -859,6 +863,29 @@ class LLMEngine:
             fl.needs_sync = True
         if not self.runner.feed_tokens:
             return fl  # the step is finished before the next is scheduled: nothing pending
+        return self._mark_pending(fl, out)
+
+    def _plain_greedy(self, row_info: list[tuple]) -> bool:
+        """Whether every sampled row is plain greedy (`RequestState.plain_greedy`, past its
+        `min_tokens`): then `sample_greedy` decides the tokens from the logits alone, and the
+        step skips the sampling metadata, which `sample` would need (at 256 rows ~0.2 ms of
+        host time per step, `bench/host_overhead.py`). Same tokens as through `sample`
+        (`tests/engine/test_greedy_fast_path.py`)."""
+        if not GREEDY_FAST_PATH or self.spec_config is not None:
+            return False
+        for req, seq, _index, _fan_out in row_info:
+            if not req.plain_greedy:
+                return False
+            min_tokens = req.params.min_tokens
+            if min_tokens and len(seq.output_token_ids) + seq.num_pending < min_tokens:
+                return False  # its stop tokens are banned until then
+        return True
+
+    def _mark_pending(self, fl: _InFlight, out: SamplerOutput) -> _InFlight:
+        """Async scheduling: the tokens this step samples become their sequences' pending
+        tokens, so the next step can be scheduled before they are known (`needs_sync` says
+        when it cannot)."""
+        row_info = fl.row_info
         fl.tokens = self.runner.sampled_tokens(out.token_ids)
         spec_rows, pending_rows, max_len = fl.spec_rows, fl.pending_rows, self.max_model_len
         for r, (req, seq, _index, fan_out) in enumerate(row_info):
@@ -1020,10 +1047,16 @@ class LLMEngine:
         # string) is then found after the same token as without speculation, and the tokens
         # after it are never appended.
         later: list[tuple[list[SampledToken], list[tuple[RequestState, int]]]] = []
+        requests = self._requests
+        forks = grammars = False  # whether the rarer passes below have anything to do
         for r, (req, seq, index, fan_out) in enumerate(row_info):
-            if req.is_beam or self._requests.get(req.request_id) is not req:
+            if req.is_beam or requests.get(req.request_id) is not req:
                 continue  # beams: below; gone: aborted or failed while the step ran
-            if seq.seq_id in spec:  # drafted: its first row takes all its accepted tokens
+            if fan_out:
+                forks = True
+            if req.grammar is not None:
+                grammars = True
+            if spec and seq.seq_id in spec:  # drafted: its first row takes all its accepted tokens
                 r0, drafts = spec[seq.seq_id]
                 if r == r0:
                     a = self._accept(drafts, token_ids[r0 : r0 + len(drafts) + 1])
@@ -1044,14 +1077,14 @@ class LLMEngine:
             rows.append((req, r))
         for tokens, token_rows in [(sampled, rows), *later]:
             applied = self.scheduler.update_from_output(tokens, self._new_seq_id)
-            for a in applied:
+            for a in applied if forks else ():
                 if a.forked:
                     req, r = token_rows[a.index]
                     req.register(a.seq, row_info[r][2])
                     if req.grammar is not None:  # before the parent takes this step's token
                         self.structured.fork(tokens[a.index].seq.seq_id, a.seq.seq_id,
                                              req.grammar)
-            for a in applied:
+            for a in applied if grammars else ():
                 req = token_rows[a.index][0]
                 if req.grammar is not None and not a.seq.is_finished() and \
                         self.structured.advance(a.seq.seq_id, req.grammar, tokens[a.index].token_id):

@@ -71,10 +71,14 @@ class RequestState:
         # every request of every step, so decided once.
         self.streams = not (self.final_only or p.use_beam_search
                             or (p.best_of is not None and p.best_of > p.n))
-
-    @property
-    def is_beam(self) -> bool:
-        return self.params.use_beam_search
+        # Its rows need nothing but the argmax (`sample_greedy`), once past `min_tokens`:
+        # a batch of such rows skips building sampling metadata (`LLMEngine._plain_greedy`).
+        self.has_stop_strings = p.has_stop_strings  # read for every token
+        self.is_beam = p.use_beam_search
+        self.plain_greedy = (p.is_greedy and not p.uses_penalties and not p.logit_bias
+                             and not p.logprobs and not p.use_beam_search
+                             and self.grammar is None and self.allowed_mask is None
+                             and not self.bad_words)
 
     @property
     def num_samples(self) -> int:
@@ -111,8 +115,12 @@ class OutputProcessor:
         scheduler to stop; records every finished sequence's stop reason."""
         now = time.monotonic()
         items = []
+        # (item, token, request, released length before): sequences with stop strings or no
+        # longer running (maybe finished), the only ones the second pass needs to look at.
+        check = []
         top = None  # the step's top-k ids / logprobs as lists, made once if a row wants them
         self.generation_tokens_total += len(applied)
+        running = SequenceStatus.RUNNING
         for a in applied:
             req, r = rows[a.index]
             seq = a.seq
@@ -129,13 +137,15 @@ class OutputProcessor:
                 # This row's token (a speculative step appends several per sequence).
                 entry[top[2][r]] = top[3][r]
                 req.logprobs[seq.seq_id].append(entry)
+            state = req.detok[seq.seq_id]
+            if req.has_stop_strings or seq.status is not running:
+                check.append((len(items), a, req, state.length))
             items.append((seq.get_token_slice, len(seq.prompt_token_ids) + len(seq.output_token_ids),
-                          req.detok[seq.seq_id], p.skip_special_tokens))
-        old_lens = [st.length for _, _, st, _ in items]
+                          state, p.skip_special_tokens))
         self.detokenizer.step(items)
         stopped = []
-        for a, (get, total, state, skip), old in zip(applied, items, old_lens):
-            req, _r = rows[a.index]
+        for k, a, req, old in check:
+            get, total, state, skip = items[k]
             seq = a.seq
             p = req.params
             status, reason = seq.status, a.stop_reason

@@ -516,14 +516,18 @@ class Scheduler:
         if seq.status is not SequenceStatus.RUNNING:
             return False
         start = seq.num_computed_tokens
-        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        prompt, output = seq.prompt_token_ids, seq.output_token_ids
+        p = len(prompt)
+        known = p + len(output)
         if known + seq.num_pending - start != 1 or st.num_seqs + g.n > self.config.max_num_seqs:
             return False
         decode_slot = getattr(self.bm, "decode_slot", None)  # the hybrid manager has none
         ref = decode_slot(seq) if decode_slot is not None else None
         if ref is None:
             return False
-        ids = [seq.get_token_slice(start, start + 1)[0] if start < known else PENDING_TOKEN]
+        # The token at `start` (`get_token_slice`, inlined), or a pending one.
+        ids = [(output[start - p] if start >= p else prompt[start]) if start < known
+               else PENDING_TOKEN]
         out = st.out
         out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, ref[0], True,
                                           ref[1]))
@@ -564,9 +568,15 @@ class Scheduler:
     def _schedule_running(self, st: _Step, ordered: list[SequenceGroup], keep: list[SequenceGroup]) -> None:
         """FCFS over running groups in priority order; the tail serves as the victim pool."""
         queue = deque(ordered)  # popping from the right takes the latest unscheduled arrival
+        decode_fast = self._decode_fast if self.proposer is None else None
         while queue:
             g = queue.popleft()
             try:
+                # A lone decoding sequence (most of a step) straight to the fast path.
+                if decode_fast is not None and len(g.seqs) == 1 and st.budget > 0 \
+                        and decode_fast(st, g):
+                    keep.append(g)
+                    continue
                 res = self._schedule_one_running(st, g, queue)
             except Exception as exc:
                 self._fail_group(st, g, exc)

@@ -175,12 +175,21 @@ def test_a_failing_table_build_leaves_the_windowed_path(demo_tokenizer, monkeypa
     assert st.text == demo_tokenizer.decode(ids, skip_special_tokens=True)
 
 
+class SmallTail(DetokState):
+    """Pieces form after a few characters: the merging, not only the tail, gets exercised."""
+
+    __slots__ = ()
+    TAIL = 6
+
+
+@pytest.mark.parametrize("cls", [DetokState, SmallTail])
 @settings(max_examples=200, deadline=None)
-@given(hst.lists(hst.text(max_size=40), max_size=300), hst.data())
-def test_text_pieces_equal_one_string(pieces, data):
-    """`DetokState` keeps its text in merged pieces: text, length and any tail equal a plain
-    string's, a truncation (a stop string) resets it, and the pieces stay logarithmic."""
-    state, plain = DetokState(), ""
+@given(pieces=hst.lists(hst.text(max_size=40), max_size=300), data=hst.data())
+def test_text_pieces_equal_one_string(cls, pieces, data):
+    """`DetokState` keeps its text in a short tail and merged pieces: text, length and any
+    tail equal a plain string's, a truncation (a stop string) resets it, and the pieces stay
+    logarithmic."""
+    state, plain = cls(), ""
     for piece in pieces:
         state.append(piece)
         plain += piece

@@ -29,25 +29,34 @@ def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     plain = [(prompt(), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
              for _ in range(6)]
     plain += [(prompt(), SamplingParams(temperature=0, max_tokens=10, logprobs=0)),
-              (prompt(), SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[5, 9, 40]))]
+              (prompt(), SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[5, 9, 40])),
+              # Its stop ids are banned for 4 tokens: those steps need the full sampler.
+              (prompt(), SamplingParams(temperature=0, max_tokens=9, min_tokens=4,
+                                        stop_token_ids=[5, 9, 40]))]
     mixed = [(prompt(), SamplingParams(temperature=0.8, seed=4, max_tokens=8)),
              (prompt(), SamplingParams(temperature=0, max_tokens=8, logprobs=3)),
              (prompt(), SamplingParams(temperature=0, max_tokens=8, presence_penalty=0.4))]
     return plain, mixed
 
 
-def _generate(config, params, reqs, monkeypatch, fast: bool) -> tuple[list, int]:
-    calls = []
-    real = engine_mod.sample_greedy
+def _generate(config, params, reqs, monkeypatch, fast: bool) -> tuple[list, int, int, int]:
+    """Outputs, `sample_greedy` calls, preemptions, sampling metadata built."""
+    calls, metas = [], []
+    real, real_meta = engine_mod.sample_greedy, SamplingMetadata.from_params.__func__
 
     def counting(*a, **k):
         calls.append(1)
         return real(*a, **k)
 
+    def counting_meta(cls, *a, **k):
+        metas.append(1)
+        return real_meta(cls, *a, **k)
+
     monkeypatch.setattr(engine_mod, "sample_greedy", counting)
+    monkeypatch.setattr(SamplingMetadata, "from_params", classmethod(counting_meta))
     if not fast:
-        monkeypatch.setattr(SamplingMetadata, "plain_greedy", property(lambda self: False))
-    # 14 blocks of 8 for 8 sequences of up to 50 tokens: preemption is certain.
+        monkeypatch.setattr(engine_mod, "GREEDY_FAST_PATH", False)
+    # 14 blocks of 8 for 9 sequences of up to 50 tokens: preemption is certain.
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=14, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [sp for _, sp in reqs])
@@ -55,7 +64,7 @@ def _generate(config, params, reqs, monkeypatch, fast: bool) -> tuple[list, int]
     engine.block_manager.check_invariants()
     assert engine.block_manager.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
     monkeypatch.undo()
-    return outs, len(calls), engine.get_stats().num_preemptions_total
+    return outs, len(calls), engine.get_stats().num_preemptions_total, len(metas)
 
 
 @pytest.mark.parametrize("batch", ["plain", "mixed"])
@@ -63,13 +72,17 @@ def test_fast_path_outputs_equal_the_full_sampler(tiny, monkeypatch, batch):
     config, params = tiny
     plain, mixed = _requests(config.vocab_size)
     reqs = plain if batch == "plain" else mixed
-    fast, n_fast, pre = _generate(config, params, reqs, monkeypatch, fast=True)
-    full, n_full, _ = _generate(config, params, reqs, monkeypatch, fast=False)
+    fast, n_fast, pre, meta_fast = _generate(config, params, reqs, monkeypatch, fast=True)
+    full, n_full, _, meta_full = _generate(config, params, reqs, monkeypatch, fast=False)
     assert n_full == 0
     if batch == "plain":
         assert n_fast > 0 and pre > 0  # the fast path ran, under preemption
+        # Steps of plain rows only build no sampling metadata; those with the min_tokens
+        # row before its 4th token do (and sample through `sample`).
+        assert 0 < meta_fast < meta_full
     else:
         assert n_fast == 0  # a sampled, top-logprob or penalised row in every step
+        assert meta_fast == meta_full
     for a, b in zip(fast, full, strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert x.token_ids == y.token_ids
