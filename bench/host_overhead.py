@@ -92,6 +92,7 @@ PHASES = [
     ("pagedjax.core.scheduler:Scheduler", "update_from_output", "    update_from_output"),
     ("pagedjax.output_processor:OutputProcessor", "process", "    output processing"),
     ("pagedjax.detokenizer:Detokenizer", "step", "      detokenization"),
+    ("pagedjax.detokenizer:Detokenizer", "append_token", "      detokenization"),
     ("pagedjax.core.scheduler:Scheduler", "free_finished_seq_groups", "  free finished"),
     ("pagedjax.output_processor:OutputProcessor", "make_output", "  RequestOutputs"),
 ]
@@ -104,7 +105,7 @@ class _Phases:
         import importlib
 
         self.on, self._undo = False, []
-        self.ms = {label: 0.0 for *_, label in PHASES}
+        self.ms = {label: 0.0 for *_, label in PHASES}  # a label may time several functions
         for owner, attr, label in PHASES:
             mod, _, cls = owner.partition(":")
             obj = importlib.import_module(mod)

@@ -253,6 +253,26 @@ class Detokenizer:
             return self._batch(windows, skip_special_tokens=skip)
         return [self.tokenizer.decode(w, skip_special_tokens=skip) for w in windows]
 
+    def append_token(self, state: DetokState, token_id: int, total: int, skip: bool) -> bool:
+        """The common case of a step, without a window: ``token_id`` is the sequence's only
+        token past released text (``state.read_offset == total - 1``) and the byte table
+        vouches for it. Returns False, having changed nothing, otherwise (then `step`)."""
+        table = self._table
+        if table is None or state.read_offset != total - 1:
+            return False
+        try:
+            data = (table.skipping if skip else table.plain)[token_id]
+        except IndexError:
+            return False
+        if data is None:
+            return False
+        text = data.decode("utf-8", "replace")
+        if not text.endswith(REPLACEMENT):  # else held back, as in `step`
+            state.append(text)
+            state.prefix_offset = state.read_offset
+            state.read_offset = total
+        return True
+
     def step(self, items: Sequence[tuple[Slicer, int, DetokState, bool]]) -> list[str]:
         """One incremental step for each ``(slice_fn, num_tokens, state, skip_special)``;
         returns each item's released delta."""

@@ -1073,7 +1073,8 @@ class LLMEngine:
                         later[j - 1][1].append((req, r0 + j))
                 continue
             sampled.append(SampledToken(req.request_id, seq, token_ids[r], logprobs[r],
-                                        index if fan_out else 0, pending.get(seq.seq_id) == r))
+                                        index if fan_out else 0,
+                                        bool(pending) and pending.get(seq.seq_id) == r))
             rows.append((req, r))
         for tokens, token_rows in [(sampled, rows), *later]:
             applied = self.scheduler.update_from_output(tokens, self._new_seq_id)

@@ -75,6 +75,10 @@ class RequestState:
         # a batch of such rows skips building sampling metadata (`LLMEngine._plain_greedy`).
         self.has_stop_strings = p.has_stop_strings  # read for every token
         self.is_beam = p.use_beam_search
+        # Nothing reads its text before its final output (no per-step output, no stop
+        # string to find): each sequence is decoded once, when it finishes or the output is
+        # made, not a token at a time, which takes detokenization off every step's host time.
+        self.lazy_text = self.final_only and not self.has_stop_strings and not self.is_beam
         self.plain_greedy = (p.is_greedy and not p.uses_penalties and not p.logit_bias
                              and not p.logprobs and not p.use_beam_search
                              and self.grammar is None and self.allowed_mask is None
@@ -121,6 +125,7 @@ class OutputProcessor:
         top = None  # the step's top-k ids / logprobs as lists, made once if a row wants them
         self.generation_tokens_total += len(applied)
         running = SequenceStatus.RUNNING
+        append_token = self.detokenizer.append_token
         for a in applied:
             req, r = rows[a.index]
             seq = a.seq
@@ -138,14 +143,20 @@ class OutputProcessor:
                 entry[top[2][r]] = top[3][r]
                 req.logprobs[seq.seq_id].append(entry)
             state = req.detok[seq.seq_id]
+            out_ids = seq.output_token_ids
+            total = len(seq.prompt_token_ids) + len(out_ids)
+            skip = p.skip_special_tokens
             if req.has_stop_strings or seq.status is not running:
-                check.append((len(items), a, req, state.length))
-            items.append((seq.get_token_slice, len(seq.prompt_token_ids) + len(seq.output_token_ids),
-                          state, p.skip_special_tokens))
-        self.detokenizer.step(items)
+                check.append(((seq.get_token_slice, total, state, skip), a, req, state.length))
+            if req.lazy_text:
+                continue  # decoded once it finishes (below) or its output is made
+            if not append_token(state, out_ids[-1], total, skip):
+                # A window to decode: all of them in one call below.
+                items.append((seq.get_token_slice, total, state, skip))
+        if items:
+            self.detokenizer.step(items)
         stopped = []
-        for k, a, req, old in check:
-            get, total, state, skip = items[k]
+        for (get, total, state, skip), a, req, old in check:
             seq = a.seq
             p = req.params
             status, reason = seq.status, a.stop_reason
@@ -228,6 +239,12 @@ class OutputProcessor:
         return comps
 
     def make_output(self, req: RequestState, final: bool) -> RequestOutput:
+        if req.lazy_text:  # an abort or failure before it finished: decode what it has
+            for seq in req.group.seqs:
+                st = req.detok.get(seq.seq_id)
+                if st is not None and st.read_offset < seq.num_total_tokens:
+                    self.detokenizer.flush(seq.get_token_slice, seq.num_total_tokens, st,
+                                           req.params.skip_special_tokens)
         if req.is_beam:
             return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                                  self.beam_completions(req), finished=final,

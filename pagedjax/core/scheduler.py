@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager
-from pagedjax.core.sequence import _FINISHED, Sequence, SequenceGroup, SequenceStatus
+from pagedjax.core.sequence import (
+    _FINISHED,
+    _FIRST_FINISHED,
+    _GO_ON,
+    Sequence,
+    SequenceGroup,
+    SequenceStatus,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +85,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     scheduled_groups: list[SequenceGroup] = field(default_factory=list)
+    # The scheduler's own: the sequence of each `scheduled` entry, for `update_after_step`.
+    seqs: list[Sequence] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Runner order before the step: swap out, then swap in, then copies.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -310,13 +319,16 @@ class Scheduler:
             seq.output_logprobs.append(lp)
             seq.cumulative_logprob += lp
             n_out = len(out)
-            stopped, reason = g.stops.check(tok, n_out)
+            stops = g.stops
+            # `TokenStops.check` only for a token that may stop it (most tokens cannot).
+            stopped, reason = (stops.check(tok, n_out)
+                               if tok in stops.eos_ids or tok in stops.stop_ids else _GO_ON)
             if stopped:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
             elif (g.max_tokens is not None and n_out >= g.max_tokens) \
                     or len(seq.prompt_token_ids) + n_out >= max_len:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
-            applied.append(AppliedToken(i, g, seq, i in children, reason))
+            applied.append(AppliedToken(i, g, seq, bool(children) and i in children, reason))
         return applied
 
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:
@@ -371,17 +383,14 @@ class Scheduler:
     # -- step ----------------------------------------------------------------
     def update_after_step(self, output: SchedulerOutput) -> None:
         """The step ran: advance num_computed_tokens and publish newly full blocks."""
-        done = {s.seq_id: len(s.token_ids) for s in output.scheduled}
         mark = self.bm.mark_blocks_computed
-        for g in output.scheduled_groups:
-            for seq in g.seqs:
-                n = done.get(seq.seq_id)
-                if n is None or seq.status in _FINISHED:  # e.g. aborted meanwhile
-                    continue
-                seq.num_computed_tokens += n
-                # Only known tokens are hashed: a block completed by a pending token is
-                # published by a later step, once its id is known.
-                mark(seq, min(seq.num_computed_tokens, seq.num_total_tokens))
+        for s, seq in zip(output.scheduled, output.seqs, strict=True):
+            if seq.status._value_ >= _FIRST_FINISHED:  # e.g. aborted meanwhile
+                continue
+            n = seq.num_computed_tokens = seq.num_computed_tokens + len(s.token_ids)
+            # Only known tokens are hashed: a block completed by a pending token is
+            # published by a later step, once its id is known.
+            mark(seq, min(n, len(seq.prompt_token_ids) + len(seq.output_token_ids)))
 
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.config.max_num_batched_tokens)
@@ -493,6 +502,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, table,
                                               bool(spec) or end == known + seq.num_pending,
                                               version, tuple(spec)))
+            out.seqs.append(seq)
             st.budget -= d
             out.num_batched_tokens += d
         # A lone prompt of an n>1 request fans out into n sampled rows when its prefill ends:
@@ -531,6 +541,7 @@ class Scheduler:
         out = st.out
         out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, ref[0], True,
                                           ref[1]))
+        out.seqs.append(seq)
         st.budget -= 1
         out.num_batched_tokens += 1
         st.num_seqs += g.n

@@ -27,7 +27,8 @@ def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_t
     config = read_config(str(demo_gguf))
     ph = _Phases()
     try:
-        measure(4, 3, "greedy", demo_tokenizer, config, output_kind="cumulative",
+        # Mixed: plain greedy steps build no sampling metadata, a stage this must see.
+        measure(4, 3, "mixed", demo_tokenizer, config, output_kind="cumulative",
                 freeze_gc=False, phases=ph)
     finally:
         ph.restore()

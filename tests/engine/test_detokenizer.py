@@ -67,6 +67,39 @@ def test_batched_equals_one_by_one_and_whole_decode(demo_tokenizer, skip):
         assert st.text == ref.text == tok.decode(s.out, skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_append_token_equals_the_windowed_step(demo_tokenizer, skip):
+    """`append_token` (one new token, read from the byte table) releases exactly what `step`
+    releases, holds back split characters the same way, and declines (changing nothing)
+    whatever it cannot do: a held-back window, an unvouched or out-of-vocabulary id."""
+    tok = demo_tokenizer
+    rng = np.random.default_rng(7)
+    det = Detokenizer(tok)
+    texts = [tok(t).input_ids for t in TEXTS]
+    texts += [[int(t) for t in rng.integers(0, tok.vocab_size, 60)] for _ in range(4)]
+    declined = 0
+    for out in texts:
+        seq = CountingSeq(tok("Q:").input_ids, out)
+        fast, ref = (DetokState("", 0, len(seq.prompt)) for _ in range(2))
+        for t in out:
+            seq.n += 1
+            total = len(seq.prompt) + seq.n
+            before = (fast.text, fast.prefix_offset, fast.read_offset)
+            if not det.append_token(fast, t, total, skip):
+                assert (fast.text, fast.prefix_offset, fast.read_offset) == before
+                declined += 1
+                det.step([(seq.get, total, fast, skip)])
+            det.step([(seq.get, total, ref, skip)])
+            assert (fast.text, fast.prefix_offset, fast.read_offset) == \
+                (ref.text, ref.prefix_offset, ref.read_offset)
+        det.flush(seq.get, len(seq.prompt) + seq.n, fast, skip)
+        assert fast.text == tok.decode(out, skip_special_tokens=skip)
+    assert declined > 0  # split characters held back a window at least once
+    st = DetokState("", 0, 3)
+    assert not det.append_token(st, len(det._table.plain) + 5, 4, skip)
+    assert not det.append_token(st, 7, 5, skip)  # two tokens past released text
+
+
 @pytest.mark.parametrize("table", [True, False])
 def test_skipped_special_tokens_do_not_widen_the_window(demo_tokenizer, table):
     """A sequence that keeps sampling special tokens (EOS with ignore_eos) while they are

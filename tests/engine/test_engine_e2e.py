@@ -431,3 +431,46 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(demo_model, demo_tokenizer)
     assert final["stop"].outputs[0].finish_reason == "stop"
     assert final["stop"].outputs[0].text == ref[: ref.index(stop)]
     assert_pool_whole(llm)
+
+
+def test_final_only_text_is_decoded_at_the_end_and_equals_the_streamed_text(
+        demo_model, demo_tokenizer):
+    """A final-only request without stop strings is detokenized once, when it finishes (or
+    its output is made: an abort), not a token at a time: no per-step detokenization runs,
+    and its text is what streaming gives, the whole output decoded. Random tokens at
+    temperature 1 split UTF-8 characters across tokens and draw special tokens."""
+    config, params = demo_model
+    prompts, max_tokens = _workload(9, 6, config.vocab_size)
+    sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=m + 8, ignore_eos=True)
+           for i, m in enumerate(max_tokens)]
+    finals = {}
+    for kind in ("cumulative", "final_only"):
+        llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64, max_num_seqs=8)
+        eng = llm.engine
+        det = eng.outputs.detokenizer
+        calls = []
+        for name in ("append_token", "step"):
+            real = getattr(det, name)
+            setattr(det, name, lambda *a, _real=real, _n=name, _calls=calls, **k: (
+                _calls.append(_n), _real(*a, **k))[1])
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            eng.add_request(f"r{i}", None, sp, output_kind=kind, prompt_token_ids=p)
+        got, steps = {}, 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    got[o.request_id] = o
+            steps += 1
+            if steps == 4:
+                eng.abort_request("r0")
+        finals[kind] = got
+        assert (not calls) if kind == "final_only" else len(calls) > steps, (kind, calls[:5], steps)
+        assert_pool_whole(llm)
+    for rid, out in finals["final_only"].items():
+        c = out.outputs[0]
+        assert c.text == demo_tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        if rid == "r0":
+            assert c.finish_reason == "abort" and 0 < len(c.token_ids) < sps[0].max_tokens
+        else:
+            assert c.token_ids == finals["cumulative"][rid].outputs[0].token_ids
+            assert c.text == finals["cumulative"][rid].outputs[0].text
