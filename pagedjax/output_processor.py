@@ -206,19 +206,19 @@ class OutputProcessor:
         completed later starts after them at the earliest (it was not found earlier), so the
         text sent is never cut afterwards."""
         sid = seq.seq_id
-        p = req.params
         state = req.detok[sid]
         tokens_sent, chars_sent = req.sent.get(sid, (0, 0))
         visible = state.length
-        if p.has_stop_strings and not seq.status.is_finished:
-            visible = max(chars_sent, visible - p.longest_stop + 1)
-        n = len(seq.output_token_ids)
+        text = state.tail(chars_sent)
+        if req.has_stop_strings and not seq.status.is_finished:
+            visible = max(chars_sent, visible - req.params.longest_stop + 1)
+            text = text[:visible - chars_sent]
+        out = seq.output_token_ids
+        n = len(out)
         req.sent[sid] = (n, visible)
         return CompletionOutput(
-            index, state.tail(chars_sent)[:visible - chars_sent],
-            seq.output_token_ids[tokens_sent:n],
-            seq.cumulative_logprob,
-            req.logprobs[sid][tokens_sent:n] if p.logprobs is not None else None,
+            index, text, out[tokens_sent:n], seq.cumulative_logprob,
+            req.logprobs[sid][tokens_sent:n] if req.params.logprobs is not None else None,
             FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
 
     def beam_completions(self, req: RequestState) -> list[CompletionOutput]:
@@ -253,7 +253,9 @@ class OutputProcessor:
         seqs = req.group.seqs
         if len(seqs) == 1:  # one sequence (n == 1): every streamed step of most requests
             seq = seqs[0]
-            comps = [self.completion(req, seq, req.seq_index[seq.seq_id])]
+            index = req.seq_index[seq.seq_id]
+            comps = [self._delta(req, seq, index) if req.delta
+                     else self.completion(req, seq, index)]
         else:
             seqs = sorted(seqs, key=lambda s: req.seq_index[s.seq_id])
             if final and req.params.best_of and req.params.best_of > req.params.n:
