@@ -225,6 +225,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--kinds", default="cumulative,delta,final_only",
                     help="output kinds to measure, comma-separated")
+    ap.add_argument("--mixes", default="greedy,mixed", help="sampling mixes, comma-separated")
+    ap.add_argument("--reps", type=int, default=1, help="rounds of every configuration")
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead.json"))
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="measure without gc.freeze() after start-up (the server freezes)")
@@ -285,15 +287,19 @@ def main() -> None:
         return
     # Streaming outputs every step (a library caller's default), deltas (what the HTTP and
     # gRPC servers ask for), or only the final one (LLM.generate).
-    for kind in args.kinds.split(","):
-        for mix in ("greedy", "mixed"):
-            for n in map(int, args.seqs.split(",")):
-                r = measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze)
-                rows.append(r)
-                print(f"{kind:10s} {mix:6s} {n:5d} seqs: median {r['median_ms']:.2f} ms, "
-                      f"p99 {r['p99_ms']:.2f} ms", flush=True)
+    for rep in range(args.reps):  # whole rounds: a slow minute of the host lands on one rep
+        for kind in args.kinds.split(","):
+            for mix in args.mixes.split(","):
+                for n in map(int, args.seqs.split(",")):
+                    r = {**measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze),
+                         "rep": rep}
+                    rows.append(r)
+                    print(f"rep {rep} {kind:10s} {mix:6s} {n:5d} seqs: median "
+                          f"{r['median_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms", flush=True)
     res = {"what": "host ms per decode step, device calls stubbed (bench/host_overhead.py)",
-           "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows}
+           "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
+           "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(),
+           "python": sys.version.split()[0], "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)
