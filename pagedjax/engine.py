@@ -81,6 +81,7 @@ from pagedjax.worker.host_heap import release_freed_memory
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedjax.worker.parallel_warmup import run_bounded, warmup_memory_budget, warmup_threads
+from pagedjax.worker.sampling_batch import SamplingBatch
 from pagedjax.worker.shapes import pow2_at_least
 from pagedjax.worker.step_inputs import build_step_inputs
 
@@ -234,6 +235,10 @@ class LLMEngine:
         self.input_batch = InputBatch(self.runner.max_blocks_per_seq,
                                       max_rows=4 * ec.max_num_seqs,
                                       num_groups=self.runner.num_kv_groups)
+        # ... and their sampling parameters, written once per (sequence, sample index).
+        self.sampling_batch = SamplingBatch(config.vocab_size, 4 * self.runner.shape_plan.seq_cap,
+                                            eos_token_ids=sorted(self.eos_token_ids),
+                                            engine_seed=ec.seed)
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
             self.warmup()
@@ -656,6 +661,7 @@ class LLMEngine:
         done = self.scheduler.free_finished_seq_groups()
         if done:
             self.input_batch.release(s.seq_id for g in done for s in g.seqs)
+            self.sampling_batch.release(s.seq_id for g in done for s in g.seqs)
             if self.draft is not None:
                 self.draft.release(s.seq_id for g in done for s in g.seqs)
         if len(self.structured):  # finished, aborted or failed sequences' matchers
@@ -785,13 +791,20 @@ class LLMEngine:
 
     def _sampling_metadata(self, rows: list[tuple], pad_to: int,
                            masks: dict[int, np.ndarray] | None = None,
-                           bans: dict[int, list[int]] | None = None) -> SamplingMetadata:
-        meta = SamplingMetadata.from_params(
-            rows, pad_to=pad_to, vocab_size=self.model_config.vocab_size,
-            eos_token_ids=sorted(self.eos_token_ids), engine_seed=self.engine_config.seed,
-            history_width=self.max_model_len, ban_width=self._ban_width, masks=masks,
-            mask_width=self.structured.mask_width, bias_width=self._bias_width,
-            extra_bans=bans)
+                           bans: dict[int, list[int]] | None = None,
+                           keys: list[tuple[int, int]] | None = None) -> SamplingMetadata:
+        """The step's sampling metadata; with ``keys`` (each row's sequence id and sample
+        index) from the parameters kept across steps (`SamplingBatch`), else row by row."""
+        widths = dict(history_width=self.max_model_len, ban_width=self._ban_width,
+                      masks=masks, mask_width=self.structured.mask_width,
+                      bias_width=self._bias_width, extra_bans=bans)
+        if keys is not None:
+            meta = self.sampling_batch.metadata(rows, keys, pad_to, **widths)
+        else:
+            meta = SamplingMetadata.from_params(
+                rows, pad_to=pad_to, vocab_size=self.model_config.vocab_size,
+                eos_token_ids=sorted(self.eos_token_ids), engine_seed=self.engine_config.seed,
+                **widths)
         want = any(p.logprobs for p, _ in rows)
         return meta.replace(want_topk=np.bool_(want))
 
@@ -843,7 +856,8 @@ class LLMEngine:
                     rows[r0 + j] = (params, st._replace(num_pending=0, output_token_ids=(
                         np.concatenate(head + [np.asarray(drafts[:j], np.int32)]))))
         masks, bans = self._token_masks(row_info, rows, fl)
-        meta = self._sampling_metadata(rows, b_pad, masks, bans)
+        meta = self._sampling_metadata(rows, b_pad, masks, bans,
+                                       [(seq.seq_id, index) for _, seq, index, _ in row_info])
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
         # Beams rank candidates from `sample`'s raw log-softmax rows; speculative steps keep

@@ -172,22 +172,19 @@ class SamplingMetadata:
         b, v = pad_to, vocab_size
         if len(rows) > b:
             raise ValueError(f"pad_to={b} is smaller than the batch ({len(rows)} rows).")
-        temperature = np.zeros(b, np.float32)
-        top_k = np.full(b, v, np.int32)
-        top_p = np.ones(b, np.float32)
-        min_p = np.zeros(b, np.float32)
-        seed = np.zeros(b, np.uint32)
-        is_seeded = np.zeros(b, bool)
-        counter = np.zeros(b, np.uint32)
-        seq_index = np.zeros(b, np.uint32)
+        cols = {name: np.full(b, pad, dtype) for name, dtype, pad in _param_columns(v)}
+        temperature, top_k, top_p, min_p = (cols[k] for k in ("temperature", "top_k", "top_p",
+                                                               "min_p"))
+        seed, is_seeded, counter, seq_index = (cols[k] for k in ("seed", "is_seeded",
+                                                                 "request_counter", "seq_index"))
+        presence, frequency, repetition = (cols[k] for k in ("presence_penalty",
+                                                             "frequency_penalty",
+                                                             "repetition_penalty"))
         step = np.zeros(b, np.int32)
-        presence = np.zeros(b, np.float32)
-        frequency = np.zeros(b, np.float32)
-        repetition = np.ones(b, np.float32)
         penalised: list[int] = []
         biased: list[int] = []
         banned: dict[int, list[int]] = {}
-        all_greedy = True
+        # Row by row, writing only what differs from the padding (as `row_params` gives it).
         for i, (p, s) in enumerate(rows):
             n_out = len(s.output_token_ids) + getattr(s, "num_pending", 0)
             step[i] = n_out
@@ -198,7 +195,6 @@ class SamplingMetadata:
             else:
                 seq_index[i] = s.seq_index
             if not p.is_greedy:
-                all_greedy = False
                 temperature[i] = p.temperature
                 top_k[i] = v if p.top_k <= 0 else min(p.top_k, v)
                 top_p[i] = p.top_p
@@ -209,16 +205,42 @@ class SamplingMetadata:
                 frequency[i] = p.frequency_penalty
                 repetition[i] = p.repetition_penalty
             if n_out < p.min_tokens:
-                ids = list(p.stop_token_ids or [])
-                if not p.ignore_eos:
-                    ids += [e for e in (eos_token_id, *eos_token_ids) if e is not None]
-                if ids:
-                    banned[i] = ids
-            if extra_bans and extra_bans.get(i):
-                banned[i] = banned.get(i, []) + list(extra_bans[i])
+                banned[i] = min_tokens_bans(p, eos_token_id, eos_token_ids)
             if p.logit_bias:
                 biased.append(i)
+        return cls.assemble(
+            rows, b, v, cols, step, penalised, biased, banned, engine_seed=engine_seed,
+            history_width=history_width, ban_width=ban_width, masks=masks,
+            mask_width=mask_width, bias_width=bias_width, extra_bans=extra_bans)
 
+    @classmethod
+    def assemble(
+        cls,
+        rows: Sequence[tuple[SamplingParams, SeqStateLike]],
+        b: int,
+        v: int,
+        cols: dict[str, np.ndarray],
+        step: np.ndarray,
+        penalised: list[int],
+        biased: list[int],
+        banned: dict[int, list[int]],
+        *,
+        engine_seed: int = 0,
+        history_width: int | None = None,
+        ban_width: int | None = None,
+        masks: dict[int, np.ndarray] | None = None,
+        mask_width: int | None = None,
+        bias_width: int | None = None,
+        extra_bans: dict[int, list[int]] | None = None,
+    ) -> SamplingMetadata:
+        """The metadata from per-row columns (`_param_columns`, padded to ``b`` rows) and the
+        rows that are penalised, biased or banned: `from_params` builds those row by row,
+        `worker.sampling_batch.SamplingBatch` gathers them from rows kept across steps."""
+        banned = {i: list(ids) for i, ids in banned.items() if ids}
+        for i, ids in (extra_bans or {}).items():
+            if ids:
+                banned[i] = banned.get(i, []) + list(ids)
+        repetition = cols["repetition_penalty"]
         # With fixed widths the histories and ban lists are all present (at those widths)
         # iff any row is penalised or banned: two variants per batch size, not eight.
         full = bool(penalised or banned or masks or biased)
@@ -250,31 +272,64 @@ class SamplingMetadata:
             bias_vals[i, : len(bias_lists[i])] = list(rows[i][0].logit_bias.values())
         out_hist = pack(out_lists, history_width)
         prompt_hist = pack(prompt_lists, history_width)
+        top_k, top_p, min_p = cols["top_k"], cols["top_p"], cols["min_p"]
         return cls(
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            is_seeded=is_seeded,
-            request_counter=counter,
-            seq_index=seq_index,
+            **cols,
             step=step,
             engine_seed=np.uint32(engine_seed % (1 << 32)),
-            presence_penalty=presence,
-            frequency_penalty=frequency,
-            repetition_penalty=repetition,
             output_token_ids=out_hist,
             prompt_token_ids=prompt_hist,
             banned_token_ids=pack(banned, ban_width),
             allowed_bitmask=bitmask,
             bias_token_ids=bias_ids,
             bias_values=bias_vals,
-            all_greedy=np.bool_(all_greedy),
+            all_greedy=np.bool_(not cols["temperature"].any()),
             do_top_k_top_p=np.bool_((top_k < v).any() or (top_p < 1.0).any()),
             do_min_p=np.bool_((min_p > 0.0).any()),
             want_topk=np.bool_(True),
         )
+
+
+def _param_columns(vocab_size: int) -> tuple[tuple[str, type, object], ...]:
+    """(field, dtype, padding value) of the metadata's per-row parameters, in `row_params`'
+    order; padding rows are greedy and unpenalised."""
+    return (("temperature", np.float32, 0.0), ("top_k", np.int32, vocab_size),
+            ("top_p", np.float32, 1.0), ("min_p", np.float32, 0.0),
+            ("seed", np.uint32, 0), ("is_seeded", np.bool_, False),
+            ("request_counter", np.uint32, 0), ("seq_index", np.uint32, 0),
+            ("presence_penalty", np.float32, 0.0), ("frequency_penalty", np.float32, 0.0),
+            ("repetition_penalty", np.float32, 1.0))
+
+
+def row_params(p: SamplingParams, s: SeqStateLike, vocab_size: int) -> tuple:
+    """A row's values of `_param_columns`: what its request and its index in the request fix,
+    the same at every step. Greedy rows keep temperature 0 and no filters; the seed rule:
+    sample j of a request seeded s draws as a lone request seeded s + j."""
+    v = vocab_size
+    seeded = p.seed is not None
+    sampled = not p.is_greedy
+    penalties = p.uses_penalties
+    return (p.temperature if sampled else 0.0,
+            (v if p.top_k <= 0 else min(p.top_k, v)) if sampled else v,
+            p.top_p if sampled else 1.0,
+            p.min_p if sampled else 0.0,
+            (p.seed + s.seq_index) % (1 << 32) if seeded else 0,
+            seeded,
+            s.request_counter % (1 << 32),
+            0 if seeded else s.seq_index,
+            p.presence_penalty if penalties else 0.0,
+            p.frequency_penalty if penalties else 0.0,
+            p.repetition_penalty if penalties else 1.0)
+
+
+def min_tokens_bans(p: SamplingParams, eos_token_id: int | None = None,
+                    eos_token_ids: Sequence[int] = ()) -> list[int]:
+    """Ids banned while a row is short of its ``min_tokens``: its stop ids, and EOS unless it
+    ignores EOS."""
+    ids = list(p.stop_token_ids or [])
+    if not p.ignore_eos:
+        ids += [e for e in (eos_token_id, *eos_token_ids) if e is not None]
+    return ids
 
 
 class SamplerOutput(NamedTuple):

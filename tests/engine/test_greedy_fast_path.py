@@ -42,7 +42,8 @@ def _requests(vocab: int) -> list[tuple[list[int], SamplingParams]]:
 def _generate(config, params, reqs, monkeypatch, fast: bool) -> tuple[list, int, int, int]:
     """Outputs, `sample_greedy` calls, preemptions, sampling metadata built."""
     calls, metas = [], []
-    real, real_meta = engine_mod.sample_greedy, SamplingMetadata.from_params.__func__
+    # Every metadata, built row by row or from the persistent batch, is assembled once.
+    real, real_meta = engine_mod.sample_greedy, SamplingMetadata.assemble.__func__
 
     def counting(*a, **k):
         calls.append(1)
@@ -53,7 +54,7 @@ def _generate(config, params, reqs, monkeypatch, fast: bool) -> tuple[list, int,
         return real_meta(cls, *a, **k)
 
     monkeypatch.setattr(engine_mod, "sample_greedy", counting)
-    monkeypatch.setattr(SamplingMetadata, "from_params", classmethod(counting_meta))
+    monkeypatch.setattr(SamplingMetadata, "assemble", classmethod(counting_meta))
     if not fast:
         monkeypatch.setattr(engine_mod, "GREEDY_FAST_PATH", False)
     # 14 blocks of 8 for 9 sequences of up to 50 tokens: preemption is certain.
