@@ -219,6 +219,37 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             "max_ms": 1e3 * times[-1]}
 
 
+def metadata_ab(num_rows: int, reps: int) -> dict:
+    """Sampling metadata for ``num_rows`` rows (half greedy, half top-p with penalties and
+    logprobs, 128 prompt + 100 output tokens each): `SamplingMetadata.from_params` row by row
+    against `SamplingBatch.metadata` from slots written before, interleaved, ms per call."""
+    import timeit
+
+    from pagedjax.sampler import SamplingMetadata, SeqSamplingState
+    from pagedjax.sampling_params import SamplingParams
+    from pagedjax.worker.sampling_batch import SamplingBatch
+
+    vocab = 49152
+    mixed = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.2,
+                           repetition_penalty=1.1, logprobs=2, max_tokens=300)
+    greedy = SamplingParams(temperature=0, max_tokens=300)
+    hist = np.arange(228, dtype=np.int32)
+    rows = [(mixed if i % 2 else greedy, SeqSamplingState(hist[:128], hist[128:], i, 0))
+            for i in range(num_rows)]
+    keys = [(i, 0) for i in range(num_rows)]
+    kw = dict(history_width=584, ban_width=16, bias_width=64, mask_width=0)
+    batch = SamplingBatch(vocab, 4 * num_rows, eos_token_ids=[0])
+    batch.metadata(rows, keys, num_rows, **kw)
+    out = {"rows": num_rows, "from_params_ms": [], "sampling_batch_ms": []}
+    for _ in range(reps):
+        out["from_params_ms"].append(1e3 / 200 * timeit.timeit(
+            lambda: SamplingMetadata.from_params(rows, num_rows, vocab, eos_token_ids=[0], **kw),
+            number=200))
+        out["sampling_batch_ms"].append(1e3 / 200 * timeit.timeit(
+            lambda: batch.metadata(rows, keys, num_rows, **kw), number=200))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", default="32,128,256,1024")
@@ -237,7 +268,24 @@ def main() -> None:
                     help="instead: ms per step by stage (each stage's wall time summed over "
                          "the timed steps; stages wrapped, so the total runs a little slower), "
                          "greedy and mixed, cumulative, written to host_overhead_phases.json")
+    ap.add_argument("--metadata", action="store_true",
+                    help="instead: sampling metadata row by row vs from the persistent "
+                         "SamplingBatch at --seqs rows, --reps rounds, written to "
+                         "host_overhead_metadata.json")
     args = ap.parse_args()
+    if args.metadata:
+        load = os.getloadavg()[0]
+        rows = [metadata_ab(n, max(args.reps, 3)) for n in map(int, args.seqs.split(","))]
+        for r in rows:
+            print(f"{r['rows']} rows: from_params "
+                  f"{' '.join(f'{x:.3f}' for x in r['from_params_ms'])} ms, SamplingBatch "
+                  f"{' '.join(f'{x:.3f}' for x in r['sampling_batch_ms'])} ms")
+        json.dump({"what": "sampling metadata per call, row by row vs persistent slots "
+                           "(bench/host_overhead.py --metadata), interleaved",
+                   "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
+                   "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows},
+                  open(Path(args.out).with_name("host_overhead_metadata.json"), "w"), indent=1)
+        return
     from models.demo import ensure_demo_model
     from models.loader import read_config
     from models.tokenizer import load_tokenizer

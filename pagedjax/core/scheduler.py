@@ -700,7 +700,9 @@ class Scheduler:
         other groups of the step are unaffected."""
         logger.exception("scheduling request %s failed", g.request_id)
         out = st.out
-        out.scheduled = [s for s in out.scheduled if s.request_id != g.request_id]
+        keep = [i for i, s in enumerate(out.scheduled) if s.request_id != g.request_id]
+        out.scheduled = [out.scheduled[i] for i in keep]
+        out.seqs = [out.seqs[i] for i in keep]  # kept parallel to `scheduled`
         out.scheduled_groups = [x for x in out.scheduled_groups if x is not g]
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
         st.budget = self.config.max_num_batched_tokens - out.num_batched_tokens

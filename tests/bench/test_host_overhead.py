@@ -37,3 +37,12 @@ def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_t
     assert ms["step inputs"] + ms["sampled rows"] + ms["sampling metadata"] <= ms["launch"]
     assert ms["detokenization"] <= ms["output processing"] <= ms["apply samples"] <= ms["finish"]
     assert sched_mod.Scheduler.__dict__["schedule"] is before
+
+
+def test_metadata_ab_times_both_builds():
+    """`--metadata`: both builds run on the same rows (and agree: the engine's test checks
+    that field by field)."""
+    from bench.host_overhead import metadata_ab
+
+    r = metadata_ab(4, 1)
+    assert r["rows"] == 4 and r["from_params_ms"][0] > 0 and r["sampling_batch_ms"][0] > 0

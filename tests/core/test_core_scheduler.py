@@ -407,3 +407,32 @@ def test_exceptions_while_scheduling_fail_only_their_group(mode, policy, seed):
             assert e.outputs_of(rid) == [reference_output(p, 10)], rid
     assert e.bm.get_num_free_gpu_blocks() == 12
     assert e.bm.get_num_free_cpu_blocks() == 64
+
+
+def test_a_group_failing_halfway_keeps_the_step_sequences_aligned():
+    """A two-sequence group whose second sequence's slots raise after its first was emitted:
+    `_fail_group` drops the group's entries, and the step's own sequence list
+    (`SchedulerOutput.seqs`, which `update_after_step` walks) stays parallel to `scheduled`."""
+    e = FakeEngine(num_gpu_blocks=16, block_size=4)
+    e.add("ok", [1, 2, 3], max_tokens=6)
+    g = e.add("forked", [4, 5, 6, 7, 8], max_tokens=6)
+    e.step()  # both prompts computed, one token each
+    parent = g.seqs[0]
+    child = parent.fork(999)
+    e.sched.fork_seq(parent, child)
+    g.add(child)
+    e.seqs[child.seq_id] = child
+    real = e.bm.append_slots
+
+    def append_slots(seq, n):
+        if seq.seq_id == child.seq_id:
+            raise RuntimeError("injected fault")
+        return real(seq, n)
+
+    e.bm.append_slots = append_slots
+    out = e.sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["ok"]
+    assert [s.seq_id for s in out.scheduled] == [q.seq_id for q in out.seqs]
+    assert [x.request_id for x, _ in out.failed] == ["forked"]
+    e.sched.update_after_step(out)  # walks `seqs`: must not raise
+    assert e.seqs[out.scheduled[0].seq_id].num_computed_tokens == 4
