@@ -71,14 +71,14 @@ class RequestState:
         # every request of every step, so decided once.
         self.streams = not (self.final_only or p.use_beam_search
                             or (p.best_of is not None and p.best_of > p.n))
-        # Its rows need nothing but the argmax (`sample_greedy`), once past `min_tokens`:
-        # a batch of such rows skips building sampling metadata (`LLMEngine._plain_greedy`).
         self.has_stop_strings = p.has_stop_strings  # read for every token
         self.is_beam = p.use_beam_search
         # Nothing reads its text before its final output (no per-step output, no stop
         # string to find): each sequence is decoded once, when it finishes or the output is
         # made, not a token at a time, which takes detokenization off every step's host time.
         self.lazy_text = self.final_only and not self.has_stop_strings and not self.is_beam
+        # Its rows need nothing but the argmax (`sample_greedy`), once past `min_tokens`:
+        # a batch of such rows skips building sampling metadata (`LLMEngine._plain_greedy`).
         self.plain_greedy = (p.is_greedy and not p.uses_penalties and not p.logit_bias
                              and not p.logprobs and not p.use_beam_search
                              and self.grammar is None and self.allowed_mask is None
