@@ -281,16 +281,8 @@ class Detokenizer:
         if self._table is not None:
             slow = []
             ids_bytes = self._table.ids_bytes
-            plain, skipping = self._table.plain, self._table.skipping
             for i, (get, total, st, skip) in enumerate(items):
-                ids = get(st.read_offset, total)
-                if len(ids) == 1:  # one new token after released text: most of every step
-                    try:
-                        data = (skipping if skip else plain)[ids[0]]
-                    except IndexError:
-                        data = None
-                else:
-                    data = ids_bytes(ids, skip)
+                data = ids_bytes(get(st.read_offset, total), skip)
                 if data is None:
                     slow.append(i)
                     continue

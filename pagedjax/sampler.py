@@ -172,7 +172,7 @@ class SamplingMetadata:
         b, v = pad_to, vocab_size
         if len(rows) > b:
             raise ValueError(f"pad_to={b} is smaller than the batch ({len(rows)} rows).")
-        cols = {name: np.full(b, pad, dtype) for name, dtype, pad in _param_columns(v)}
+        cols = {name: np.full(b, pad, dtype) for name, dtype, pad in param_columns(v)}
         temperature, top_k, top_p, min_p = (cols[k] for k in ("temperature", "top_k", "top_p",
                                                                "min_p"))
         seed, is_seeded, counter, seq_index = (cols[k] for k in ("seed", "is_seeded",
@@ -233,7 +233,7 @@ class SamplingMetadata:
         bias_width: int | None = None,
         extra_bans: dict[int, list[int]] | None = None,
     ) -> SamplingMetadata:
-        """The metadata from per-row columns (`_param_columns`, padded to ``b`` rows) and the
+        """The metadata from per-row columns (`param_columns`, padded to ``b`` rows) and the
         rows that are penalised, biased or banned: `from_params` builds those row by row,
         `worker.sampling_batch.SamplingBatch` gathers them from rows kept across steps."""
         banned = {i: list(ids) for i, ids in banned.items() if ids}
@@ -290,7 +290,7 @@ class SamplingMetadata:
         )
 
 
-def _param_columns(vocab_size: int) -> tuple[tuple[str, type, object], ...]:
+def param_columns(vocab_size: int) -> tuple[tuple[str, type, object], ...]:
     """(field, dtype, padding value) of the metadata's per-row parameters, in `row_params`'
     order; padding rows are greedy and unpenalised."""
     return (("temperature", np.float32, 0.0), ("top_k", np.int32, vocab_size),
@@ -302,7 +302,7 @@ def _param_columns(vocab_size: int) -> tuple[tuple[str, type, object], ...]:
 
 
 def row_params(p: SamplingParams, s: SeqStateLike, vocab_size: int) -> tuple:
-    """A row's values of `_param_columns`: what its request and its index in the request fix,
+    """A row's values of `param_columns`: what its request and its index in the request fix,
     the same at every step. Greedy rows keep temperature 0 and no filters; the seed rule:
     sample j of a request seeded s draws as a lone request seeded s + j."""
     v = vocab_size

@@ -24,8 +24,8 @@ import numpy as np
 from pagedjax.sampler import (
     SamplingMetadata,
     SeqStateLike,
-    _param_columns,
     min_tokens_bans,
+    param_columns,
     row_params,
 )
 from pagedjax.sampling_params import SamplingParams
@@ -40,7 +40,7 @@ class SamplingBatch:
         self.max_slots = max_slots
         self.eos_token_ids = list(eos_token_ids)
         self.engine_seed = engine_seed
-        self._columns = _param_columns(vocab_size)
+        self._columns = param_columns(vocab_size)
         self._cols = {name: np.full(16, pad, dtype) for name, dtype, pad in self._columns}
         self._penalised = np.zeros(16, bool)
         self._biased = np.zeros(16, bool)
