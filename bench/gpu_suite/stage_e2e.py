@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import os
 import statistics
 import time
 from pathlib import Path
@@ -239,9 +240,11 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
     def other_layer_loop() -> None:
         """The first point under the other layer loop, on the same warm device, right after the
         default's: the scan copied each layer's weights before its GEMMs (docs/gpu.md), which
-        unrolling removes. The H200 run measured this after all points and ran out of budget."""
+        unrolling removes. The first H200 run measured this after all points and ran out of budget."""
         other = "scan" if perf["layer_loop"] == "unrolled" else "unrolled"
-        if not roof.allows(30 if not dry_run else 1):
+        # The stage's budget, not the roofline points' share: at --budget-s 200 that share was
+        # 40 s and the first point's compile spent it (H200, 2026-11-27: not measured again).
+        if not budget.allows(45 if not dry_run else 1):
             rec.summarize(f"{spec.name} decode: {other} layer loop", "not run: out of time", "skipped")
             return
         b, c = points[0]
@@ -329,9 +332,21 @@ def run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
         enable_compile_cache()
     backend = "pallas" if on_gpu else "xla"
     rec.set("attention_backend", backend)
-    correctness(rec, budget.sub(0.55), dry_run, backend)
-    gc.collect()  # the golden models' engines and weights go before the 8B model arrives
-    performance(rec, budget, dry_run, backend)
+    # GPU_SUITE_E2E picks the parts and their order ("goldens,perf" by default): the demo fp32
+    # goldens have passed on three GPU runs, so a short session may want the 8B timings alone.
+    parts = [p.strip() for p in os.environ.get("GPU_SUITE_E2E", "goldens,perf").split(",") if p.strip()]
+    if not parts or set(parts) - {"goldens", "perf"}:
+        raise ValueError(f"GPU_SUITE_E2E: expected a comma list of goldens, perf; got {parts}")
+    rec.set("parts", parts)
+    for part in parts:
+        if part == "goldens":
+            later = "perf" in parts[parts.index(part) + 1:]
+            correctness(rec, budget.sub(0.55) if later else budget, dry_run, backend)
+            gc.collect()  # the golden models' engines and weights go before the 8B model arrives
+        else:
+            later = "goldens" in parts[parts.index(part) + 1:]
+            performance(rec, budget.sub(0.7) if later else budget, dry_run, backend)
+            gc.collect()
     fails = [r for r in rec.data["summary"] if r["verdict"] == "FAIL"]
     rec.finish("failed" if fails else "done")
     return rec

@@ -96,7 +96,8 @@ def _panel(ax, sw: dict) -> None:
     colors = {}
     for s, d in sw["systems"].items():
         (line,) = ax.plot(d["rates"], d["normalized_latency"], marker="o", ms=3,
-                          label=f"{PANEL_LABELS[s]} ({d['sustainable_rate']:.2f} req/s)")
+                          label=f"{PANEL_LABELS[s]} ({'' if d.get('bounded', True) else '>='}"
+                                f"{d['sustainable_rate']:.2f} req/s)")
         colors[s] = line.get_color()
     for s, pt in sw.get("real", {}).items():
         ax.scatter([pt["rate"]], [pt["real"]["normalized_latency_s_per_token"]], marker="*", s=120,

@@ -228,3 +228,32 @@ def test_paper_verdict_is_the_issue_target(tmp_path):
         row = next(r for r in rec.data["summary"] if r["item"].startswith("fig12 sharegpt"))
         assert row["verdict"] == verdict, (oracle, mx, row)
         assert rec.data["ratios"]["sharegpt/contiguous-oracle"] == 4.0 / oracle
+
+
+def test_paper_verdict_needs_a_bounded_baseline(tmp_path):
+    """A baseline that never crossed the threshold gives only an upper bound on the ratio."""
+    systems = {"paged": (8.0, True), "contiguous-oracle": (2.0, True), "contiguous-pow2": (1.0, True),
+               "contiguous-max": (1.0, False), "static": (0.5, True)}
+    result = {"cost_model": {"coef_s": [0.02], "in_sample_step_mape": 0.1},
+              "fig12_sharegpt": {"systems": {s: {"sustainable_rate": r, "bounded": b}
+                                             for s, (r, b) in systems.items()}}}
+    rec = Recorder(tmp_path, "p", {})
+    paper_summary(rec, result, judge=True)
+    row = next(r for r in rec.data["summary"] if r["item"].startswith("fig12 sharegpt"))
+    assert row["verdict"] == "FAIL" and "<=8.00 Max" in row["result"] and "x4.00 Oracle" in row["result"]
+
+
+def test_e2e_parts_pick_what_runs(tmp_path, monkeypatch):
+    """GPU_SUITE_E2E=perf runs the timings alone (no golden rows); a typo is refused by name."""
+    from bench.gpu_suite.__main__ import DRY_BUDGET_S, run_stage_in_process
+
+    monkeypatch.setenv("GPU_SUITE_E2E", "perf")
+    assert run_stage_in_process("e2e", tmp_path, DRY_BUDGET_S["e2e"], True) == 0
+    rec = _load(tmp_path, "e2e")
+    assert rec["parts"] == ["perf"] and "goldens" not in rec
+    items = [r["item"] for r in rec["summary"]]
+    assert not any("logprobs" in i or i.startswith("goldens") for i in items)
+    assert any("decode" in i for i in items) and any("layer loop" in i or " / " in i for i in items)
+    monkeypatch.setenv("GPU_SUITE_E2E", "perf,golden")
+    with pytest.raises(ValueError, match="GPU_SUITE_E2E"):
+        run_stage_in_process("e2e", tmp_path, DRY_BUDGET_S["e2e"], True)

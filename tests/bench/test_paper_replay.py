@@ -80,3 +80,24 @@ def test_chatbot_prompts_are_cut_and_mostly_full():
     outs = np.array([r.output_len for r in trace])
     assert lens.max() == 128 and (lens == 128).mean() > 0.5  # "most requests have 1024 tokens"
     assert outs.max() <= 128 and (lens + outs).max() <= 255
+
+
+def test_a_short_trace_does_not_hide_overload():
+    """On a fast device a few short requests all fit in one batch, so past capacity the
+    normalized latency of a fixed-size trace stays flat and the sweep never finds the
+    sustainable rate (the first H200 run: Alpaca-like 'sustainable' at 3445 req/s). Arrivals
+    spanning a minimum time bring the overload out."""
+    from bench.paper.figures import Panel, requests_at, sweep_panel
+
+    fast = CostModel((0.0077, 0.0062, 7.7e-06, 0.0, 5.6e-07))
+    panel = Panel("t", "alpaca", 0.125, {"paged": ("paged", {})})
+    cfg = {"max_model_len": KW["max_model_len"]}
+    short = sweep_panel(panel, {**cfg, "min_trace_span_s": 0.0}, fast, KW, 24)["systems"]["paged"]
+    assert not short["bounded"] and short["sustainable_rate"] == short["rates"][-1]
+    assert set(short["requests"]) == {24}
+    long = sweep_panel(panel, {**cfg, "min_trace_span_s": 20.0}, fast, KW, 24)["systems"]["paged"]
+    assert long["bounded"] and long["sustainable_rate"] < long["rates"][-1]
+    assert long["sustainable_rate"] < short["sustainable_rate"] / 4
+    assert requests_at(10.0, 24, {"min_trace_span_s": 20.0}) == 200
+    assert requests_at(100.0, 24, {"min_trace_span_s": 20.0}) == 40 * 24  # capped
+    assert requests_at(0.5, 24, {"min_trace_span_s": 20.0}) == 24
