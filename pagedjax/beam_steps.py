@@ -29,6 +29,39 @@ from pagedjax.output_processor import OutputProcessor, RequestState
 from pagedjax.worker.shapes import pow2_at_least
 
 
+def selection_shape(groups: list[tuple[int, int]]) -> tuple[int, int]:
+    """(padded groups, padded width) of one step's device selection; ``groups`` holds each
+    ready group's (live beams, beam width). Candidates come from 2 * width columns: at least
+    twice the widest beam width (on its first step a group has one live beam but needs
+    2 * beam_width candidates)."""
+    return (pow2_at_least(len(groups)),
+            pow2_at_least(max(max(live, width) for live, width in groups)))
+
+
+def warm_selection_shapes(batch_sizes: list[int], max_width: int,
+                          max_num_seqs: int) -> list[tuple[int, int, int]]:
+    """Every (sampler batch, padded groups, padded width) of :func:`selection_shape` with beam
+    widths up to ``max_width``: what warm-up compiles.
+
+    Each ready group has at least one row in the batch, and reserves its beam width (>= 2) of
+    the step's ``max_num_seqs`` sequences, so groups <= min(batch, max_num_seqs // 2). A
+    group's width is its beam width, not its live rows, so the width may exceed the batch (a
+    width-4 group whose beams but one ended, alone in a decode step: batch 1), and groups x
+    width may reach 8 x batch (16 width-8 prompts each prefilling one last token in a 16-row
+    step, with max_num_seqs 128).
+    """
+    out = []
+    for b in batch_sizes:
+        w = 2
+        while w <= pow2_at_least(max_width):
+            g = 1
+            while g <= pow2_at_least(min(b, max(1, max_num_seqs // 2))):
+                out.append((b, g, w))
+                g *= 2
+            w *= 2
+    return out
+
+
 class BeamSearcher:
     def __init__(self, scheduler, outputs: OutputProcessor, new_seq_id: Callable[[], int]):
         self.scheduler = scheduler
@@ -71,10 +104,7 @@ class BeamSearcher:
         groups = [(req, live) for req, live, _ in ready]
         if not ready:
             return groups, None, [jax.tree.map(lambda x: x[0], c) for c in host_cands], host_groups
-        # Candidates come from 2 * width columns: at least twice the widest beam_width (on
-        # the first step a group has one live beam but needs 2 * beam_width candidates).
-        width = pow2_at_least(max(max(len(cols), req.params.beam_width) for req, _, cols in ready))
-        g_pad = pow2_at_least(len(ready))
+        g_pad, width = selection_shape([(len(cols), req.params.beam_width) for req, _, cols in ready])
         idx = np.zeros((g_pad, width), np.int32)
         live_mask = np.zeros((g_pad, width), bool)
         cum = np.zeros((g_pad, width), np.float32)

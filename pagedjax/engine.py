@@ -41,7 +41,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from pagedjax.beam_search import beam_candidates_from_rows
-from pagedjax.beam_steps import BeamSearcher
+from pagedjax.beam_steps import BeamSearcher, warm_selection_shapes
 from pagedjax.config import EngineConfig
 from pagedjax.core import (
     SampledToken,
@@ -396,19 +396,12 @@ class LLMEngine:
             if r > s:
                 rows = np.zeros(r, np.int32)
                 yield call(r, prompt_logprobs, rows, MAX_LOGPROBS, rows=rows)
-        # Beam selection per (batch, groups, width) bucket: padded widths up to 8 (wider beams
-        # compile on first use) and groups * width <= 4 * batch, which covers every mix of
-        # groups whose live beams fill the batch (padding each of groups and width at most 2x).
-        for b in plan.seq_buckets:  # beams never run with speculation
-            w = 2
-            while w <= min(b, MAX_WARM_BEAM_WIDTH):
-                g = 1
-                while g * w <= 4 * b:
-                    z = np.zeros((g, w), np.int32)
-                    yield call(b, beam_candidates_from_rows, z, z.astype(np.float32),
-                               z.astype(bool), 2 * w)
-                    g *= 2
-                w *= 2
+        # Beam selection per (batch, groups, width) bucket, beam widths up to 8 (wider beams
+        # compile on first use): every shape `BeamSearcher.candidates` can give.
+        for b, g, w in warm_selection_shapes(plan.seq_buckets, MAX_WARM_BEAM_WIDTH,
+                                             plan.max_num_seqs):
+            z = np.zeros((g, w), np.int32)  # beams never run with speculation: seq buckets
+            yield call(b, beam_candidates_from_rows, z, z.astype(np.float32), z.astype(bool), 2 * w)
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int] | None,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from models.config import ModelConfig
 from models.weights import assemble_params
@@ -115,3 +117,40 @@ def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling
     ref = ReferenceGenerator(config, params).generate(
         [p for _, p, _ in greedy], [sp.max_tokens for _, _, sp in greedy])
     assert [outputs[rid].outputs[0].token_ids for rid, _, _ in greedy] == ref
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 300), st.data())
+def test_warm_up_covers_every_beam_selection_shape(max_num_seqs, data):
+    """Any step's beam groups, as the scheduler admits them (each reserves its beam width of
+    max_num_seqs), give a selection shape warm-up compiled: live beams 1..width per group
+    (fewer after EOS endings), in any sampler batch holding their rows."""
+    from pagedjax.beam_steps import selection_shape, warm_selection_shapes
+    from pagedjax.engine import MAX_WARM_BEAM_WIDTH
+    from pagedjax.worker.shapes import seq_bucket_list
+
+    buckets = seq_bucket_list(max_num_seqs)
+    warm = set(warm_selection_shapes(buckets, MAX_WARM_BEAM_WIDTH, max_num_seqs))
+    groups, left = [], max_num_seqs
+    while left >= 2 and (not groups or data.draw(st.booleans())):
+        width = data.draw(st.integers(2, min(MAX_WARM_BEAM_WIDTH, left)))
+        groups.append((data.draw(st.integers(1, width)), width))
+        left -= width
+    if not groups:
+        return
+    rows = sum(live for live, _ in groups)
+    b = data.draw(st.sampled_from([b for b in buckets if b >= rows]))
+    assert (b, *selection_shape(groups)) in warm
+
+
+def test_the_beam_shapes_warm_up_used_to_miss():
+    """Found in review: 16 width-8 one-token prefills in a 16-row step (groups x width = 8 x
+    batch), and one width-4 group down to one live beam alone in a decode step (batch 1)."""
+    from pagedjax.beam_steps import selection_shape, warm_selection_shapes
+    from pagedjax.worker.shapes import seq_bucket_list
+
+    warm = set(warm_selection_shapes(seq_bucket_list(256), 8, 256))
+    assert (16, *selection_shape([(1, 8)] * 16)) == (16, 16, 8) and (16, 16, 8) in warm
+    assert (1, *selection_shape([(1, 4)])) == (1, 1, 4) and (1, 1, 4) in warm
+    # Never more groups than rows or than max_num_seqs // 2: no shape serving cannot reach.
+    assert all(g < 2 * min(b, 128) for b, g, _w in warm)
