@@ -267,7 +267,7 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="instead: ms per step by stage (each stage's wall time summed over "
                          "the timed steps; stages wrapped, so the total runs a little slower), "
-                         "greedy and mixed, cumulative, written to host_overhead_phases.json")
+                         "--kinds x --mixes, written to host_overhead_phases.json")
     ap.add_argument("--metadata", action="store_true",
                     help="instead: sampling metadata row by row vs from the persistent "
                          "SamplingBatch at --seqs rows, --reps rounds, written to "
@@ -312,21 +312,21 @@ def main() -> None:
         return
     if args.phases:
         rows = []
-        for mix in ("greedy", "mixed"):
-            for n in map(int, args.seqs.split(",")):
-                ph = _Phases()
-                try:
-                    r = measure(n, args.steps, mix, tok, config, "cumulative",
-                                not args.no_gc_freeze, ph)
-                finally:
-                    ph.restore()
-                r["ms_per_step_by_stage"] = {k.strip(): v / args.steps for k, v in ph.ms.items()}
-                rows.append(r)
-                print(f"{mix} {n} seqs: step median {r['median_ms']:.2f} ms (stages wrapped)")
-                for label, v in ph.ms.items():
-                    print(f"  {label:26s} {v / args.steps:6.3f} ms")
+        for kind in args.kinds.split(","):
+            for mix in args.mixes.split(","):
+                for n in map(int, args.seqs.split(",")):
+                    ph = _Phases()
+                    try:
+                        r = measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze, ph)
+                    finally:
+                        ph.restore()
+                    r["ms_per_step_by_stage"] = {k.strip(): v / args.steps for k, v in ph.ms.items()}
+                    rows.append(r)
+                    print(f"{kind} {mix} {n} seqs: step median {r['median_ms']:.2f} ms (stages wrapped)")
+                    for label, v in ph.ms.items():
+                        print(f"  {label:26s} {v / args.steps:6.3f} ms")
         out = Path(args.out).with_name("host_overhead_phases.json")
-        json.dump({"what": "host ms per decode step by stage, device stubbed, streaming outputs "
+        json.dump({"what": "host ms per decode step by stage, device stubbed, per output kind "
                            "(bench/host_overhead.py --phases); nested stages are included in "
                            "their parent's time",
                    "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),

@@ -27,10 +27,10 @@ TARGETS = {"contiguous-oracle": 2.0, "contiguous-max": 4.0}
 def command(out_dir: Path, dry_run: bool, device_tag: str) -> list[str]:
     cmd = [sys.executable, "-m", "bench.paper.run", "--out-dir", str(out_dir), "--no-plots",
            "--device", device_tag]
-    if dry_run:  # every code path, tiny: seeded toy model, few requests, no wall-clock points
+    if dry_run:  # every code path, tiny: seeded toy model, few requests, 4-request real points
         return cmd + ["--quick", "--model", "tiny-random", "--dtype", "float32",
                       "--replay-requests", "24", "--calib-requests", "3", "--calib-rate", "50",
-                      "--min-trace-span-s", "0", "--no-real"]
+                      "--min-trace-span-s", "0", "--real-requests", "4"]
     return cmd + ["--preset", "gpu", "--model", "13b-random", "--dtype", "bfloat16"]
 
 

@@ -96,6 +96,13 @@ def test_paper_stage_result(dry_run):
     for w in ("sharegpt", "alpaca"):
         assert result[f"fig12_{w}"]["systems"]["paged"]["sustainable_rate"] > 0
     assert set(rec["ratios"]) >= {"sharegpt/contiguous-oracle", "sharegpt/contiguous-max"}
+    # Each workload's real points follow its own sweep; every system is served for real.
+    for w in ("sharegpt", "alpaca"):
+        pts = result[f"real_{w}"]
+        assert set(pts) == set(result[f"fig12_{w}"]["systems"])
+        assert all(p["real"]["num_finished"] == p["num_requests"] > 0 for p in pts.values())
+    assert [k for k in result if k.startswith(("fig12_", "real_"))] == \
+        ["fig12_sharegpt", "real_sharegpt", "fig12_alpaca", "real_alpaca"]
 
 
 # ---- goldens -------------------------------------------------------------------------------
