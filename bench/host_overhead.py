@@ -4,6 +4,7 @@ p99 at 256 sequences).
     .venv/bin/python bench/host_overhead.py [--seqs 32,128,256,1024] [--steps 200]
     .venv/bin/python bench/host_overhead.py --compare-gc 2 --seqs 256,1024   # gc.freeze A/B
     .venv/bin/python bench/host_overhead.py --phases --seqs 256   # ms per step, by stage
+    .venv/bin/python bench/host_overhead.py --compare-gc-threshold 10000 --reps 3 --seqs 256
 
 `LLMEngine.step()` runs for real (scheduling, block tables, step input arrays, sampling
 metadata, applying tokens, stop checks, incremental detokenization with the demo tokenizer,
@@ -135,7 +136,9 @@ class _Phases:
 
 def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             output_kind: str = "cumulative", freeze_gc: bool = True,
-            phases: _Phases | None = None) -> dict:
+            phases: _Phases | None = None, gc_threshold: int | None = None) -> dict:
+    import gc
+
     import pagedjax.engine as eng_mod
     from pagedjax.config import EngineConfig
     from pagedjax.sampler import SamplerOutput
@@ -184,8 +187,11 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 s.num_computed_tokens < s.num_prompt_tokens
                 for g in engine.scheduler.running for s in g.seqs):
             engine.step()
+        thresholds = gc.get_threshold()
         if freeze_gc:  # as `pagedjax serve` does once loaded (LLMEngine.freeze_gc)
             engine.freeze_gc()
+        if gc_threshold is not None:  # the young generation's size, whatever freeze_gc set
+            gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
         # The full collection inside the freeze walks the whole heap once and leaves the
         # caches cold: the next few steps ran 1.2-2x slower (1.5-1.8 ms, then 1.2, 1.1 at 256
         # sequences). A server freezes once, at start-up; so does this, then lets
@@ -207,13 +213,14 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         assert all(len(o) > steps + SETTLE_STEPS and min(o) >= 200 for o in outs)
     finally:
         eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy = orig
+    gen0 = gc.get_threshold()[0]
+    gc.set_threshold(*thresholds)
     times.sort()
     if freeze_gc:
-        import gc
-
         gc.unfreeze()  # the next engine starts from a clean heap
     return {"num_seqs": num_seqs, "mix": mix, "output_kind": output_kind, "steps": steps,
-            "gc_frozen": freeze_gc, "untimed_steps_after_start_up": SETTLE_STEPS,
+            "gc_frozen": freeze_gc, "gc_gen0_threshold": gen0,
+            "untimed_steps_after_start_up": SETTLE_STEPS,
             "median_ms": 1e3 * statistics.median(times),
             "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
             "max_ms": 1e3 * times[-1]}
@@ -264,6 +271,10 @@ def main() -> None:
     ap.add_argument("--compare-gc", type=int, default=0, metavar="REPS",
                     help="instead: REPS interleaved rounds of frozen / not frozen (greedy, "
                          "cumulative) at --seqs, written to host_overhead_gc.json")
+    ap.add_argument("--compare-gc-threshold", type=int, default=0, metavar="GEN0",
+                    help="instead: --reps interleaved rounds of the engine's own collector "
+                         "thresholds / a young generation of GEN0 objects, --kinds x --mixes, "
+                         "written to host_overhead_gc_threshold.json")
     ap.add_argument("--phases", action="store_true",
                     help="instead: ms per step by stage (each stage's wall time summed over "
                          "the timed steps; stages wrapped, so the total runs a little slower), "
@@ -294,6 +305,25 @@ def main() -> None:
     config, tok = read_config(str(gguf)), load_tokenizer(gguf)
     load = os.getloadavg()[0]
     rows = []
+    if args.compare_gc_threshold:  # A, B, A, B in one process: noise lands on both
+        for rep in range(args.reps):
+            for gen0 in (None, args.compare_gc_threshold):
+                for kind in args.kinds.split(","):
+                    for mix in args.mixes.split(","):
+                        for n in map(int, args.seqs.split(",")):
+                            r = {**measure(n, args.steps, mix, tok, config, kind, True,
+                                           gc_threshold=gen0), "rep": rep}
+                            rows.append(r)
+                            print(f"rep {rep} gen0 {r['gc_gen0_threshold']:6d} {kind:10s} {mix:6s} "
+                                  f"{n:5d} seqs: median {r['median_ms']:.2f} ms, p99 "
+                                  f"{r['p99_ms']:.2f} ms", flush=True)
+        json.dump({"what": "host ms per decode step with the engine's collector thresholds and "
+                           "with a larger young generation, interleaved "
+                           "(bench/host_overhead.py --compare-gc-threshold)",
+                   "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
+                   "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows},
+                  open(Path(args.out).with_name("host_overhead_gc_threshold.json"), "w"), indent=1)
+        return
     if args.compare_gc:  # A, B, A, B in one process: noise lands on both
         for rep in range(args.compare_gc):
             for frozen in (True, False):

@@ -46,3 +46,21 @@ def test_metadata_ab_times_both_builds():
 
     r = metadata_ab(4, 1)
     assert r["rows"] == 4 and r["from_params_ms"][0] > 0 and r["sampling_batch_ms"][0] > 0
+
+
+def test_gc_threshold_round_sets_the_young_generation_and_restores_it(demo_gguf, demo_tokenizer):
+    """`--compare-gc-threshold`: the B rounds run with the asked young generation, on top of
+    the engine's own freeze; every round leaves the collector's thresholds as it found them
+    (and the heap unfrozen, for the next engine)."""
+    import gc
+
+    from pagedjax.engine import YOUNG_GC_THRESHOLD
+
+    config = read_config(str(demo_gguf))
+    before = gc.get_threshold()
+    a = measure(4, 3, "greedy", demo_tokenizer, config, "final_only", freeze_gc=True)
+    b = measure(4, 3, "greedy", demo_tokenizer, config, "final_only", freeze_gc=True,
+                gc_threshold=1234)
+    assert a["gc_gen0_threshold"] == max(before[0], YOUNG_GC_THRESHOLD)
+    assert b["gc_gen0_threshold"] == 1234
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
