@@ -17,7 +17,10 @@ Times, interleaved (A, B, C, ... repeated), the median of:
   its last token and 4 drafts (a speculative verification step, k = 4); each also as
   `..._xla`, the same step on XLA's dots (``PAGEDJAX_DENSE_PANELS=0``);
 - `matmuls_64`, `matmuls_64_native`: the same weight matmuls at 64 rows, with the GFLOP/s
-  they reach.
+  they reach; `matmuls_256_native` and `decode_step_256` the same at 256 rows (the 256 x 64
+  workload's decode steps);
+- `fma_peak`: the host's fp32 FMA peak on 1 and 2 threads (`bench/fma_peak.cc`, built with
+  g++ when one is found; registers only), which no fp32 matmul here can beat.
 
 Writes bench/results/cpu/cpu_floor.json with the load average at the start and versions.
 """
@@ -35,6 +38,25 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def fma_peak() -> dict[str, float] | None:
+    """fp32 FMA GFLOP/s on 1 and 2 threads from `bench/fma_peak.cc` (None without g++)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("g++") is None:
+        return None
+    exe = Path(tempfile.gettempdir()) / "pagedjax_fma_peak"
+    subprocess.run(["g++", "-O2", "-march=native", "-std=c++17", "-pthread",
+                    str(ROOT / "bench/fma_peak.cc"), "-o", str(exe)], check=True)
+    out = {}
+    for t in (1, 2):
+        line = subprocess.run([str(exe), str(t), "2"], capture_output=True, text=True,
+                              check=True).stdout
+        out[f"{t}_threads"] = float(line.split()[2])
+    return out
 
 
 def main() -> None:
@@ -59,7 +81,7 @@ def main() -> None:
     config, params, _ = load_model("smollm2", None)
     # k = 4 speculation only sets the smallest multi-token bucket (5 tokens); decode steps
     # are as without it.
-    ec = EngineConfig(num_gpu_blocks=1024, max_model_len=1024, warmup=False,
+    ec = EngineConfig(num_gpu_blocks=2560, max_model_len=1024, warmup=False,
                       speculative_config=SpeculativeConfig(method="ngram",
                                                            num_speculative_tokens=4))
     runner = ModelRunner(config, params, ec, jnp.float32, 1024)
@@ -99,6 +121,7 @@ def main() -> None:
     flops_64 = 2 * 64 * sum(lp[k]["kernel"].size for lp in layers
                             for k in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
     flops_64 += 2 * 64 * emb.size
+    h256 = jnp.full((256, hidden), 1e-3, jnp.float32)
     weights = jax.device_put(np.ones(n_weights, np.float32))
     total = jax.jit(jnp.sum)
     h1 = jnp.full((1, hidden), 1e-3, jnp.float32)
@@ -113,6 +136,7 @@ def main() -> None:
         return build_step_inputs(seqs, 16, runner.max_blocks_per_seq, plan=runner.shape_plan,
                                  spec_lens=[drafts] * n if drafts else None)
 
+    step_256 = step_inputs(256)  # native runner only: the XLA one would hold another cache
     steps = {"decode_step_1": step_inputs(1), "decode_step_8": step_inputs(8),
              "spec_step_5": step_inputs(1, drafts=4), "decode_step_64": step_inputs(64)}
     calls = {
@@ -125,7 +149,10 @@ def main() -> None:
         "matmuls_8": lambda: chain_j(h8, layers, emb),
         "matmuls_8_native": lambda: native_j(h8, panels, head_panels),
         "matmuls_64_native": lambda: native_j(h64, panels, head_panels),
+        "decode_step_256": lambda: runner.execute(step_256),
+        "matmuls_256_native": lambda: native_j(h256, panels, head_panels),
     }
+    peak = fma_peak()
     for f in calls.values():
         jax.block_until_ready(f())
     times: dict[str, list[float]] = {k: [] for k in calls}
@@ -143,7 +170,9 @@ def main() -> None:
            "versions": {"jax": jax.__version__}, "weights_gb_fp32": gb, "ms": ms,
            "stream_gb_per_s": gb / ms["stream_weights"] * 1e3,
            "matmuls_64_gflop_per_s": flops_64 / ms["matmuls_64"] / 1e6,
-           "matmuls_64_native_gflop_per_s": flops_64 / ms["matmuls_64_native"] / 1e6}
+           "matmuls_64_native_gflop_per_s": flops_64 / ms["matmuls_64_native"] / 1e6,
+           "matmuls_256_native_gflop_per_s": 4 * flops_64 / ms["matmuls_256_native"] / 1e6,
+           "fma_peak_gflop_per_s": {"before": peak, "after": fma_peak()}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)

@@ -1,0 +1,74 @@
+// This host's fp32 FMA peak: what no fp32 matmul on it can beat, so the floor under a batched
+// decode step whose time is its weight matmuls (docs/v1-core.md, "How far fp32 can go here").
+// Each thread runs ACC independent chains of 16-lane AVX-512 FMAs on registers (enough chains
+// to cover the FMA latency on both pipes), nothing read from memory; GFLOP/s = 2 x 16 x FMAs.
+//
+//   g++ -O2 -march=native -std=c++17 -pthread bench/fma_peak.cc -o /tmp/fma_peak
+//   /tmp/fma_peak THREADS SECONDS   (e.g. 1 2, then 2 2)
+
+#include <immintrin.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int kAcc = 12;  // independent accumulators: latency 4 x 2 pipes, with margin
+
+// One round: kAcc FMAs per inner iteration, `iters` iterations. The multiplier is just below
+// 1 and the addend tiny, so values stay finite and normal whatever the count.
+float run(int64_t iters, float seed) {
+  __m512 acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(seed + i);
+  const __m512 m = _mm512_set1_ps(0.999999f), a = _mm512_set1_ps(1e-7f);
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, a);
+  }
+  __m512 s = acc[0];
+  for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
+  return _mm512_reduce_add_ps(s);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: %s THREADS SECONDS\n", argv[0]);
+    return 2;
+  }
+  const int threads = std::atoi(argv[1]);
+  const double seconds = std::atof(argv[2]);
+  const int64_t chunk = int64_t(1) << 22;  // iterations between clock checks
+  std::atomic<bool> stop{false};
+  std::vector<int64_t> fmas(threads, 0);
+  std::vector<float> sink(threads, 0.f);
+  std::vector<std::thread> pool;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      while (!stop.load(std::memory_order_relaxed)) {
+        sink[t] += run(chunk, 1.f + t);
+        fmas[t] += chunk * kAcc;
+      }
+    });
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  stop = true;
+  for (auto& th : pool) th.join();
+  const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t total = 0;
+  float s = 0.f;
+  for (int t = 0; t < threads; ++t) {
+    total += fmas[t];
+    s += sink[t];
+  }
+  std::printf("threads %d  %.1f GFLOP/s fp32 (%.1f per thread)  [checksum %g]\n", threads,
+              2.0 * 16 * total / el / 1e9, 2.0 * 16 * total / el / 1e9 / threads, s);
+  return 0;
+}
