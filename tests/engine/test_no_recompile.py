@@ -136,8 +136,6 @@ def test_warm_up_covers_every_beam_selection_shape(max_num_seqs, data):
         width = data.draw(st.integers(2, min(MAX_WARM_BEAM_WIDTH, left)))
         groups.append((data.draw(st.integers(1, width)), width))
         left -= width
-    if not groups:
-        return
     rows = sum(live for live, _ in groups)
     b = data.draw(st.sampled_from([b for b in buckets if b >= rows]))
     assert (b, *selection_shape(groups)) in warm
