@@ -167,6 +167,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
     orig = eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy
     eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy = \
         _Runner, fake_sample, fake_sample_greedy
+    thresholds = gc.get_threshold()  # restored however the round ends
     try:
         max_len = 128 + steps + 256  # outlives the prefill of the last request
         blocks = num_seqs * -(-max_len // 16) + 16
@@ -187,11 +188,11 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 s.num_computed_tokens < s.num_prompt_tokens
                 for g in engine.scheduler.running for s in g.seqs):
             engine.step()
-        thresholds = gc.get_threshold()
         if freeze_gc:  # as `pagedjax serve` does once loaded (LLMEngine.freeze_gc)
             engine.freeze_gc()
         if gc_threshold is not None:  # the young generation's size, whatever freeze_gc set
             gc.set_threshold(gc_threshold, *gc.get_threshold()[1:])
+        gen0 = gc.get_threshold()[0]
         # The full collection inside the freeze walks the whole heap once and leaves the
         # caches cold: the next few steps ran 1.2-2x slower (1.5-1.8 ms, then 1.2, 1.1 at 256
         # sequences). A server freezes once, at start-up; so does this, then lets
@@ -213,8 +214,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         assert all(len(o) > steps + SETTLE_STEPS and min(o) >= 200 for o in outs)
     finally:
         eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy = orig
-    gen0 = gc.get_threshold()[0]
-    gc.set_threshold(*thresholds)
+        gc.set_threshold(*thresholds)
     times.sort()
     if freeze_gc:
         gc.unfreeze()  # the next engine starts from a clean heap
