@@ -264,3 +264,18 @@ def test_e2e_parts_pick_what_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_SUITE_E2E", "perf,golden")
     with pytest.raises(ValueError, match="GPU_SUITE_E2E"):
         run_stage_in_process("e2e", tmp_path, DRY_BUDGET_S["e2e"], True)
+
+
+def test_resweep_redoes_the_sweeps_from_the_recorded_cost_model(dry_run, tmp_path):
+    """`bench.paper.resweep` on the dry run's result, with the run's own trace span: the same
+    deterministic replay, so the same sustainable rates; real points kept as measured."""
+    from bench.paper.resweep import resweep
+
+    out = dry_run[1]
+    src = json.loads((out / _load(out, "paper")["result_file"]).read_text())
+    res = resweep(src, None, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["resweep"] == res["resweep"]
+    for w in ("sharegpt", "alpaca"):
+        assert res["resweep"]["previous_sustainable_rate"][w] == {
+            s: d["sustainable_rate"] for s, d in res[f"fig12_{w}"]["systems"].items()}
+        assert res[f"real_{w}"] == src[f"real_{w}"]
