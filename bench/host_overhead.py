@@ -60,6 +60,7 @@ class _Runner:
         self.compiled_shapes: set = set()
         self.vocab = config.vocab_size
         self.feed_tokens = False  # no device: every step's tokens are applied at once
+        self.native_greedy = False  # the stub samplers below stand in for both
         self.kv_scales = None  # a float cache: nothing to calibrate
         self.kv_dtype = np.dtype(np.float32)
         self.kv_layout = kv_layout(config, engine_config)
@@ -159,7 +160,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                              np.full((b, k), -2.0, np.float32),
                              np.tile(np.arange(k, dtype=np.int32), (b, 1)), None)
 
-    def fake_sample_greedy(logits, rows, num_logprobs=0):
+    def fake_sample_greedy(logits, rows, num_logprobs=0, native=False):
         return fake_sample(logits, None, num_logprobs, rows)
 
     # Both samplers: greedy batches take `sample_greedy`, which on the stub's zero logits

@@ -16,6 +16,8 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
   thousands of tokens, the top-p worst case (the threshold by bisection);
 - `sample_greedy_fast`: `sample_greedy`, what the engine runs for a plain greedy batch (no
   penalties, bans, masks, biases or top logprobs): argmax and logprob per logits row;
+- `sample_greedy_native`: the same with ``native=True``, the one-pass kernel the CPU engine
+  uses (`pallas_kernels/csrc/greedy_rows_cpu.cc`; omitted where the library does not build);
 - `sample_top_p_peaked`: top-p over the same logits times 8, a confident distribution whose
   nucleus lies within the 64 candidates (`TOP_CANDIDATES`), the common case for a trained model.
 
@@ -54,6 +56,7 @@ def child(rows: list[int], iters: int) -> dict:
     )
     from pagedjax.sampling_params import SamplingParams
     from pagedjax.worker.host_heap import keep_freed_memory
+    from pallas_kernels import cpu_native
 
     kept = keep_freed_memory()
     rng = np.random.default_rng(0)
@@ -80,6 +83,8 @@ def child(rows: list[int], iters: int) -> dict:
             "sample_greedy": lambda x=logits, m=greedy, i=idx: sample(x, m, num_logprobs=20,
                                                                       rows=i),
             "sample_greedy_fast": lambda x=logits, i=idx: sample_greedy(x, i, num_logprobs=20),
+            **({"sample_greedy_native": lambda x=logits, i=idx: sample_greedy(
+                x, i, num_logprobs=20, native=True)} if cpu_native.available() else {}),
             "sample_top_p": lambda x=logits, m=top_p, i=idx: sample(x, m, num_logprobs=20,
                                                                     rows=i),
             "sample_logprobs": lambda x=logits, m=with_lp, i=idx: sample(x, m, num_logprobs=20,
@@ -88,6 +93,9 @@ def child(rows: list[int], iters: int) -> dict:
                                                                            rows=i),
         }
         assert (np.asarray(argmax(logits)) == np.asarray(fast(logits))).all()
+        if "sample_greedy_native" in calls:
+            assert (np.asarray(calls["sample_greedy_native"]().token_ids)
+                    == np.asarray(calls["sample_greedy_fast"]().token_ids)).all()
         times: dict[str, list[float]] = {k: [] for k in calls}
         for f in calls.values():
             jax.block_until_ready(f())

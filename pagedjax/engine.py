@@ -383,7 +383,8 @@ class LLMEngine:
             spec_batches = [b for b in plan.sample_buckets if plan.seq_cap < b <= most]
             for b in {self._sample_batch(1, s), plan.seq_cap, *spec_batches}:
                 rows = np.zeros(b, np.int32)
-                yield call(r, sample_greedy, rows, num_logprobs=MAX_LOGPROBS)
+                yield call(r, sample_greedy, rows, num_logprobs=MAX_LOGPROBS,
+                           native=self.runner.native_greedy)
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
                     yield call(r, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
@@ -825,7 +826,8 @@ class LLMEngine:
         src = np.zeros(b_pad, np.int32)
         src[: len(row_src)] = row_src
         if self._plain_greedy(row_info):
-            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS)
+            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS,
+                                native=self.runner.native_greedy)
             fl.row_info, fl.out = row_info, out
             return self._mark_pending(fl, out) if self.runner.feed_tokens else fl
         hist = self.input_batch.histories  # penalty histories: persistent, grown by deltas
@@ -859,7 +861,8 @@ class LLMEngine:
         if (GREEDY_FAST_PATH and meta.plain_greedy and not meta.want_topk
                 and self.spec_config is None
                 and not any(info[0].is_beam for info in row_info)):
-            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS)
+            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS,
+                                native=self.runner.native_greedy)
         else:
             out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)

@@ -699,8 +699,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     return SamplerOutput(tokens, lp, rank, top_lp, top_ids, raw_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
-def sample_greedy(logits: jax.Array, rows: jax.Array, num_logprobs: int = 0) -> SamplerOutput:
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "native"))
+def sample_greedy(logits: jax.Array, rows: jax.Array, num_logprobs: int = 0,
+                  native: bool = False) -> SamplerOutput:
     """`sample` for a batch whose metadata is `plain_greedy` and wants no top logprobs: the
     same tokens, logprobs and ranks, per logits row first and then picked by ``rows``.
 
@@ -709,11 +710,19 @@ def sample_greedy(logits: jax.Array, rows: jax.Array, num_logprobs: int = 0) -> 
     21.5 ms here; 4.8 vs 2.4 ms for 64 (`bench/sampler.py`, `sampler_greedy_fast.json`).
     The chosen token is the row's first maximum, so its rank is 1 and its raw logprob is
     ``-log(sum(exp(x - max)))``, what `jax.nn.log_softmax` gives it. Top-logprob outputs are
-    zeros, as `sample`'s are when ``want_topk`` is off."""
+    zeros, as `sample`'s are when ``want_topk`` is off. ``native`` (one CPU device, the
+    runner's `native_greedy`): the same from `pallas_kernels.cpu_native.greedy_rows_cpu`,
+    which reads each row once instead of XLA's three passes (`bench/sampler.py`
+    ``sample_greedy_native``)."""
     x = logits.astype(jnp.float32)
-    tok = first_argmax(x).astype(jnp.int32)
-    top = jnp.take_along_axis(x, tok[:, None], axis=-1)
-    lp = -jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))
+    if native:
+        from pallas_kernels.cpu_native import greedy_rows_cpu
+
+        tok, lp = greedy_rows_cpu(x)
+    else:
+        tok = first_argmax(x).astype(jnp.int32)
+        top = jnp.take_along_axis(x, tok[:, None], axis=-1)
+        lp = -jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))
     b = rows.shape[0]
     return SamplerOutput(tok[rows], lp[rows], jnp.ones((b,), jnp.int32),
                          jnp.zeros((b, num_logprobs), jnp.float32),

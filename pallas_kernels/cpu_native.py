@@ -45,11 +45,13 @@ WRITE_TARGET = "pagedjax_write_kv_bytes_cpu"
 PACKED_TARGET = "pagedjax_packed_matmul_cpu"
 DENSE_TARGET = "pagedjax_dense_matmul_cpu"
 ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
+GREEDY_TARGET = "pagedjax_greedy_rows_cpu"
 # One library: the attention kernel (and its FP8 byte scatter), the packed-weight matmul,
-# the float32 panel matmul and the KV cache's zero fill on huge pages.
+# the float32 panel matmul, the KV cache's zero fill on huge pages and greedy sampling.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
-                             "dense_matmul_cpu.cc", "zeros_huge_pages_cpu.cc"))
+                             "dense_matmul_cpu.cc", "zeros_huge_pages_cpu.cc",
+                             "greedy_rows_cpu.cc"))
 SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
 # shared library with it pulls in crtfastmath.o, which turns on flush-to-zero for the whole
@@ -123,6 +125,8 @@ def _register() -> bool:
         DENSE_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         ZEROS_TARGET, jax.ffi.pycapsule(lib.PagedjaxZerosHugePagesCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxGreedyRowsCpu), platform="cpu")
     return True
 
 
@@ -225,6 +229,22 @@ def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     lead, k = x.shape[:-1], x.shape[-1]
     call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((math.prod(lead), n), x.dtype))
     return call(x.reshape(-1, k), panels).reshape(*lead, n)
+
+
+def greedy_rows_cpu(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row of float32 ``logits [B, V]``: the first maximum's index (int32; a NaN counts as
+    the maximum) and its raw logprob ``-log(sum(exp(x - max)))``, reading each row from memory
+    once (`csrc/greedy_rows_cpu.cc` says why). Tokens equal `pagedjax.sampler.first_argmax`'s;
+    logprobs equal the XLA formula's to float rounding."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    if logits.dtype != jnp.float32 or logits.ndim != 2:
+        raise TypeError(f"greedy_rows_cpu: float32 [B, V] logits, got {logits.dtype} "
+                        f"{logits.shape}")
+    b = logits.shape[0]
+    call = jax.ffi.ffi_call(GREEDY_TARGET, (jax.ShapeDtypeStruct((b,), jnp.int32),
+                                            jax.ShapeDtypeStruct((b,), jnp.float32)))
+    return call(logits)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype, device: jax.Device | None = None

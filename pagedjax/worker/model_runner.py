@@ -137,6 +137,12 @@ def native_packed_matmul(tp: int, devices=None):
     return None
 
 
+def _native_cpu() -> bool:
+    from pallas_kernels import cpu_native
+
+    return cpu_native.available()
+
+
 def check_kv_dtype_on(kv_dtype, device) -> None:
     """FP8 caches need FP8 conversions in the kernels: NVIDIA GPUs from sm_89 (Ada, Hopper)
     on; an A100 (sm_80) is refused by name rather than failing inside Triton's compile. CPU
@@ -284,6 +290,9 @@ class ModelRunner:
         self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn,
                                packed_matmul=native_packed_matmul(self.tp, devices),
                                fused_shards=self.tp)
+        # Plain greedy batches sample with the native one-pass kernel on one CPU device
+        # (`pagedjax.sampler.sample_greedy`'s ``native``); XLA's three passes elsewhere.
+        self.native_greedy = self.tp == 1 and platform == "cpu" and _native_cpu()
 
     @classmethod
     def compile_only(cls, config: ModelConfig, engine_config: EngineConfig, dtype,
