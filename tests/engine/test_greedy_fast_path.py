@@ -1,7 +1,8 @@
 """Plain greedy batches sample through `sample_greedy` (argmax per logits row, then picked by
-rows; on one CPU device the native one-pass kernel) and produce exactly what `sample` produces: tokens, cumulative logprobs, the sampled
-token's logprob for `logprobs=0`, stop ids, under preemption; batches with a sampled,
-penalised, beam or top-logprob row take `sample`."""
+rows; on one CPU device the native one-pass kernel) and produce exactly what `sample`
+produces: tokens, cumulative logprobs, the sampled token's logprob for `logprobs=0`, stop
+ids, under preemption; batches with a sampled, penalised, beam or top-logprob row take
+`sample`."""
 
 from __future__ import annotations
 
