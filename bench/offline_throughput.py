@@ -22,7 +22,9 @@ Engine `pagedjax-heap-off` is pagedjax with `PAGEDJAX_KEEP_HEAP=0` (freed heap m
 to the OS, as before `pagedjax/worker/host_heap.py`):
 `--engines pagedjax,pagedjax-heap-off --out bench/results/cpu/host_heap.json`
 compares the two. Engine `pagedjax-sampler-full` is pagedjax with `PAGEDJAX_GREEDY_FAST_PATH=0`
-(plain greedy batches through the full `sample` instead of `sample_greedy`). Engines
+(plain greedy batches through the full `sample` instead of `sample_greedy`), and
+`pagedjax-xla-greedy` with `PAGEDJAX_NATIVE_GREEDY=0` (`sample_greedy` through XLA instead of
+the native one-pass kernel). Engines
 `pagedjax-wait-helpers` and `pagedjax-take-over` are pagedjax with `PAGEDJAX_MATMUL_TAKE_OVER`
 0 and 1 (the native matmul's caller waits for a preempted helper, the default, or takes its
 work items over; with `--busy-core`).
@@ -119,12 +121,15 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
     if name.startswith("pagedjax+"):  # pagedjax with its own overrides, e.g. an old default
         return worker_cmd("pagedjax", threads, hf_dir, [*engine_args, *name.split("+")[1:]])
     if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
-                "pagedjax-sampler-full", "pagedjax-wait-helpers", "pagedjax-take-over"):
+                "pagedjax-sampler-full", "pagedjax-xla-greedy", "pagedjax-wait-helpers",
+                "pagedjax-take-over"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
             cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
         if name == "pagedjax-sampler-full":  # plain greedy batches through the full sampler
             cmd = ["env", "PAGEDJAX_GREEDY_FAST_PATH=0", *cmd]
+        if name == "pagedjax-xla-greedy":  # sample_greedy through XLA, not the native kernel
+            cmd = ["env", "PAGEDJAX_NATIVE_GREEDY=0", *cmd]
         if name == "pagedjax-wait-helpers":  # the native matmul waits for preempted helpers
             cmd = ["env", "PAGEDJAX_MATMUL_TAKE_OVER=0", *cmd]
         if name == "pagedjax-take-over":  # the native matmul always takes items over

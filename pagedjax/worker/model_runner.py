@@ -291,8 +291,11 @@ class ModelRunner:
                                packed_matmul=native_packed_matmul(self.tp, devices),
                                fused_shards=self.tp)
         # Plain greedy batches sample with the native one-pass kernel on one CPU device
-        # (`pagedjax.sampler.sample_greedy`'s ``native``); XLA's three passes elsewhere.
-        self.native_greedy = self.tp == 1 and platform == "cpu" and _native_cpu()
+        # (`pagedjax.sampler.sample_greedy`'s ``native``); XLA's three passes elsewhere, or
+        # with ``PAGEDJAX_NATIVE_GREEDY=0`` (for comparisons).
+        self.native_greedy = (self.tp == 1 and platform == "cpu"
+                              and os.environ.get("PAGEDJAX_NATIVE_GREEDY", "1")
+                              not in ("0", "false") and _native_cpu())
 
     @classmethod
     def compile_only(cls, config: ModelConfig, engine_config: EngineConfig, dtype,
