@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -65,6 +66,7 @@ from pagedjax.sampler import (
     prompt_logprobs,
     sample,
     sample_greedy,
+    take_rows,
 )
 from pagedjax.sampling_params import (
     MAX_BAD_WORDS,
@@ -76,7 +78,7 @@ from pagedjax.sampling_params import (
 from pagedjax.spec import NgramProposer, accepted_prefix
 from pagedjax.spec.draft import DraftModelProposer
 from pagedjax.structured.manager import StructuredOutputs
-from pagedjax.worker.compile_stats import num_backend_compiles
+from pagedjax.worker.compile_stats import memory_maps, num_backend_compiles
 from pagedjax.worker.host_heap import release_freed_memory
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -88,11 +90,22 @@ from pagedjax.worker.step_inputs import build_step_inputs
 MAX_WARM_BEAM_WIDTH = 8
 YOUNG_GC_THRESHOLD = 10_000  # `LLMEngine.freeze_gc`
 WARMUP_TEMPS_PER_LOGIT = 4  # a sampler call's [rows, vocab] arrays, logits included (warm-up)
+# Warm-up warns past this share of the process's memory-mapping limit: later compiles (wider
+# beams, first uses) need room too (`worker.compile_stats.memory_maps`).
+MAX_MAP_SHARE = 0.6
 
 logger = logging.getLogger(__name__)
 # Plain greedy batches sample through `sample_greedy`; PAGEDJAX_GREEDY_FAST_PATH=0 sends them
 # through `sample` (`bench/offline_throughput.py --engines pagedjax,pagedjax-sampler-full`).
 GREEDY_FAST_PATH = os.environ.get("PAGEDJAX_GREEDY_FAST_PATH", "1") != "0"
+
+
+@functools.cache
+def _identity_rows(b: int) -> np.ndarray:
+    """Rows 0 .. b-1 in order (read-only, shared): `LLMEngine._sampler_rows`."""
+    rows = np.arange(b, dtype=np.int32)
+    rows.flags.writeable = False
+    return rows
 
 
 @dataclasses.dataclass
@@ -337,6 +350,13 @@ class LLMEngine:
         n = num_backend_compiles() - before
         logger.info("warm-up: %d step shapes, %d compilations in %.1f s (%d threads)", len(shapes),
                     n, time.monotonic() - t0, threads)
+        maps = memory_maps()
+        if maps is not None and maps[0] > MAX_MAP_SHARE * maps[1]:
+            logger.warning(
+                "warm-up left this process %d memory mappings of vm.max_map_count=%d: compiled "
+                "CPU code takes ~3 per kernel, and XLA aborts the process at the limit. Raise it "
+                "(sysctl -w vm.max_map_count=262144) or lower max_num_seqs / max_model_len.",
+                *maps)
         return n
 
     def _warmup_calls(self, with_prompt_lp: bool,
@@ -376,6 +396,7 @@ class LLMEngine:
             # The logits and a few [rows, vocab] temporaries (log-softmax, masks, top-k).
             return WARMUP_TEMPS_PER_LOGIT * 4 * n * vocab, thunk
 
+        sampled: set[int] = set()  # batch sizes whose `sample` variants are compiled
         for _t, s, _m, r, _decode in shapes:
             # Speculative steps sample up to one row per logits row, plus a fresh n>1
             # prompt's fan-out: more rows than sequences.
@@ -385,16 +406,21 @@ class LLMEngine:
                 rows = np.zeros(b, np.int32)
                 yield call(r, sample_greedy, rows, num_logprobs=MAX_LOGPROBS,
                            native=self.runner.native_greedy)
+                if r != b:  # `sample` takes gathered rows (`_sampler_rows`)
+                    yield call(r, take_rows, rows)
+                if b in sampled:
+                    continue
+                sampled.add(b)
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
-                    yield call(r, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
+                    yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
                     if p is full and self.runner.feed_tokens:
                         # Async scheduling writes pending tokens into the histories on the
                         # device (`merge_pending_history`): a committed array is another
                         # jit key than the host one.
                         meta = meta.replace(output_token_ids=jax.device_put(
                             meta.output_token_ids, dev))
-                        yield call(r, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
+                        yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
             if r > s:
                 rows = np.zeros(r, np.int32)
                 yield call(r, prompt_logprobs, rows, MAX_LOGPROBS, rows=rows)
@@ -864,7 +890,8 @@ class LLMEngine:
             out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS,
                                 native=self.runner.native_greedy)
         else:
-            out = sample(logits, meta, num_logprobs=MAX_LOGPROBS, rows=src)
+            x, picked = self._sampler_rows(logits, src)
+            out = sample(x, meta, num_logprobs=MAX_LOGPROBS, rows=picked)
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
         fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
         if beams:
@@ -875,6 +902,20 @@ class LLMEngine:
         if not self.runner.feed_tokens:
             return fl  # the step is finished before the next is scheduled: nothing pending
         return self._mark_pending(fl, out)
+
+    @staticmethod
+    def _sampler_rows(logits: jax.Array, src: np.ndarray) -> tuple[jax.Array, np.ndarray]:
+        """`sample`'s logits and rows for a batch of ``len(src)`` rows: the step's logits as
+        they are when they have one row per batch row (decode steps), else the rows gathered
+        first (`take_rows`; prefill steps with prompt-logprob rows, fan-out, speculation) and
+        picked in order. So `sample` sees ``[b, V]`` logits whatever the step's shape and is
+        compiled once per batch bucket: per (logits rows, batch) pair, warm-up at
+        max_num_seqs 256 took 159 of them, ~52 000 memory mappings on CPU, past Linux's
+        default limit of 65 530 with the steps' (`worker.compile_stats.memory_maps`)."""
+        b = len(src)
+        if logits.shape[0] == b:
+            return logits, src
+        return take_rows(logits, src), _identity_rows(b)
 
     def _plain_greedy(self, row_info: list[tuple]) -> bool:
         """Whether every sampled row is plain greedy (`RequestState.plain_greedy`, past its

@@ -699,6 +699,15 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     return SamplerOutput(tokens, lp, rank, top_lp, top_ids, raw_logprobs)
 
 
+@jax.jit
+def take_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
+    """``logits[rows]``: the rows a sampler batch draws from, gathered in a call of its own so
+    that `sample` is compiled per sampler batch size, not per (logits rows, batch) pair
+    (`LLMEngine._launch`; each `sample` executable costs ~300 memory mappings on CPU,
+    `worker.compile_stats.memory_maps`)."""
+    return logits[rows]
+
+
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "native"))
 def sample_greedy(logits: jax.Array, rows: jax.Array, num_logprobs: int = 0,
                   native: bool = False) -> SamplerOutput:
