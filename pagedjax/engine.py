@@ -90,9 +90,10 @@ from pagedjax.worker.step_inputs import build_step_inputs
 MAX_WARM_BEAM_WIDTH = 8
 YOUNG_GC_THRESHOLD = 10_000  # `LLMEngine.freeze_gc`
 WARMUP_TEMPS_PER_LOGIT = 4  # a sampler call's [rows, vocab] arrays, logits included (warm-up)
-# Warm-up warns past this share of the process's memory-mapping limit: later compiles (wider
-# beams, first uses) need room too (`worker.compile_stats.memory_maps`).
-MAX_MAP_SHARE = 0.6
+# Warm-up warns past this share of the process's memory-mapping limit: later compiles (beams
+# wider than MAX_WARM_BEAM_WIDTH) need room too (`worker.compile_stats.memory_maps`). The
+# full warm-up at max_num_seqs 256 leaves ~68 % of Linux's default limit on CPU.
+MAX_MAP_SHARE = 0.8
 
 logger = logging.getLogger(__name__)
 # Plain greedy batches sample through `sample_greedy`; PAGEDJAX_GREEDY_FAST_PATH=0 sends them
