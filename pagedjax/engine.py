@@ -101,6 +101,20 @@ logger = logging.getLogger(__name__)
 GREEDY_FAST_PATH = os.environ.get("PAGEDJAX_GREEDY_FAST_PATH", "1") != "0"
 
 
+def _warn_near_map_limit() -> bool:
+    """Log a warning, and return True, when this process holds more than `MAX_MAP_SHARE` of
+    its memory-mapping limit (after warm-up: compiled CPU code takes ~3 per kernel, and XLA
+    aborts the process at the limit)."""
+    maps = memory_maps()
+    if maps is None or maps[0] <= MAX_MAP_SHARE * maps[1]:
+        return False
+    logger.warning(
+        "warm-up left this process %d memory mappings of vm.max_map_count=%d: compiled CPU "
+        "code takes ~3 per kernel, and XLA aborts the process at the limit. Raise it "
+        "(sysctl -w vm.max_map_count=262144) or lower max_num_seqs / max_model_len.", *maps)
+    return True
+
+
 @functools.cache
 def _identity_rows(b: int) -> np.ndarray:
     """Rows 0 .. b-1 in order (read-only, shared): `LLMEngine._sampler_rows`."""
@@ -351,13 +365,7 @@ class LLMEngine:
         n = num_backend_compiles() - before
         logger.info("warm-up: %d step shapes, %d compilations in %.1f s (%d threads)", len(shapes),
                     n, time.monotonic() - t0, threads)
-        maps = memory_maps()
-        if maps is not None and maps[0] > MAX_MAP_SHARE * maps[1]:
-            logger.warning(
-                "warm-up left this process %d memory mappings of vm.max_map_count=%d: compiled "
-                "CPU code takes ~3 per kernel, and XLA aborts the process at the limit. Raise it "
-                "(sysctl -w vm.max_map_count=262144) or lower max_num_seqs / max_model_len.",
-                *maps)
+        _warn_near_map_limit()
         return n
 
     def _warmup_calls(self, with_prompt_lp: bool,

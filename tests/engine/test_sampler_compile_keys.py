@@ -76,3 +76,17 @@ def test_memory_maps_counts_this_process():
     used, limit = maps
     lines = sum(1 for _ in open("/proc/self/maps"))
     assert 0 < used and abs(used - lines) < 50 and limit >= 1024
+
+
+def test_warm_up_warns_near_the_mapping_limit(monkeypatch, caplog):
+    """Past `MAX_MAP_SHARE` of the limit the warning names the sysctl; below it, silence."""
+    monkeypatch.setattr(engine_mod, "memory_maps", lambda: (81, 100))
+    with caplog.at_level("WARNING", logger="pagedjax.engine"):
+        assert engine_mod._warn_near_map_limit()
+    assert "vm.max_map_count=100" in caplog.text and "sysctl" in caplog.text
+    caplog.clear()
+    for maps in ((80, 100), None):
+        monkeypatch.setattr(engine_mod, "memory_maps", lambda m=maps: m)
+        with caplog.at_level("WARNING", logger="pagedjax.engine"):
+            assert not engine_mod._warn_near_map_limit()
+    assert not caplog.text
