@@ -1,6 +1,11 @@
-"""The sampler on XLA:CPU: argmax formulations, the whole `sample` call, and the host heap.
+"""The sampler on XLA:CPU (or a GPU): argmax formulations, the whole `sample` call, the host heap.
 
     .venv/bin/python bench/sampler.py [--rows 1,64,256] [--reps 3] [--iters 20]
+    python3 bench/sampler.py --platform gpu --vocab 128256 --out $OUT/sampler_gpu.json
+
+On a GPU (`--platform gpu`) each rep is one process (the heap setting is a host-memory one) and
+the native CPU kernel is left out; the fourth GPU run timed the GPU host's CPU instead, because
+this script then always pinned `JAX_PLATFORMS=cpu`.
 
 Each rep runs two fresh processes, one with freed heap memory kept in the process
 (`pagedjax/worker/host_heap.py`, the CPU engine's default) and one without
@@ -41,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152
 
 
-def child(rows: list[int], iters: int) -> dict:
+def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
     sys.path.insert(0, str(ROOT))
     import jax
     import jax.numpy as jnp
@@ -60,17 +65,18 @@ def child(rows: list[int], iters: int) -> dict:
 
     kept = keep_freed_memory()
     rng = np.random.default_rng(0)
-    out: dict = {"heap_kept": kept, "ms": {}}
+    on_cpu = jax.default_backend() == "cpu"
+    out: dict = {"heap_kept": kept, "ms": {}, "device": str(jax.devices()[0].device_kind)}
     argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1))
     fast = jax.jit(first_argmax)
     log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))
     for b in rows:
-        logits = jax.device_put(rng.standard_normal((b, VOCAB)).astype(np.float32))
+        logits = jax.device_put(rng.standard_normal((b, vocab)).astype(np.float32))
         peaked = logits * 8
         idx = np.arange(b, dtype=np.int32)
 
         def meta(p: SamplingParams, want_topk: bool, b=b):
-            m = SamplingMetadata.from_params([(p, SeqSamplingState([1], []))] * b, b, VOCAB)
+            m = SamplingMetadata.from_params([(p, SeqSamplingState([1], []))] * b, b, vocab)
             return m.replace(want_topk=np.bool_(want_topk))
 
         greedy = meta(SamplingParams(temperature=0), False)
@@ -84,7 +90,8 @@ def child(rows: list[int], iters: int) -> dict:
                                                                       rows=i),
             "sample_greedy_fast": lambda x=logits, i=idx: sample_greedy(x, i, num_logprobs=20),
             **({"sample_greedy_native": lambda x=logits, i=idx: sample_greedy(
-                x, i, num_logprobs=20, native=True)} if cpu_native.available() else {}),
+                x, i, num_logprobs=20, native=True)}
+               if on_cpu and cpu_native.available() else {}),
             "sample_top_p": lambda x=logits, m=top_p, i=idx: sample(x, m, num_logprobs=20,
                                                                     rows=i),
             "sample_logprobs": lambda x=logits, m=with_lp, i=idx: sample(x, m, num_logprobs=20,
@@ -115,18 +122,22 @@ def plot(res: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
-    ops = list(res["median_ms"]["kept"][str(rows[0])])
+    heaps = list(res["median_ms"])
+    ops = list(res["median_ms"][heaps[0]][str(rows[0])])
     fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4))
     for ax, b in zip(axes if len(rows) > 1 else [axes], rows):
         x = range(len(ops))
         for off, heap in ((-0.2, "not_kept"), (0.2, "kept")):
-            ax.bar([i + off for i in x], [res["median_ms"][heap][str(b)][o] for o in ops],
-                   width=0.4, label=f"heap {heap.replace('_', ' ')}")
+            if heap in heaps:
+                ax.bar([i + off for i in x], [res["median_ms"][heap][str(b)][o] for o in ops],
+                       width=0.4, label=f"heap {heap.replace('_', ' ')}")
         ax.set_xticks(list(x), ops, rotation=35, ha="right", fontsize=8)
-        ax.set_title(f"[{b}, {VOCAB}] fp32 logits")
+        ax.set_title(f"[{b}, {res['vocab']}] fp32 logits")
         ax.set_ylabel("ms per call (median)")
         ax.legend(fontsize=8)
-    fig.suptitle(f"sampler on XLA:CPU, {res['machine']['cpu_count']} cores "
+    where = (res["device"] if res["platform"] == "gpu"
+             else f"XLA:CPU, {res['machine']['cpu_count']} cores")
+    fig.suptitle(f"sampler on {where} "
                  f"(load {res['machine']['load_avg_1m_at_start']:.2f} at start)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -137,44 +148,53 @@ def main() -> None:
     ap.add_argument("--rows", default="1,64,256")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--vocab", type=int, default=VOCAB, help="logits width (128256: Llama 3)")
+    ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu",
+                    help="where the sampler runs (gpu: one process per rep, no native kernel)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/sampler.json"))
     args = ap.parse_args()
     rows = [int(x) for x in args.rows.split(",")]
     if args.child:
-        print(json.dumps(child(rows, args.iters)))
+        print(json.dumps(child(rows, args.iters, args.vocab)))
         return
     load = os.getloadavg()[0]
     runs = []
     for rep in range(args.reps):
         order = ("1", "0") if rep % 2 == 0 else ("0", "1")
+        if args.platform == "gpu":
+            order = ("1",)
         for keep in order:
-            env = {**os.environ, "PAGEDJAX_KEEP_HEAP": keep, "JAX_PLATFORMS": "cpu"}
+            env = {**os.environ, "PAGEDJAX_KEEP_HEAP": keep,
+                   "JAX_PLATFORMS": "cpu" if args.platform == "cpu" else "cuda"}
             proc = subprocess.run([sys.executable, __file__, "--child", "--rows", args.rows,
-                                   "--iters", str(args.iters)], env=env, check=True,
-                                  capture_output=True, text=True)
+                                   "--iters", str(args.iters), "--vocab", str(args.vocab)],
+                                  env=env, check=True, capture_output=True, text=True)
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             assert r["heap_kept"] == (keep == "1"), r["heap_kept"]
             runs.append({"rep": rep, "heap": "kept" if keep == "1" else "not_kept", **r})
             print(f"rep {rep} heap {runs[-1]['heap']}: {r['ms']}", flush=True)
     med = {heap: {str(b): {op: statistics.median(
         x["ms"][str(b)][op] for x in runs if x["heap"] == heap)
-        for op in runs[0]["ms"][str(b)]} for b in rows} for heap in ("kept", "not_kept")}
+        for op in runs[0]["ms"][str(b)]} for b in rows}
+        for heap in ("kept", "not_kept") if any(x["heap"] == heap for x in runs)}
     import jax
 
     res = {"what": "ms per call, median over reps of per-process medians (bench/sampler.py)",
            "command": "python bench/sampler.py " + " ".join(sys.argv[1:]),
            "machine": {"cpu": platform.processor() or platform.machine(),
                        "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load},
-           "versions": {"jax": jax.__version__}, "rows": rows, "median_ms": med, "runs": runs}
+           "versions": {"jax": jax.__version__}, "platform": args.platform,
+           "device": runs[0]["device"], "vocab": args.vocab, "rows": rows, "median_ms": med,
+           "runs": runs}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)
     plot(res, out.with_suffix(".png"))
     for b in rows:
         for op in med["kept"][str(b)]:
-            print(f"{b:4d} rows {op:16s} heap kept {med['kept'][str(b)][op]:7.2f} ms   "
-                  f"not kept {med['not_kept'][str(b)][op]:7.2f} ms")
+            print(f"{b:4d} rows {op:20s} " + "   ".join(
+                f"heap {h.replace('_', ' ')} {med[h][str(b)][op]:7.2f} ms" for h in med))
 
 
 if __name__ == "__main__":
