@@ -181,6 +181,68 @@ def _serve(engine, reqs: list, budget: Budget, rate_based: bool) -> dict[str, An
             "itl_ms": {"p50": 1e3 * pct(itl, 50), "p90": 1e3 * pct(itl, 90), "p99": 1e3 * pct(itl, 99)}}
 
 
+def _set_async(engine, on: bool) -> None:
+    """Async scheduling on or off on an idle engine: the runner's `feed_tokens` decides whether
+    `LLMEngine.step` leaves the launched step in flight (async) or finishes it before returning
+    (sync). The step's compiled form is the same either way (its ids argument has one shape and
+    type; async merges the pending tokens into it first, in `_merge_ids`), so one warm engine
+    compares both without a second 8B engine's compiles."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("async A/B: the engine still has requests")
+    engine.runner.feed_tokens = on
+
+
+def _async_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, Any]:
+    """The same greedy requests served with async scheduling on and off, interleaved (async,
+    sync, async, sync), on the warm engine; output tokens per second of each mode's median run,
+    compile steps excluded, and whether every run produced the same tokens."""
+    from pagedjax import SamplingParams
+    from pagedjax.worker.compile_stats import num_backend_compiles
+
+    default = engine.runner.feed_tokens
+    runs, tokens = [], {}
+    try:
+        for rnd in range(2):
+            for mode in ("async", "sync"):
+                if not budget.allows(0):
+                    break
+                _set_async(engine, mode == "async")
+                got: dict[str, list[int]] = {}
+                for r in reqs:
+                    engine.add_request(f"ab{rnd}{mode}-{r.index}", None,
+                                       SamplingParams(max_tokens=min(r.output_len, max_tokens),
+                                                      ignore_eos=True, temperature=0.0),
+                                       prompt_token_ids=r.prompt_token_ids)
+                c0, compile_s, t0 = num_backend_compiles(), 0.0, time.monotonic()
+                while engine.has_unfinished_requests():
+                    c, s0 = num_backend_compiles(), time.monotonic()
+                    for o in engine.step():
+                        if o.finished:
+                            got[o.request_id.split("-", 1)[1]] = list(o.outputs[0].token_ids)
+                    if num_backend_compiles() != c:
+                        compile_s += time.monotonic() - s0
+                wall = time.monotonic() - t0
+                n = sum(len(v) for v in got.values())
+                runs.append({"round": rnd, "mode": mode, "wall_s": wall, "output_tokens": n,
+                             "compiles": num_backend_compiles() - c0, "compile_s": compile_s,
+                             "tok_s": n / max(1e-9, wall - compile_s)})
+                tokens.setdefault(mode, []).append(got)
+    finally:
+        if not engine.has_unfinished_requests():
+            _set_async(engine, default)
+    res: dict[str, Any] = {"requests": len(reqs), "max_tokens": max_tokens, "runs": runs,
+                           "default_async": bool(default)}
+    if {"async", "sync"} <= set(tokens):
+        every = [g for mode in tokens.values() for g in mode]
+        res["identical"] = all(g == every[0] for g in every[1:])
+        res["tok_s"] = {m: statistics.median(r["tok_s"] for r in runs if r["mode"] == m)
+                        for m in ("async", "sync")}
+        res["async_over_sync"] = res["tok_s"]["async"] / res["tok_s"]["sync"]
+    else:
+        res["runs"] = runs or []
+    return res
+
+
 def _decode_step_ms(runner, batch: int, ctx: int, iters: int) -> float:
     """Median time of one decode step of ``batch`` sequences at context ``ctx`` (disjoint blocks)."""
     from bench.kernels import bench
@@ -300,6 +362,17 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
                       f"w/o {res['compile_steps']} compile steps), {res['requests_added']} req"
                       f"{', cut at deadline' if res['aborted_at_deadline'] else ''}",
                       "info" if res["output_tokens"] > 0 else "FAIL")
+    ab = budget.sub(0.25)
+    if ab.allows(20 if not dry_run else 1):
+        perf["async_ab"] = res = _async_ab(eng, reqs[: 8 if dry_run else 64], ab,
+                                           max_tokens=8 if dry_run else 128)
+        rec.save()
+        if res.get("runs"):
+            rec.summarize(f"{spec.name} async / sync scheduling, {res['requests']} req",
+                          f"{res['async_over_sync']:.3f}x output tok/s (async "
+                          f"{res['tok_s']['async']:.0f}, sync {res['tok_s']['sync']:.0f}); "
+                          f"outputs identical: {res['identical']}",
+                          "info" if res["identical"] else "FAIL")
     rate = 8.0 if dry_run else 4.0
     online = make_requests("sharegpt", 8 if dry_run else 160, rate, vocab_size=vocab, max_model_len=mml,
                            scale=scale, seed=5)

@@ -85,7 +85,22 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
     other = perf["other_layer_loop"]  # the first point again under the other layer loop
     assert other["layer_loop"] != perf["layer_loop"] and other["step_ms"] > 0
     assert perf["offline_sharegpt"]["output_tokens"] > 0
+    ab = perf["async_ab"]  # the same requests with async scheduling on and off, same tokens
+    assert [r["mode"] for r in ab["runs"]] == ["async", "sync", "async", "sync"]
+    assert ab["identical"] and all(r["output_tokens"] > 0 for r in ab["runs"])
+    assert ab["async_over_sync"] > 0
     assert math.isfinite(perf["online_sharegpt"]["ttft_s"]["p50"])
+
+
+def test_async_ab_switch_refuses_a_busy_engine():
+    from bench.gpu_suite.stage_e2e import _set_async
+
+    class Busy:
+        def has_unfinished_requests(self):
+            return True
+
+    with pytest.raises(RuntimeError, match="still has requests"):
+        _set_async(Busy(), True)
 
 
 def test_paper_stage_result(dry_run):
