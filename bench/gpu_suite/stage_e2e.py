@@ -201,7 +201,21 @@ def _async_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, 
 
     default = engine.runner.feed_tokens
     runs, tokens = [], {}
+
+    def warm(mode: str) -> None:
+        """Untimed: the other mode's steps compile anew (its ids reach the step as a host array,
+        not a device one: 3 compilations in the CPU dry run); compile steps left in the timed
+        runs are excluded from their rates (`compile_s`)."""
+        _set_async(engine, mode == "async")
+        for r in reqs:
+            engine.add_request(f"abwarm{mode}-{r.index}", None,
+                               SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                               prompt_token_ids=r.prompt_token_ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+
     try:
+        warm("sync" if default else "async")
         for rnd in range(2):
             for mode in ("async", "sync"):
                 if not budget.allows(0):
