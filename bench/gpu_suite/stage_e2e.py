@@ -338,6 +338,47 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
         rec.summarize(f"{spec.name} decode b{b} ctx{c}: {other} / {perf['layer_loop']}",
                       f"{ms:.2f} vs {base:.2f} ms ({ms / base:.2f}x)", "info")
 
+    def other_lowering() -> None:
+        """Decode steps of the whole model with the Mosaic GPU kernels
+        (``PAGEDJAX_PALLAS_LOWERING=mosaic``, read when the step is traced) against Triton's,
+        on the same warm device: the kernel bench measured Mosaic's decode at 0.83x Triton's
+        time (H200, fourth run), fastest at long contexts; this says what that is worth in a
+        step that also reads 15 GB of weights. Points: the first and the KV-heavy one."""
+        from pallas_kernels.backend import ENV_LOWERING
+
+        if not budget.allows(60 if not dry_run else 1):
+            rec.summarize(f"{spec.name} decode: mosaic lowering", "not run: out of time",
+                          "skipped")
+            return
+        pts = [points[0], points[-1]]
+        b_max = max(b for b, _ in pts)
+        old = os.environ.get(ENV_LOWERING)
+        os.environ[ENV_LOWERING] = "mosaic"
+        try:
+            # The CPU dry run interprets both kernels (its main engine runs XLA attention).
+            alt = LLM.from_params(cfg, params, NoTokenizer(), attention_backend="pallas",
+                                  block_size=16,
+                                  num_gpu_blocks=max(b * -(-c // 16) for b, c in pts) + 16,
+                                  max_num_seqs=b_max,
+                                  max_num_batched_tokens=512 if dry_run else 2048,
+                                  max_model_len=max(mml, max(c for _, c in pts) + 16),
+                                  warmup=False)
+            rows = []
+            for b, c in pts:
+                if rows and not budget.allows(20 if not dry_run else 0):
+                    break
+                ms = _decode_step_ms(alt.engine.runner, b, c, 3 if dry_run else 10) * 1e3
+                rows.append({"batch": b, "context": c, "mosaic_step_ms": ms})
+        finally:
+            if old is None:
+                os.environ.pop(ENV_LOWERING, None)
+            else:
+                os.environ[ENV_LOWERING] = old
+        del alt
+        gc.collect()
+        perf["mosaic_lowering"] = rows
+        rec.save()
+
     perf["decode_vs_roofline"] = []
     for b, c in points:
         if perf["decode_vs_roofline"] and not roof.allows(20 if not dry_run else 1):
@@ -349,6 +390,16 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
         rec.save()
         if len(perf["decode_vs_roofline"]) == 1:
             other_layer_loop()
+    if perf["decode_vs_roofline"]:
+        other_lowering()
+        triton = {(r["batch"], r["context"]): r["step_ms"] for r in perf["decode_vs_roofline"]}
+        for r in perf.get("mosaic_lowering", []):
+            t = triton.get((r["batch"], r["context"]))
+            r["triton_step_ms"] = t
+            rec.summarize(f"{spec.name} decode b{r['batch']} ctx{r['context']}: mosaic / triton",
+                          f"{r['mosaic_step_ms']:.2f} vs {t:.2f} ms ({r['mosaic_step_ms'] / t:.2f}x)"
+                          if t else f"{r['mosaic_step_ms']:.2f} ms (Triton not timed)", "info")
+        rec.save()
     for r in perf["decode_vs_roofline"]:
         rec.summarize(f"{spec.name} decode b{r['batch']} ctx{r['context']} ({perf['layer_loop']})",
                       f"{r['step_ms']:.2f} ms vs roofline {r['roofline_ms']:.2f} ms "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -85,6 +86,11 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
     other = perf["other_layer_loop"]  # the first point again under the other layer loop
     assert other["layer_loop"] != perf["layer_loop"] and other["step_ms"] > 0
     assert perf["offline_sharegpt"]["output_tokens"] > 0
+    mosaic = perf["mosaic_lowering"]  # the first and last points again, Mosaic-lowered kernels
+    assert [(r["batch"], r["context"]) for r in mosaic] == [
+        (r["batch"], r["context"]) for r in perf["decode_vs_roofline"][::len(perf["decode_vs_roofline"]) - 1]]
+    assert all(r["mosaic_step_ms"] > 0 and r["triton_step_ms"] > 0 for r in mosaic)
+    assert os.environ.get("PAGEDJAX_PALLAS_LOWERING") is None  # restored after
     ab = perf["async_ab"]  # the same requests with async scheduling on and off, same tokens
     assert [r["mode"] for r in ab["runs"]] == ["async", "sync", "async", "sync"]
     assert ab["identical"] and all(r["output_tokens"] > 0 for r in ab["runs"])
