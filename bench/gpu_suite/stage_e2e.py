@@ -252,8 +252,6 @@ def _async_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, 
         res["tok_s"] = {m: statistics.median(r["tok_s"] for r in runs if r["mode"] == m)
                         for m in ("async", "sync")}
         res["async_over_sync"] = res["tok_s"]["async"] / res["tok_s"]["sync"]
-    else:
-        res["runs"] = runs or []
     return res
 
 
@@ -361,8 +359,7 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
                                   num_gpu_blocks=max(b * -(-c // 16) for b, c in pts) + 16,
                                   max_num_seqs=b_max,
                                   max_num_batched_tokens=512 if dry_run else 2048,
-                                  max_model_len=max(mml, max(c for _, c in pts) + 16),
-                                  warmup=False)
+                                  max_model_len=mml, warmup=False)  # as the main engine
             rows = []
             for b, c in pts:
                 if rows and not budget.allows(20 if not dry_run else 0):
