@@ -203,19 +203,22 @@ def _async_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, 
     runs, tokens = [], {}
 
     def warm(mode: str) -> None:
-        """Untimed: the other mode's steps compile anew (its ids reach the step as a host array,
-        not a device one: 3 compilations in the CPU dry run); compile steps left in the timed
-        runs are excluded from their rates (`compile_s`)."""
+        """Untimed, the timed run itself once per mode: the scheduler repeats its steps, so
+        every step shape is compiled before the timing (sync mode's ids reach the step as a
+        host array, not a device one, and compile anew: 3 compilations in the CPU dry run);
+        any compile step left is excluded from its run's rate (`compile_s`)."""
         _set_async(engine, mode == "async")
         for r in reqs:
             engine.add_request(f"abwarm{mode}-{r.index}", None,
-                               SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0),
+                               SamplingParams(max_tokens=min(r.output_len, max_tokens),
+                                              ignore_eos=True, temperature=0.0),
                                prompt_token_ids=r.prompt_token_ids)
         while engine.has_unfinished_requests():
             engine.step()
 
     try:
-        warm("sync" if default else "async")
+        warm("async")
+        warm("sync")
         for rnd in range(2):
             for mode in ("async", "sync"):
                 if not budget.allows(0):
