@@ -94,6 +94,7 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
     ab = perf["async_ab"]  # the same requests with async scheduling on and off, same tokens
     assert [r["mode"] for r in ab["runs"]] == ["async", "sync", "async", "sync"]
     assert ab["identical"] and all(r["output_tokens"] > 0 for r in ab["runs"])
+    assert all(r["compiles"] == 0 for r in ab["runs"])  # each mode warmed with the same run
     assert ab["async_over_sync"] > 0
     assert math.isfinite(perf["online_sharegpt"]["ttft_s"]["p50"])
 
