@@ -122,7 +122,7 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
         return worker_cmd("pagedjax", threads, hf_dir, [*engine_args, *name.split("+")[1:]])
     if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
                 "pagedjax-sampler-full", "pagedjax-xla-greedy", "pagedjax-wait-helpers",
-                "pagedjax-take-over"):
+                "pagedjax-take-over", "pagedjax-full-head"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
             cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
@@ -134,6 +134,8 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             cmd = ["env", "PAGEDJAX_MATMUL_TAKE_OVER=0", *cmd]
         if name == "pagedjax-take-over":  # the native matmul always takes items over
             cmd = ["env", "PAGEDJAX_MATMUL_TAKE_OVER=1", *cmd]
+        if name == "pagedjax-full-head":  # greedy rows through the float32 LM head's logits
+            cmd = ["env", "PAGEDJAX_SCREENED_HEAD=0", *cmd]
         # "pagedjax-sync" / "-async": asynchronous scheduling forced off / on, to measure what
         # overlapping host and device work buys here.
         modes = {"pagedjax-sync": ["async_scheduling=False"],

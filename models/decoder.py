@@ -226,11 +226,14 @@ class DecoderLM(nn.Module):
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: Any,
-                 logits_indices: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                 logits_indices: jax.Array | None = None, return_hidden: bool = False
+                 ) -> tuple[jax.Array, KVCache]:
         """Returns fp32 logits ([..., vocab] or [len(logits_indices), vocab]) and the new cache.
 
         `logits_indices` picks rows of the flattened token axis before the LM head, so a
-        step computes vocab logits only for the tokens that are sampled.
+        step computes vocab logits only for the tokens that are sampled. ``return_hidden``:
+        those rows' final hidden states instead of their logits (the caller applies the LM
+        head: `ModelRunner.head_outside`, where greedy rows skip most of it).
         """
         c = self.config
         # A packed table (`models.qlinear`) is stored as the LM head's [hidden, vocab].
@@ -278,6 +281,8 @@ class DecoderLM(nn.Module):
                      c.rms_norm_eps)
         if logits_indices is not None:
             x = x.reshape(-1, c.hidden_size)[logits_indices]
+        if return_hidden:
+            return x, kv_cache
         # The LM head: the (tied) embedding [V, H], an untied [H, V], or either packed.
         untied = (self.get_variable("params", "lm_head")
                   if self.has_variable("params", "lm_head") else None)

@@ -66,6 +66,7 @@ from pagedjax.sampler import (
     prompt_logprobs,
     sample,
     sample_greedy,
+    sample_greedy_hidden,
     take_rows,
 )
 from pagedjax.sampling_params import (
@@ -405,6 +406,18 @@ class LLMEngine:
             # The logits and a few [rows, vocab] temporaries (log-softmax, masks, top-k).
             return WARMUP_TEMPS_PER_LOGIT * 4 * n * vocab, thunk
 
+        def screened(n: int, rows: np.ndarray) -> tuple[int, Callable[[], object]]:
+            """`sample_greedy_hidden` on ``n`` hidden rows of ones (zeros would make every
+            column a candidate: a slow first call for nothing)."""
+            hidden_size = self.model_config.hidden_size
+
+            def thunk() -> object:
+                ones = jax.device_put(jnp.ones((n, hidden_size), jnp.float32), dev)
+                return jax.block_until_ready(sample_greedy_hidden(
+                    ones, rows, self.runner.head_screen, self.runner.head_panels,
+                    num_logprobs=MAX_LOGPROBS))
+            return 4 * n * hidden_size, thunk
+
         sampled: set[int] = set()  # batch sizes whose `sample` variants are compiled
         for _t, s, _m, r, _decode in shapes:
             # Speculative steps sample up to one row per logits row, plus a fresh n>1
@@ -415,6 +428,8 @@ class LLMEngine:
                 rows = np.zeros(b, np.int32)
                 yield call(r, sample_greedy, rows, num_logprobs=MAX_LOGPROBS,
                            native=self.runner.native_greedy)
+                if self.runner.head_screen is not None:
+                    yield screened(r, rows)
                 if r != b:  # `sample` takes gathered rows (`_sampler_rows`)
                     yield call(r, take_rows, rows)
                 if b in sampled:
@@ -852,15 +867,25 @@ class LLMEngine:
                                    num_groups=self.runner.num_kv_groups, spec_lens=spec_lens)
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
+        plain = bool(row_info) and self._plain_greedy(row_info)
+        if plain and not p_plan and self._screened_head(row_info):
+            # Greedy rows that want no logprob: tokens from the hidden states through the
+            # screened LM head, no [R, V] logits (`sample_greedy_hidden`).
+            hidden = self.runner.execute_hidden(inputs)
+            out = sample_greedy_hidden(hidden, self._sample_src(len(row_info), row_src, inputs),
+                                       self.runner.head_screen, self.runner.head_panels,
+                                       num_logprobs=MAX_LOGPROBS)
+            fl = _InFlight(sched, scored=None, p_plan=p_plan)
+            fl.row_info, fl.out = row_info, out
+            return self._mark_pending(fl, out) if self.runner.feed_tokens else fl
         logits = self.runner.execute(inputs)
         scored = self._score_prompt(logits, sum(rows_per_seq), p_plan) if p_plan else None
         fl = _InFlight(sched, scored=scored, p_plan=p_plan)
         if not row_info:
             return fl
-        b_pad = self._sample_batch(len(row_info), inputs.shape_key[1])
-        src = np.zeros(b_pad, np.int32)
-        src[: len(row_src)] = row_src
-        if self._plain_greedy(row_info):
+        src = self._sample_src(len(row_info), row_src, inputs)
+        b_pad = len(src)
+        if plain:
             out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS,
                                 native=self.runner.native_greedy)
             fl.row_info, fl.out = row_info, out
@@ -925,6 +950,24 @@ class LLMEngine:
         if logits.shape[0] == b:
             return logits, src
         return take_rows(logits, src), _identity_rows(b)
+
+    def _sample_src(self, n: int, row_src: list[int], inputs) -> np.ndarray:
+        """The logits row of each sampled row, padded to the step's sampler batch."""
+        src = np.zeros(self._sample_batch(n, inputs.shape_key[1]), np.int32)
+        src[: len(row_src)] = row_src
+        return src
+
+    def _screened_head(self, row_info: list[tuple]) -> bool:
+        """Whether a plain greedy batch can take its tokens from the screened LM head
+        (`ModelRunner.head_screen`): only when no row wants a logprob (``logprobs=None``; its
+        output then reports no cumulative logprob, as vLLM V1's) and each request samples
+        one sequence (n > 1 ranks its samples by cumulative logprob)."""
+        if self.runner.head_screen is None:
+            return False
+        for req, _seq, _index, _fan_out in row_info:
+            if req.params.logprobs is not None or req.num_samples != 1:
+                return False
+        return True
 
     def _plain_greedy(self, row_info: list[tuple]) -> bool:
         """Whether every sampled row is plain greedy (`RequestState.plain_greedy`, past its

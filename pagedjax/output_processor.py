@@ -195,7 +195,8 @@ class OutputProcessor:
         if req.delta:
             return OutputProcessor._delta(req, seq, index)
         return CompletionOutput(
-            index, req.detok[sid].text, seq.output_token_ids[:], seq.cumulative_logprob,
+            index, req.detok[sid].text, seq.output_token_ids[:],
+            seq.cumulative_logprob if req.params.logprobs is not None else None,
             req.logprobs[sid][:] if req.params.logprobs is not None else None,
             FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
 
@@ -217,7 +218,8 @@ class OutputProcessor:
         n = len(out)
         req.sent[sid] = (n, visible)
         return CompletionOutput(
-            index, text, out[tokens_sent:n], seq.cumulative_logprob,
+            index, text, out[tokens_sent:n],
+            seq.cumulative_logprob if req.params.logprobs is not None else None,
             req.logprobs[sid][tokens_sent:n] if req.params.logprobs is not None else None,
             FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
 

@@ -738,6 +738,25 @@ def sample_greedy(logits: jax.Array, rows: jax.Array, num_logprobs: int = 0,
                          jnp.zeros((b, num_logprobs), jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+def sample_greedy_hidden(hidden: jax.Array, rows: jax.Array, screen: dict, panels: jax.Array,
+                         num_logprobs: int = 0) -> SamplerOutput:
+    """`sample_greedy`'s tokens from the final hidden states ``[R, H]`` instead of logits, for
+    a batch of plain greedy rows that want no logprob at all: the native screened LM head
+    (`pallas_kernels.cpu_native.lm_head_greedy_cpu`: bfloat16 scores with a proven bound,
+    the few columns that could win recomputed in float32) gives exactly the first argmax of
+    the float32 logits, reading half the head's bytes and never writing ``[R, V]``. No
+    log-sum-exp is taken, so the logprobs are zeros: the engine uses this only for requests
+    with ``logprobs=None``, whose outputs report no cumulative logprob (as vLLM V1's)."""
+    from pallas_kernels.cpu_native import lm_head_greedy_cpu
+
+    tok = lm_head_greedy_cpu(hidden.astype(jnp.float32), screen, panels)
+    b = rows.shape[0]
+    return SamplerOutput(tok[rows], jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.int32),
+                         jnp.zeros((b, num_logprobs), jnp.float32),
+                         jnp.zeros((b, num_logprobs), jnp.int32))
+
+
 @functools.partial(jax.jit, static_argnames=("k",))
 def prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array, k: int = 0,
                     rows: jax.Array | None = None) -> PromptLogprobs:

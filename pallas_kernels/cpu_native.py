@@ -46,12 +46,14 @@ PACKED_TARGET = "pagedjax_packed_matmul_cpu"
 DENSE_TARGET = "pagedjax_dense_matmul_cpu"
 ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
 GREEDY_TARGET = "pagedjax_greedy_rows_cpu"
+LM_HEAD_GREEDY_TARGET = "pagedjax_lm_head_greedy_cpu"
 # One library: the attention kernel (and its FP8 byte scatter), the packed-weight matmul,
-# the float32 panel matmul, the KV cache's zero fill on huge pages and greedy sampling.
+# the float32 panel matmul, the KV cache's zero fill on huge pages, greedy sampling and greedy
+# tokens from hidden states through a screened LM head.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
                              "dense_matmul_cpu.cc", "zeros_huge_pages_cpu.cc",
-                             "greedy_rows_cpu.cc"))
+                             "greedy_rows_cpu.cc", "lm_head_greedy_cpu.cc"))
 SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
 # shared library with it pulls in crtfastmath.o, which turns on flush-to-zero for the whole
@@ -127,6 +129,8 @@ def _register() -> bool:
         ZEROS_TARGET, jax.ffi.pycapsule(lib.PagedjaxZerosHugePagesCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxGreedyRowsCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        LM_HEAD_GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxLmHeadGreedyCpu), platform="cpu")
     return True
 
 
@@ -245,6 +249,58 @@ def greedy_rows_cpu(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     call = jax.ffi.ffi_call(GREEDY_TARGET, (jax.ShapeDtypeStruct((b,), jnp.int32),
                                             jax.ShapeDtypeStruct((b,), jnp.float32)))
     return call(logits)
+
+
+def lm_head_screen(panels, n: int) -> dict | None:
+    """What `lm_head_greedy_cpu` reads besides the float32 panels ``[P, K, 64]`` of an LM head
+    of ``n`` columns: the panels in bfloat16 pairs ``[P, ceil(K / 2), 64, 2]`` (uint16; k even
+    then k odd, as `vdpbf16ps` takes them) and each column's L2 norm in float64, rounded up to
+    float32. None when a weight or norm is not finite (or rounds to an infinite bfloat16): the
+    bound behind the screen would not hold, so such a head is not screened. Half the head's
+    bytes again in memory (57 MB for the demo model)."""
+    import ml_dtypes
+
+    w = np.asarray(panels)
+    if w.dtype != np.float32 or w.ndim != 3 or w.shape[2] != 64:
+        raise TypeError(f"lm_head_screen: float32 panels [P, K, 64], got {w.dtype} {w.shape}")
+    p, k, _ = w.shape
+    kp2 = (k + 1) // 2
+    pairs = np.zeros((p, kp2, 64, 2), np.uint16)
+    norms = np.zeros(p * 64, np.float64)
+    step = 64  # panels at a time: bounded temporaries
+    for b in range(0, p, step):
+        blk = w[b:b + step]
+        if not np.isfinite(blk).all():
+            return None
+        norms[b * 64:(b + len(blk)) * 64] = np.sqrt(
+            np.einsum("pkc,pkc->pc", blk.astype(np.float64), blk.astype(np.float64))).ravel()
+        bf = blk.astype(ml_dtypes.bfloat16)
+        if not np.isfinite(bf.astype(np.float32)).all():
+            return None
+        if k % 2:
+            bf = np.concatenate([bf, np.zeros((len(blk), 1, 64), bf.dtype)], axis=1)
+        pairs[b:b + step] = bf.view(np.uint16).reshape(len(blk), kp2, 2, 64).transpose(0, 1, 3, 2)
+    norms = norms[:n]
+    up = norms.astype(np.float32)
+    up = np.where(up.astype(np.float64) < norms, np.nextafter(up, np.float32(np.inf)), up)
+    if not np.isfinite(up).all():
+        return None
+    return {"bf16": pairs, "norms": up.astype(np.float32)}
+
+
+def lm_head_greedy_cpu(x: jax.Array, screen: dict, panels: jax.Array) -> jax.Array:
+    """Per row of float32 hidden states ``x [M, K]``: the first argmax (int32) of the logits
+    ``x @ w`` that `dense_matmul_cpu` gives for the LM head's float32 ``panels``, without
+    computing them all: screened in bfloat16 with a proven bound, candidates recomputed in
+    float32 (`csrc/lm_head_greedy_cpu.cc` says how). ``screen``: `lm_head_screen`'s."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    if x.dtype != jnp.float32 or x.ndim != 2:
+        raise TypeError(f"lm_head_greedy_cpu: float32 [M, K] hidden states, got {x.dtype} "
+                        f"{x.shape}")
+    call = jax.ffi.ffi_call(LM_HEAD_GREEDY_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return call(x, screen["bf16"], screen["norms"], panels)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype, device: jax.Device | None = None

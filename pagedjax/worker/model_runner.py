@@ -206,8 +206,12 @@ class ModelRunner:
         # identical type before and after a weight swap (no retrace, no recompile).
         if self.mesh is None:
             params = jax.device_put(params, jax.local_devices()[0])
-        self.params = self._on_huge_pages(
+        params = self._on_huge_pages(
             self._panels(unstack_layers(params, self.tp) if not self.scan_layers else params))
+        # Fixed for the runner's life (the step's form depends on it); the screen follows
+        # each weight swap (`params`' setter).
+        self.head_outside = self._head_panels(params) is not None
+        self.params = params
         del params
         if jax.local_devices()[0].platform == "cpu":
             # Device buffers are heap memory: keep what steps free for the next step, but only
@@ -296,6 +300,11 @@ class ModelRunner:
         self.native_greedy = (self.tp == 1 and platform == "cpu"
                               and os.environ.get("PAGEDJAX_NATIVE_GREEDY", "1")
                               not in ("0", "false") and _native_cpu())
+        # Set from the params in `__init__`: the step returns hidden states and the runner
+        # applies the LM head (`execute`), so greedy rows can take the screened head instead
+        # (`execute_hidden`, `head_screen`).
+        self.head_outside = False
+        self.head_screen: dict | None = None
 
     @classmethod
     def compile_only(cls, config: ModelConfig, engine_config: EngineConfig, dtype,
@@ -389,6 +398,52 @@ class ModelRunner:
         self.k_cache = self._zeros_cache(self.num_gpu_blocks)
         self.v_cache = self._zeros_cache(self.num_gpu_blocks)
 
+    @property
+    def params(self) -> dict:
+        return self._params
+
+    @params.setter
+    def params(self, params: dict) -> None:
+        """The weights; with the LM head outside the step, its bfloat16 screen is rebuilt
+        from them (None when the head is not finite: then greedy rows take the full head)."""
+        self._params = params
+        self.head_screen = None
+        if self.head_outside:
+            from pallas_kernels import cpu_native
+
+            screen = cpu_native.lm_head_screen(np.asarray(self.head_panels),
+                                               self.model_config.vocab_size)
+            if screen is None:
+                logger.warning("the LM head is not finite: greedy rows take the full head")
+            else:
+                self.head_screen = self._on_huge_pages(
+                    jax.device_put(screen, jax.local_devices()[0]))
+
+    def _head_panels(self, params: dict) -> jax.Array | None:
+        """The LM head's float32 panels when the runner applies the head itself: greedy
+        sampling through the native kernels (one CPU device), unrolled float32 layers with
+        the head in panels (`models.qlinear.dense_panelize`), no final soft-capping (which
+        may turn distinct logits into ties), and ``PAGEDJAX_SCREENED_HEAD`` not 0 (for
+        comparisons). Else None: the step computes the logits."""
+        c = self.model_config
+        if (not self.native_greedy or self.scan_layers or c.final_softcap
+                or os.environ.get("PAGEDJAX_SCREENED_HEAD", "1") in ("0", "false")):
+            return None
+        return self._panels_of_head(params)
+
+    def _panels_of_head(self, params: dict) -> jax.Array | None:
+        c = self.model_config
+        node = params.get("embed") if c.tie_word_embeddings else params.get("lm_head")
+        if (isinstance(node, dict) and set(node) == {"panels"}
+                and node["panels"].dtype == jnp.float32):
+            return node["panels"]
+        return None
+
+    @property
+    def head_panels(self) -> jax.Array:
+        """The LM head's float32 panels (`head_outside` runners)."""
+        return self._panels_of_head(self._params)
+
     def place_params(self, params: dict) -> dict:
         """Put a checkpoint-layout params pytree where this runner keeps its params (for
         `update_params`: under TP this shards it and replicates KV columns as needed)."""
@@ -464,7 +519,7 @@ class ModelRunner:
     def _step(self, params, k_cache, v_cache, input_ids, positions, meta: PagedMeta, logits_indices):
         logits, (k_cache, v_cache) = self.model.apply(
             {"params": params}, input_ids, positions, (k_cache, v_cache), meta,
-            logits_indices=logits_indices)
+            logits_indices=logits_indices, return_hidden=self.head_outside)
         if self.mesh is not None:  # sampling sees full logits; caches stay split by head
             if vocab_sharded(self.model_config, self.tp, self.shard_vocab):
                 # Pin the vocab-split result first, so XLA all-gathers the [R, V] logits
@@ -547,7 +602,23 @@ class ModelRunner:
         every process enters the same collective step (`pagedjax.parallel.multihost`)."""
         if self.mesh is not None and multihost.is_leader_of_many():
             multihost.send_step(inputs)
+        out = self._execute_local(inputs)
+        return self._head(self.head_panels, out) if self.head_outside else out
+
+    def execute_hidden(self, inputs: StepInputs) -> jax.Array:
+        """Run the model on one step without the LM head (`head_outside` only): the sampled
+        rows' final hidden states [R, hidden], for `pagedjax.sampler.sample_greedy_hidden`."""
+        if not self.head_outside:
+            raise RuntimeError("execute_hidden: this runner's step computes the logits")
         return self._execute_local(inputs)
+
+    @partial(jax.jit, static_argnums=0)
+    def _head(self, panels: jax.Array, hidden: jax.Array) -> jax.Array:
+        """The LM head the step leaves out (`head_outside`): the same panel matmul the model
+        runs (`DecoderLM`), so the logits are the same bits."""
+        from pallas_kernels.cpu_native import dense_matmul_cpu
+
+        return dense_matmul_cpu(hidden, panels, self.model_config.vocab_size).astype(jnp.float32)
 
     def _step_args(self, inputs: StepInputs) -> tuple:
         """`_step`'s arguments for one step (the caches as they are now)."""

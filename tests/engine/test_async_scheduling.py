@@ -103,14 +103,15 @@ def _key(out):
     """Everything exact but logprob values, which carry float noise from batch composition
     (the two engines batch differently); those are compared to 1e-4 in `_logprobs`."""
     return [(c.index, c.token_ids, c.finish_reason, c.stop_reason,
-             None if c.logprobs is None else [sorted(d) for d in c.logprobs])
+             None if c.logprobs is None else [sorted(d) for d in c.logprobs],
+             c.cumulative_logprob is None)
             for c in out.outputs], [d and sorted(d) for d in out.prompt_logprobs or []], out.error
 
 
 def _logprobs(out) -> np.ndarray:
     vals = [v for c in out.outputs for d in c.logprobs or [] for _, v in sorted(d.items())]
     vals += [v for d in out.prompt_logprobs or [] if d for _, v in sorted(d.items())]
-    vals += [c.cumulative_logprob for c in out.outputs]
+    vals += [c.cumulative_logprob for c in out.outputs if c.cumulative_logprob is not None]
     return np.asarray(vals, np.float64)
 
 

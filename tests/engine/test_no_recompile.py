@@ -15,6 +15,7 @@ from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.reference import ReferenceGenerator
 from pagedjax.worker.compile_stats import num_backend_compiles
+from pallas_kernels import cpu_native
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
 
@@ -60,11 +61,17 @@ def _random_params(rng: np.random.Generator, prefix_caching: bool,
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 
 
-@pytest.mark.parametrize("mode,prefix_caching,async_scheduling,spec",
-                         [("swap", True, False, None), ("recompute", False, False, None),
-                          ("recompute", True, True, None), ("swap", False, False, SPEC),
-                          ("recompute", True, True, SPEC)])
-def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling, spec):
+# "unrolled": the CPU serving default, whose runner applies the LM head itself and whose
+# plain greedy rows take the screened head (`sample_greedy_hidden`); the suite's default is
+# the scan (tests/conftest.py).
+@pytest.mark.parametrize("mode,prefix_caching,async_scheduling,spec,layer_loop",
+                         [("swap", True, False, None, None),
+                          ("recompute", False, False, None, None),
+                          ("recompute", True, True, None, None), ("swap", False, False, SPEC, None),
+                          ("recompute", True, True, SPEC, None),
+                          ("recompute", True, True, None, "unrolled")])
+def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling, spec,
+                                    layer_loop):
     config, params = tiny
     # 24 blocks of 8 slots for up to 8 sequences of up to 128 tokens: preemption is frequent.
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=24, block_size=8,
@@ -72,8 +79,10 @@ def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling
                           preemption_mode=mode, enable_prefix_caching=prefix_caching,
                           enable_chunked_prefill=True, swap_space_gb=0.01,
                           async_scheduling=async_scheduling, speculative_config=spec,
-                          warmup=True)
+                          warmup=True, layer_loop=layer_loop)
     engine = llm.engine
+    if layer_loop == "unrolled" and cpu_native.available():
+        assert engine.runner.head_screen is not None
     compiles = num_backend_compiles()
     shapes = set(engine.runner.compiled_shapes)
     rng = np.random.default_rng((3 if prefix_caching else 4) + 2 * async_scheduling)

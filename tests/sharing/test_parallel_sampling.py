@@ -24,7 +24,8 @@ def llm(demo_model, demo_tokenizer):
 def test_n_samples_equal_separate_requests_seeded_s_plus_j(demo_model, llm):
     config, _ = demo_model
     prompt = {"prompt_token_ids": rand_prompt(np.random.default_rng(0), 21, config.vocab_size)}
-    kw = dict(temperature=0.9, top_k=40, max_tokens=8, ignore_eos=True)
+    # logprobs=0: cumulative logprobs are reported only where logprobs are asked (vLLM V1).
+    kw = dict(temperature=0.9, top_k=40, max_tokens=8, ignore_eos=True, logprobs=0)
     grouped = llm.generate(prompt, SamplingParams(n=3, seed=11, **kw))[0]
     separate = llm.generate([prompt] * 3, [SamplingParams(seed=11 + j, **kw) for j in range(3)])
     assert [c.index for c in grouped.outputs] == [0, 1, 2]
@@ -38,7 +39,7 @@ def test_n_samples_equal_separate_requests_seeded_s_plus_j(demo_model, llm):
 def test_best_of_returns_n_best_by_cumulative_logprob(demo_model, llm):
     config, _ = demo_model
     prompt = {"prompt_token_ids": rand_prompt(np.random.default_rng(1), 9, config.vocab_size)}
-    kw = dict(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    kw = dict(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logprobs=0)
     all5 = llm.generate(prompt, SamplingParams(n=5, **kw))[0].outputs
     best2 = llm.generate(prompt, SamplingParams(n=2, best_of=5, **kw))[0].outputs
     ranked = sorted(all5, key=lambda c: -c.cumulative_logprob)[:2]

@@ -1,0 +1,387 @@
+// Greedy tokens straight from the final hidden states, without the float32 LM head's full
+// [M, V] logits, as an XLA FFI call (`pallas_kernels.cpu_native.lm_head_greedy_cpu`, behind
+// `pagedjax.sampler.sample_greedy_hidden`). The tokens are exactly the first argmax of the
+// float32 logits that `dense_matmul_cpu` computes from the same panels.
+//
+// Why: the LM head is a fifth of a decode step's weight bytes and FLOPs on the demo model
+// (49152 x 576 of 135 M parameters). A greedy row wants only its argmax, so the head is
+// screened in bfloat16 (AVX512-BF16's `vdpbf16ps`: twice the FMA's work per instruction on
+// this project's host, from half the bytes), each score s_j comes with a proven bound on its
+// distance to the float32 logit r_j, and only columns that could still be the maximum are
+// computed again in float32, by the panel matmul's own chain. On the demo model that is ~2
+// columns a row (docs/v1-core.md "The LM head screened in bfloat16").
+//
+// The bound. x~, w~ are x and w rounded to bfloat16 (relative error <= u_b = 2^-9 each);
+// both sums are K terms in float32 (unit u = 2^-24, gamma_K = K u / (1 - K u)):
+//   |s_j - sum x~ w~|   <= gamma_K (1 + u_b)^2 sum |x w|      (vdpbf16ps' additions)
+//   |sum x~ w~ - sum x w| <= (2 u_b + u_b^2) sum |x w|        (the roundings to bfloat16)
+//   |r_j - sum x w|     <= gamma_K sum |x w|                  (the float32 FMA chain)
+// and sum_i |x_i w_ij| <= ||x||_2 ||w_j||_2 (Cauchy-Schwarz), with ||w_j|| precomputed in
+// float64 and rounded up. So |s_j - r_j| <= b_j = C ||x|| ||w_j|| + A, where C takes 1 %
+// of margin for the float arithmetic of the bound itself and A = 1e-12 covers what flushing
+// subnormals can move (rows with ||x|| > 1e20 are not screened). Every column j with
+// s_j + b_j < T = max_k (s_k - b_k) has r_j < r_k for the k reaching T, so it is neither the
+// maximum nor tied with it; the first argmax of the exact r over the remaining columns is the
+// row's. A row that is not finite (or too large to bound) is computed in full.
+//
+// Work: items of panels over XLA's intra-op pool, the calling thread too. Each thread keeps
+// its own running T per row and the columns that passed it so far, filters them by its final
+// T, computes their float32 logits, and publishes; the caller merges by the global T.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kCols = 64;          // columns per panel (`models.qlinear.to_dense_panels`)
+constexpr int64_t kBlockRows = 6;      // rows sharing one pass over a panel
+constexpr int64_t kPanelsPerItem = 4;  // a work item: 256 columns for every row
+constexpr double kAbsSlack = 1e-12;
+constexpr double kMaxNorm = 1e20;      // rows with a larger ||x|| are computed in full
+
+struct Cand {
+  int32_t row, col;
+  float hi;     // s + b
+  float exact;  // r, once computed
+};
+
+struct Head {
+  int64_t M, K, Kp2, N, panels;
+  const float* x;          // [M, K]
+  const uint32_t* xb;      // [M, Kp2]: x in bfloat16 pairs (k even low, k odd high)
+  const uint16_t* wb;      // [panels, Kp2, 64, 2]
+  const float* norms;      // [N]: ||w_j||_2, rounded up
+  const float* w;          // [panels, K, 64] float32
+  const float* scale;      // [M]: C ||x_m||
+  const uint8_t* full;     // [M]: 1 = not screened
+};
+
+// The float32 logit of (row m, column j): the panel matmul's chain, k = 0 .. K-1 in order,
+// one fused multiply-add each, so it is bit for bit `dense_matmul_cpu`'s.
+inline float exact_logit(const Head& h, int64_t m, int64_t j) {
+  const float* x = h.x + m * h.K;
+  const float* w = h.w + (j / kCols) * h.K * kCols + (j % kCols);
+  float c = 0.f;
+  for (int64_t k = 0; k < h.K; ++k) c = __builtin_fmaf(x[k], w[k * kCols], c);
+  return c;
+}
+
+// The exact logits of `n` candidates, eight at a time: the chains of different candidates run
+// side by side (each still k = 0 .. K-1), their weights gathered from the panels.
+void exact_logits(const Head& h, Cand* c, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 8 <= n; i += 8) {
+    alignas(64) int64_t xi[8], wi[8];
+    for (int l = 0; l < 8; ++l) {
+      xi[l] = int64_t(c[i + l].row) * h.K;
+      wi[l] = (c[i + l].col / kCols) * h.K * kCols + (c[i + l].col % kCols);
+    }
+    __m512i xv = _mm512_load_si512(xi), wv = _mm512_load_si512(wi);
+    const __m512i kstep = _mm512_set1_epi64(kCols);
+    const __m512i one = _mm512_set1_epi64(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < h.K; ++k) {
+      const __m256 a = _mm512_i64gather_ps(xv, h.x, 4);
+      const __m256 b = _mm512_i64gather_ps(wv, h.w, 4);
+      acc = _mm256_fmadd_ps(a, b, acc);
+      xv = _mm512_add_epi64(xv, one);
+      wv = _mm512_add_epi64(wv, kstep);
+    }
+    alignas(32) float out[8];
+    _mm256_store_ps(out, acc);
+    for (int l = 0; l < 8; ++l) c[i + l].exact = out[l];
+  }
+#endif
+  for (; i < n; ++i) c[i].exact = exact_logit(h, c[i].row, c[i].col);
+}
+
+// One thread's running screen: per row its T and the columns that passed it so far.
+struct Local {
+  explicit Local(int64_t m) : T(m, -std::numeric_limits<float>::infinity()), cand(m) {}
+  std::vector<float> T;
+  std::vector<std::vector<Cand>> cand;
+  int64_t items = 0;
+
+  void offer(int64_t m, int64_t j0, int64_t nc, const float* s, const Head& h) {
+    const float sc = h.scale[m];
+    float t = T[m];
+    float lo[kCols], hi[kCols];
+    for (int64_t c = 0; c < nc; ++c) {
+      const float b = std::fma(sc, h.norms[j0 + c], float(kAbsSlack));
+      lo[c] = s[c] - b;
+      hi[c] = s[c] + b;
+      t = std::max(t, lo[c]);
+    }
+    T[m] = t;
+    auto& v = cand[m];
+    for (int64_t c = 0; c < nc; ++c)
+      if (hi[c] >= t) v.push_back(Cand{int32_t(m), int32_t(j0 + c), hi[c], 0.f});
+    if (v.size() > 4096) prune(m);
+  }
+  void prune(int64_t m) {
+    auto& v = cand[m];
+    const float t = T[m];
+    v.erase(std::remove_if(v.begin(), v.end(), [t](const Cand& c) { return c.hi < t; }), v.end());
+  }
+};
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+inline __mmask16 lane_mask(int64_t nc, int i) {
+  const int64_t left = nc - 16 * i;
+  return left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
+}
+
+template <int MR>
+void screen_block(const Head& h, int64_t b, int64_t m0, Local& loc) {
+  const uint16_t* w = h.wb + b * h.Kp2 * kCols * 2;
+  __m512 c[MR][4];
+  for (int q = 0; q < MR; ++q)
+    for (int i = 0; i < 4; ++i) c[q][i] = _mm512_setzero_ps();
+  for (int64_t kp = 0; kp < h.Kp2; ++kp) {
+    const uint16_t* wk = w + kp * kCols * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 2), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 2 + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 2 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 2 + 96), _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wk + 64), w3 = (__m512bh)_mm512_loadu_si512(wk + 96);
+    for (int q = 0; q < MR; ++q) {
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(int32_t(h.xb[(m0 + q) * h.Kp2 + kp]));
+      c[q][0] = _mm512_dpbf16_ps(c[q][0], a, w0);
+      c[q][1] = _mm512_dpbf16_ps(c[q][1], a, w1);
+      c[q][2] = _mm512_dpbf16_ps(c[q][2], a, w2);
+      c[q][3] = _mm512_dpbf16_ps(c[q][3], a, w3);
+    }
+  }
+  // Bounds, T and the columns that pass it, 16 lanes at a time: most panels add none.
+  const int64_t nc = std::min(kCols, h.N - b * kCols);
+  __mmask16 valid[4];
+  __m512 nrm[4];
+  for (int i = 0; i < 4; ++i) {
+    valid[i] = lane_mask(nc, i);
+    nrm[i] = _mm512_maskz_loadu_ps(valid[i], h.norms + b * kCols + 16 * i);
+  }
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 slack = _mm512_set1_ps(float(kAbsSlack));
+  for (int q = 0; q < MR; ++q) {
+    const int64_t m = m0 + q;
+    if (h.full[m]) continue;
+    const __m512 sc = _mm512_set1_ps(h.scale[m]);
+    __m512 hi[4], top = ninf;
+    for (int i = 0; i < 4; ++i) {
+      const __m512 bnd = _mm512_fmadd_ps(sc, nrm[i], slack);
+      top = _mm512_mask_max_ps(top, valid[i], top, _mm512_sub_ps(c[q][i], bnd));
+      hi[i] = _mm512_add_ps(c[q][i], bnd);
+    }
+    const float t = std::max(loc.T[m], _mm512_reduce_max_ps(top));
+    loc.T[m] = t;
+    const __m512 tv = _mm512_set1_ps(t);
+    for (int i = 0; i < 4; ++i) {
+      __mmask16 pass = _mm512_mask_cmp_ps_mask(valid[i], hi[i], tv, _CMP_GE_OQ);
+      if (!pass) continue;
+      alignas(64) float hv[16];
+      _mm512_store_ps(hv, hi[i]);
+      for (; pass; pass &= pass - 1) {
+        const int l = __builtin_ctz(pass);
+        loc.cand[m].push_back(Cand{int32_t(m), int32_t(b * kCols + 16 * i + l), hv[l], 0.f});
+      }
+    }
+    if (loc.cand[m].size() > 4096) loc.prune(m);
+  }
+}
+
+void screen_panel(const Head& h, int64_t b, Local& loc) {
+  for (int64_t m = 0; m < h.M; m += kBlockRows) {
+    switch (std::min(kBlockRows, h.M - m)) {
+      case 6: screen_block<6>(h, b, m, loc); break;
+      case 5: screen_block<5>(h, b, m, loc); break;
+      case 4: screen_block<4>(h, b, m, loc); break;
+      case 3: screen_block<3>(h, b, m, loc); break;
+      case 2: screen_block<2>(h, b, m, loc); break;
+      default: screen_block<1>(h, b, m, loc); break;
+    }
+  }
+}
+#else
+// Portable: the same scores one product at a time (products of bfloat16 values are exact in
+// float32, so the bound holds for this order of additions too).
+inline float bf16_to_f32(uint32_t v) {
+  float f;
+  std::memcpy(&f, &v, 4);
+  return f;
+}
+
+void screen_panel(const Head& h, int64_t b, Local& loc) {
+  const uint16_t* w = h.wb + b * h.Kp2 * kCols * 2;
+  const int64_t nc = std::min(kCols, h.N - b * kCols);
+  float s[kCols];
+  for (int64_t m = 0; m < h.M; ++m) {
+    if (h.full[m]) continue;
+    for (int64_t c = 0; c < nc; ++c) {
+      float acc = 0.f;
+      for (int64_t kp = 0; kp < h.Kp2; ++kp) {
+        const uint32_t xp = h.xb[m * h.Kp2 + kp];
+        const uint16_t* wk = w + (kp * kCols + c) * 2;
+        acc += bf16_to_f32(xp << 16) * bf16_to_f32(uint32_t(wk[0]) << 16);
+        acc += bf16_to_f32(xp & 0xFFFF0000u) * bf16_to_f32(uint32_t(wk[1]) << 16);
+      }
+      s[c] = acc;
+    }
+    loc.offer(m, b * kCols, nc, s, h);
+  }
+}
+#endif
+
+// A slot per thread: what it published. Heap-held (shared_ptr), so a helper that starts after
+// the call returned (it then finds no item left and publishes nothing) touches no dead frame;
+// it reads the buffers only after claiming an item, which the caller waits for.
+struct Shared {
+  explicit Shared(int64_t threads) : slots(threads) {}
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> published{0};  // items whose thread has published
+  std::vector<std::unique_ptr<Local>> slots;
+};
+
+void work(Shared& sh, const Head& h, int64_t items, int64_t id) {
+  std::unique_ptr<Local> loc;
+  for (int64_t i = sh.next.fetch_add(1); i < items; i = sh.next.fetch_add(1)) {
+    if (!loc) loc.reset(new Local(h.M));
+    const int64_t b1 = std::min(h.panels, (i + 1) * kPanelsPerItem);
+    for (int64_t b = i * kPanelsPerItem; b < b1; ++b) screen_panel(h, b, *loc);
+    ++loc->items;
+  }
+  if (!loc) return;
+  std::vector<Cand> all;
+  for (int64_t m = 0; m < h.M; ++m) {
+    loc->prune(m);
+    all.insert(all.end(), loc->cand[m].begin(), loc->cand[m].end());
+    loc->cand[m].clear();
+  }
+  exact_logits(h, all.data(), int64_t(all.size()));
+  for (const Cand& c : all) loc->cand[c.row].push_back(c);
+  const int64_t n = loc->items;
+  sh.slots[id] = std::move(loc);
+  sh.published.fetch_add(n, std::memory_order_acq_rel);
+}
+
+// First argmax of row m computed in full (NaN counts as the maximum, ties to the lowest
+// index, all -inf gives 0: `greedy_rows_cpu`'s rule).
+int32_t full_row(const Head& h, int64_t m) {
+  int32_t arg = 0;
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < h.N; ++j) {
+    const float r = exact_logit(h, m, j);
+    if (std::isnan(r)) return int32_t(j);
+    if (r > top) {
+      top = r;
+      arg = int32_t(j);
+    }
+  }
+  return arg;
+}
+
+uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+ffi::Error LmHeadGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> wb,
+                        ffi::Buffer<ffi::F32> norms, ffi::Buffer<ffi::F32> w,
+                        ffi::Result<ffi::Buffer<ffi::S32>> tok) {
+  auto xd = x.dimensions(), bd = wb.dimensions(), nd = norms.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || tok->dimensions().size() != 1 || tok->dimensions()[0] != xd[0])
+    return ffi::Error::InvalidArgument("expected hidden x [M, K] and tokens [M]");
+  const int64_t M = xd[0], K = xd[1], Kp2 = (K + 1) / 2;
+  if (nd.size() != 1 || nd[0] < 1)
+    return ffi::Error::InvalidArgument("expected column norms [N]");
+  const int64_t N = nd[0], panels = (N + kCols - 1) / kCols;
+  if (wd.size() != 3 || wd[0] != panels || wd[1] != K || wd[2] != kCols)
+    return ffi::Error::InvalidArgument("expected float32 panels [ceil(N / 64), K, 64]");
+  if (bd.size() != 4 || bd[0] != panels || bd[1] != Kp2 || bd[2] != kCols || bd[3] != 2)
+    return ffi::Error::InvalidArgument("expected bfloat16 panels [ceil(N / 64), ceil(K / 2), 64, 2]");
+  if (M == 0) return ffi::Error::Success();
+  int32_t* out = tok->typed_data();
+
+  // Per row: x in bfloat16 pairs, C ||x||, and whether it is screened at all.
+  const double ub = std::ldexp(1.0, -9), u = std::ldexp(1.0, -24);
+  const double gk = double(K) * u / (1.0 - double(K) * u);
+  const double C = 1.01 * ((2 * ub + ub * ub) + gk * (1 + ub) * (1 + ub) + gk);
+  std::vector<uint32_t> xb(M * Kp2, 0);
+  std::vector<float> scale(M);
+  std::vector<uint8_t> full(M, 0);
+  const float* xs = x.typed_data();
+  for (int64_t m = 0; m < M; ++m) {
+    double ss = 0;
+    for (int64_t k = 0; k < K; ++k) ss += double(xs[m * K + k]) * xs[m * K + k];
+    const double nx = std::sqrt(ss);
+    if (!std::isfinite(nx) || nx > kMaxNorm) {
+      full[m] = 1;
+      continue;
+    }
+    scale[m] = float(C * nx);
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t v = to_bf16(xs[m * K + k]);
+      xb[m * Kp2 + k / 2] |= (k % 2) ? (v << 16) : v;
+    }
+  }
+  const Head h{M, K, Kp2, N, panels, xs, xb.data(), wb.typed_data(), norms.typed_data(),
+               w.typed_data(), scale.data(), full.data()};
+
+  const int64_t items = (panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()) - 1, items - 1);
+  auto sh = std::make_shared<Shared>(helpers + 1);
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([sh, h, items, i] { work(*sh, h, items, i + 1); });
+  work(*sh, h, items, 0);
+  while (sh->published.load(std::memory_order_acquire) < items) std::this_thread::yield();
+
+  for (int64_t m = 0; m < M; ++m) {
+    if (full[m]) {
+      out[m] = full_row(h, m);
+      continue;
+    }
+    float T = -std::numeric_limits<float>::infinity();
+    for (const auto& s : sh->slots)
+      if (s) T = std::max(T, s->T[m]);
+    int32_t arg = -1;
+    float top = 0.f;
+    for (const auto& s : sh->slots) {
+      if (!s) continue;
+      for (const Cand& c : s->cand[m]) {
+        if (c.hi < T) continue;
+        if (arg < 0 || c.exact > top || (c.exact == top && c.col < arg)) {
+          arg = c.col;
+          top = c.exact;
+        }
+      }
+    }
+    out[m] = arg < 0 ? full_row(h, m) : arg;  // no candidate cannot happen; stay exact anyway
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLmHeadGreedyCpu, LmHeadGreedy,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // hidden x [M, K]
+                                  .Arg<ffi::Buffer<ffi::U16>>()   // bf16 panels [P, K/2, 64, 2]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // column norms [N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // float32 panels [P, K, 64]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // first argmax [M]
