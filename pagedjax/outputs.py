@@ -12,6 +12,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    # Sum of the sampled tokens' raw logprobs; None unless the request asked for logprobs
+    # (`logprobs` >= 0, as in vLLM V1) or searched beams: greedy rows without logprobs may
+    # take their tokens from the screened LM head, which computes no log-sum-exp.
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running

@@ -1,0 +1,139 @@
+"""The screened LM head against the float32 one, on the demo model's head and real hidden states.
+
+    .venv/bin/python bench/lm_head_greedy.py [--rows 1,8,64,256] [--iters 20]
+
+Records the final hidden states of greedy decode steps (the demo model, fp32, the unrolled
+CPU runner: `sample_greedy_hidden`'s input) and times, interleaved, per batch of rows:
+
+- `full`: the float32 LM head (`dense_matmul_cpu` over the head's panels) and the native
+  one-pass greedy sampler over its ``[M, V]`` logits (`greedy_rows_cpu`): the path greedy
+  rows took before;
+- `screened`: `lm_head_greedy_cpu`, bfloat16 scores with a proven bound and the candidates'
+  float32 logits (`pallas_kernels/csrc/lm_head_greedy_cpu.cc`).
+
+Tokens must be identical (the run fails otherwise). Also counts, in float64 numpy, how many
+columns per row pass the screen (the columns recomputed in float32). Writes
+bench/results/cpu/lm_head_greedy.json with the load average at the start and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def record_hidden(n_prompts: int, max_tokens: int):
+    """Hidden rows the engine's greedy steps fed to the screened head, and the runner."""
+    import numpy as np
+
+    import pagedjax.engine as engine_mod
+    from pagedjax import LLM, SamplingParams
+
+    llm = LLM("smollm2", dtype="float32", max_model_len=1024, cpu_kv_cache_gb=1.0,
+              layer_loop="unrolled")
+    runner = llm.engine.runner
+    if runner.head_screen is None:
+        sys.exit("the screened head is not active (native CPU kernels or an unrolled fp32 "
+                 "model missing)")
+    rows, real = [], engine_mod.sample_greedy_hidden
+
+    def keep(hidden, *a, **k):
+        rows.append(np.asarray(hidden))
+        return real(hidden, *a, **k)
+
+    engine_mod.sample_greedy_hidden = keep
+    texts = ["The history of the printing press", "Why is the sky blue?",
+             "Write a short poem about the ocean.", "Explain how a computer stores data."]
+    prompts = [f"Question {i}: {texts[i % len(texts)]}" for i in range(n_prompts)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                 use_tqdm=False)
+    engine_mod.sample_greedy_hidden = real
+    return np.concatenate(rows), runner
+
+
+def passing_columns(x, screen, vocab: int):
+    """Columns per row whose screen interval reaches the row's threshold (float64 numpy)."""
+    import ml_dtypes
+    import numpy as np
+
+    pairs = screen["bf16"]
+    p, kp2 = pairs.shape[:2]
+    w = pairs.view(ml_dtypes.bfloat16).astype(np.float32)  # [P, Kp2, 64, 2]
+    w = w.transpose(0, 1, 3, 2).reshape(p, kp2 * 2, 64)[:, : x.shape[1]]
+    w = w.transpose(1, 0, 2).reshape(x.shape[1], -1)[:, :vocab].astype(np.float64)
+    xb = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    s = xb @ w
+    k = x.shape[1]
+    ub, u = 2.0 ** -9, 2.0 ** -24
+    gk = k * u / (1 - k * u)
+    c = 1.01 * ((2 * ub + ub * ub) + gk * (1 + ub) ** 2 + gk)
+    b = c * np.linalg.norm(x.astype(np.float64), axis=1)[:, None] * screen["norms"][None] + 1e-12
+    t = (s - b).max(axis=1, keepdims=True)
+    return (s + b >= t).sum(axis=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,8,64,256")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/lm_head_greedy.json"))
+    args = ap.parse_args()
+    load0 = os.getloadavg()[0]
+
+    import jax
+    import jaxlib
+    import numpy as np
+
+    from pallas_kernels import cpu_native
+
+    sizes = [int(r) for r in args.rows.split(",")]
+    hidden, runner = record_hidden(max(sizes), 24)
+    vocab = runner.model_config.vocab_size
+    panels, screen = runner.head_panels, runner.head_screen
+    full = jax.jit(lambda x, p: cpu_native.greedy_rows_cpu(
+        cpu_native.dense_matmul_cpu(x, p, vocab))[0])
+    fast = jax.jit(lambda x, s, p: cpu_native.lm_head_greedy_cpu(x, s, p))
+    rng = np.random.default_rng(0)
+    out = {"what": "ms per call, median of interleaved calls (bench/lm_head_greedy.py)",
+           "command": "python " + " ".join(["bench/lm_head_greedy.py", *sys.argv[1:]]),
+           "machine": {"cpu": platform.processor() or platform.machine(),
+                       "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load0},
+           "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+                        "python": platform.python_version()},
+           "hidden_rows_recorded": int(len(hidden)), "rows": {}}
+    host_screen = {k: np.asarray(v) for k, v in screen.items()}
+    for m in sizes:
+        x = jax.device_put(hidden[rng.choice(len(hidden), m, replace=len(hidden) < m)],
+                           jax.devices("cpu")[0])
+        a, b = np.asarray(full(x, panels)), np.asarray(fast(x, screen, panels))
+        if not (a == b).all():
+            sys.exit(f"rows {m}: tokens differ between the full and the screened head")
+        ts = {"full": [], "screened": []}
+        for _ in range(args.iters):
+            for name, f, fargs in (("full", full, (x, panels)), ("screened", fast, (x, screen, panels))):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*fargs))
+                ts[name].append(1e3 * (time.perf_counter() - t0))
+        cand = passing_columns(np.asarray(x), host_screen, vocab)
+        row = {k: statistics.median(v) for k, v in ts.items()}
+        row["speedup"] = row["full"] / row["screened"]
+        row["candidates_per_row"] = {"mean": float(cand.mean()), "max": int(cand.max())}
+        out["rows"][str(m)] = row
+        print(f"rows {m}: full {row['full']:.2f} ms, screened {row['screened']:.2f} ms "
+              f"({row['speedup']:.2f}x); columns recomputed per row: mean {cand.mean():.1f}, "
+              f"max {cand.max()}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
