@@ -13,7 +13,8 @@ CPU runner: `sample_greedy_hidden`'s input) and times, interleaved, per batch of
 
 Tokens must be identical (the run fails otherwise). Also counts, in float64 numpy, how many
 columns per row pass the screen (the columns recomputed in float32). Writes
-bench/results/cpu/lm_head_greedy.json with the load average at the start and versions.
+bench/results/cpu/lm_head_greedy.json (with the load average at the start and versions) and
+a .png beside it.
 """
 
 from __future__ import annotations
@@ -133,6 +134,30 @@ def main() -> None:
               f"max {cand.max()}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, Path(args.out).with_suffix(".png"))
+
+
+def plot(res: dict, path: Path) -> None:
+    """Both paths' ms per call against the rows of the batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(res["rows"], key=int)
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for i, (name, label) in enumerate((("full", "float32 head + greedy sampler"),
+                                       ("screened", "bfloat16 screen + float32 candidates"))):
+        ax.bar([j + (i - 0.5) * 0.4 for j in x], [res["rows"][r][name] for r in rows], 0.4,
+               label=label)
+    ax.set_xticks(list(x), [f"{r} row" + ("s" if r != "1" else "") for r in rows])
+    ax.set_ylabel("ms per call (median)")
+    ax.set_yscale("log")
+    ax.set_title("Greedy tokens from the demo model's LM head (CPU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
