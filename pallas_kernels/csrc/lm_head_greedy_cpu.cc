@@ -111,9 +111,11 @@ void exact_logits(const Head& h, Cand* c, int64_t n) {
 
 // One thread's running screen: per row its T and the columns that passed it so far.
 struct Local {
-  explicit Local(int64_t m) : T(m, -std::numeric_limits<float>::infinity()), cand(m) {}
+  explicit Local(int64_t m)
+      : T(m, -std::numeric_limits<float>::infinity()), cand(m), limit(m, 4096) {}
   std::vector<float> T;
   std::vector<std::vector<Cand>> cand;
+  std::vector<size_t> limit;  // prune a row's list past this; doubled when pruning keeps most
   int64_t items = 0;
 
   void offer(int64_t m, int64_t j0, int64_t nc, const float* s, const Head& h) {
@@ -130,12 +132,15 @@ struct Local {
     auto& v = cand[m];
     for (int64_t c = 0; c < nc; ++c)
       if (hi[c] >= t) v.push_back(Cand{int32_t(m), int32_t(j0 + c), hi[c], 0.f});
-    if (v.size() > 4096) prune(m);
+    if (v.size() > limit[m]) prune(m);
   }
+  // Drops the columns whose interval ends below the row's T. A row whose columns all stay
+  // (a zero hidden state: every score 0) doubles its limit instead of pruning every panel.
   void prune(int64_t m) {
     auto& v = cand[m];
     const float t = T[m];
     v.erase(std::remove_if(v.begin(), v.end(), [t](const Cand& c) { return c.hi < t; }), v.end());
+    if (v.size() > limit[m] / 2) limit[m] *= 2;
   }
 };
 
@@ -200,7 +205,7 @@ void screen_block(const Head& h, int64_t b, int64_t m0, Local& loc) {
         loc.cand[m].push_back(Cand{int32_t(m), int32_t(b * kCols + 16 * i + l), hv[l], 0.f});
       }
     }
-    if (loc.cand[m].size() > 4096) loc.prune(m);
+    if (loc.cand[m].size() > loc.limit[m]) loc.prune(m);
   }
 }
 

@@ -121,6 +121,23 @@ def test_rows_that_are_not_screened():
     assert got[3] == 0  # all logits 0: the first index
 
 
+def test_thousands_of_candidates_a_row():
+    """Rows where thousands of columns stay candidates (a zero hidden state, a head of equal
+    columns, a near-flat head) grow and prune their lists past the kernel's first limit and
+    still give the float32 argmax."""
+    rng = np.random.default_rng(6)
+    k, n = 8, 20000
+    w = np.repeat(rng.standard_normal((k, 1), dtype=np.float32), n, axis=1)
+    w[:, 7777] *= 1.5  # one column stands out for rows that point along the others
+    w[:, 12345:] += rng.standard_normal((k, n - 12345), dtype=np.float32) * 1e-6
+    x = rng.standard_normal((5, k), dtype=np.float32)
+    x[1] = 0
+    x[2] = -x[0]
+    got, want = _run(x, w)
+    np.testing.assert_array_equal(got, want)
+    assert got[1] == 0
+
+
 def test_a_head_that_is_not_finite_is_not_screened():
     w = np.ones((8, 64), np.float32)
     w[2, 7] = np.inf
