@@ -60,7 +60,12 @@ class _Runner:
         self.compiled_shapes: set = set()
         self.vocab = config.vocab_size
         self.feed_tokens = False  # no device: every step's tokens are applied at once
-        self.native_greedy = False  # the stub samplers below stand in for both
+        self.native_greedy = False  # the stub samplers below stand in for all three
+        # As a CPU runner of an unrolled fp32 model: greedy rows without logprobs take the
+        # screened head (`sample_greedy_hidden`, stubbed below) from `execute_hidden`.
+        self.head_outside = True
+        self.head_screen: dict = {}
+        self.head_panels = None
         self.kv_scales = None  # a float cache: nothing to calibrate
         self.kv_dtype = np.dtype(np.float32)
         self.kv_layout = kv_layout(config, engine_config)
@@ -68,6 +73,10 @@ class _Runner:
         self.params = params
 
     def execute(self, inputs):
+        self.compiled_shapes.add(inputs.shape_key)
+        return np.zeros((len(inputs.logits_indices), 1), np.float32)  # never read
+
+    def execute_hidden(self, inputs):
         self.compiled_shapes.add(inputs.shape_key)
         return np.zeros((len(inputs.logits_indices), 1), np.float32)  # never read
 
@@ -163,11 +172,17 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
     def fake_sample_greedy(logits, rows, num_logprobs=0, native=False):
         return fake_sample(logits, None, num_logprobs, rows)
 
-    # Both samplers: greedy batches take `sample_greedy`, which on the stub's zero logits
-    # would draw token 0 (a special token, skipped by detokenization) every step.
-    orig = eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy
-    eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy = \
-        _Runner, fake_sample, fake_sample_greedy
+    def fake_sample_greedy_hidden(hidden, rows, screen, panels, num_logprobs=0):
+        return fake_sample(hidden, None, num_logprobs, rows)
+
+    # Every sampler: greedy batches take `sample_greedy` or `sample_greedy_hidden`, which on
+    # the stub's zeros would draw token 0 (a special token, skipped by detokenization) every
+    # step.
+    names = ("ModelRunner", "sample", "sample_greedy", "sample_greedy_hidden")
+    orig = [getattr(eng_mod, n) for n in names]
+    for n, f in zip(names, (_Runner, fake_sample, fake_sample_greedy, fake_sample_greedy_hidden),
+                    strict=True):
+        setattr(eng_mod, n, f)
     thresholds = gc.get_threshold()  # restored however the round ends
     try:
         max_len = 128 + steps + 256  # outlives the prefill of the last request
@@ -214,7 +229,8 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         outs = [s.output_token_ids for g in engine.scheduler.running for s in g.seqs]
         assert all(len(o) > steps + SETTLE_STEPS and min(o) >= 200 for o in outs)
     finally:
-        eng_mod.ModelRunner, eng_mod.sample, eng_mod.sample_greedy = orig
+        for n, f in zip(names, orig, strict=True):
+            setattr(eng_mod, n, f)
         gc.set_threshold(*thresholds)
     times.sort()
     if freeze_gc:

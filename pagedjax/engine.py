@@ -867,8 +867,8 @@ class LLMEngine:
                                    num_groups=self.runner.num_kv_groups, spec_lens=spec_lens)
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
-        plain = bool(row_info) and self._plain_greedy(row_info)
-        if plain and not p_plan and self._screened_head(row_info):
+        plain = self._plain_greedy(row_info) if row_info else 0
+        if plain == 2 and not p_plan and self.runner.head_screen is not None:
             # Greedy rows that want no logprob: tokens from the hidden states through the
             # screened LM head, no [R, V] logits (`sample_greedy_hidden`).
             hidden = self.runner.execute_hidden(inputs)
@@ -957,33 +957,29 @@ class LLMEngine:
         src[: len(row_src)] = row_src
         return src
 
-    def _screened_head(self, row_info: list[tuple]) -> bool:
-        """Whether a plain greedy batch can take its tokens from the screened LM head
-        (`ModelRunner.head_screen`): only when no row wants a logprob (``logprobs=None``; its
-        output then reports no cumulative logprob, as vLLM V1's) and each request samples
-        one sequence (n > 1 ranks its samples by cumulative logprob)."""
-        if self.runner.head_screen is None:
-            return False
-        for req, _seq, _index, _fan_out in row_info:
-            if req.params.logprobs is not None or req.num_samples != 1:
-                return False
-        return True
-
-    def _plain_greedy(self, row_info: list[tuple]) -> bool:
+    def _plain_greedy(self, row_info: list[tuple]) -> int:
         """Whether every sampled row is plain greedy (`RequestState.plain_greedy`, past its
         `min_tokens`): then `sample_greedy` decides the tokens from the logits alone, and the
         step skips the sampling metadata, which `sample` would need (launching a 256-row step
         took 0.56 ms of host time with it, 0.24 without, `bench/host_overhead.py --phases`).
-        Same tokens as through `sample` (`tests/engine/test_greedy_fast_path.py`)."""
+        Same tokens as through `sample` (`tests/engine/test_greedy_fast_path.py`).
+
+        0: no; 1: yes; 2: yes, and no row wants a logprob (``logprobs=None``; its output then
+        reports no cumulative logprob, as vLLM V1's) and each request samples one sequence
+        (n > 1 ranks its samples by cumulative logprob), so the tokens may come from the
+        screened LM head (`ModelRunner.head_screen`, `RequestState.screenable`)."""
         if not GREEDY_FAST_PATH or self.spec_config is not None:
-            return False
+            return 0
+        screen = 2
         for req, seq, _index, _fan_out in row_info:
             if not req.plain_greedy:
-                return False
+                return 0
             min_tokens = req.params.min_tokens
             if min_tokens and len(seq.output_token_ids) + seq.num_pending < min_tokens:
-                return False  # its stop tokens are banned until then
-        return True
+                return 0  # its stop tokens are banned until then
+            if not req.screenable:
+                screen = 1
+        return screen
 
     def _mark_pending(self, fl: _InFlight, out: SamplerOutput) -> _InFlight:
         """Async scheduling: the tokens this step samples become their sequences' pending

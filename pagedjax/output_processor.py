@@ -83,6 +83,9 @@ class RequestState:
                              and not p.logprobs and not p.use_beam_search
                              and self.grammar is None and self.allowed_mask is None
                              and not self.bad_words)
+        # And wants no logprob at all, one sample: its tokens may come from the screened LM
+        # head, which computes none (`LLMEngine._plain_greedy`).
+        self.screenable = self.plain_greedy and p.logprobs is None and self.num_samples == 1
 
     @property
     def num_samples(self) -> int:
