@@ -4,7 +4,11 @@
 // to cover the FMA latency on both pipes), nothing read from memory; GFLOP/s = 2 x 16 x FMAs.
 //
 //   g++ -O2 -march=native -std=c++17 -pthread bench/fma_peak.cc -o /tmp/fma_peak
-//   /tmp/fma_peak THREADS SECONDS   (e.g. 1 2, then 2 2)
+//   /tmp/fma_peak THREADS SECONDS [bf16]   (e.g. 1 2, then 2 2)
+//
+// With `bf16` (an AVX512-BF16 host): the same chains of `vdpbf16ps`, two bfloat16 products
+// per lane and instruction (GFLOP/s = 2 x 32 x instructions), the instruction the screened
+// LM head runs on (`pallas_kernels/csrc/lm_head_greedy_cpu.cc`).
 
 #include <immintrin.h>
 
@@ -13,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -22,13 +27,27 @@ constexpr int kAcc = 12;  // independent accumulators: latency 4 x 2 pipes, with
 
 // One round: kAcc FMAs per inner iteration, `iters` iterations. The multiplier is just below
 // 1 and the addend tiny, so values stay finite and normal whatever the count.
+template <bool kBf16>
 float run(int64_t iters, float seed) {
   __m512 acc[kAcc];
   for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(seed + i);
   const __m512 m = _mm512_set1_ps(0.999999f), a = _mm512_set1_ps(1e-7f);
+#if defined(__AVX512BF16__)
+  // bfloat16 pairs (1, 1) and (1e-7, 1e-7): each instruction adds ~2e-7 per lane.
+  const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+  const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);
+#endif
   for (int64_t it = 0; it < iters; ++it) {
 #pragma GCC unroll 12
-    for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], m, a);
+    for (int i = 0; i < kAcc; ++i) {
+      if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+        acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+#endif
+      } else {
+        acc[i] = _mm512_fmadd_ps(acc[i], m, a);
+      }
+    }
   }
   __m512 s = acc[0];
   for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
@@ -38,10 +57,17 @@ float run(int64_t iters, float seed) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s THREADS SECONDS\n", argv[0]);
+  const bool bf16 = argc == 4 && std::string(argv[3]) == "bf16";
+  if (argc != 3 && !bf16) {
+    std::fprintf(stderr, "usage: %s THREADS SECONDS [bf16]\n", argv[0]);
     return 2;
   }
+#if !defined(__AVX512BF16__)
+  if (bf16) {
+    std::fprintf(stderr, "this build has no AVX512-BF16\n");
+    return 2;
+  }
+#endif
   const int threads = std::atoi(argv[1]);
   const double seconds = std::atof(argv[2]);
   const int64_t chunk = int64_t(1) << 22;  // iterations between clock checks
@@ -53,7 +79,7 @@ int main(int argc, char** argv) {
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([&, t] {
       while (!stop.load(std::memory_order_relaxed)) {
-        sink[t] += run(chunk, 1.f + t);
+        sink[t] += bf16 ? run<true>(chunk, 1.f + t) : run<false>(chunk, 1.f + t);
         fmas[t] += chunk * kAcc;
       }
     });
@@ -68,7 +94,8 @@ int main(int argc, char** argv) {
     total += fmas[t];
     s += sink[t];
   }
-  std::printf("threads %d  %.1f GFLOP/s fp32 (%.1f per thread)  [checksum %g]\n", threads,
-              2.0 * 16 * total / el / 1e9, 2.0 * 16 * total / el / 1e9 / threads, s);
+  const double flop = (bf16 ? 2.0 * 32 : 2.0 * 16) * total / el / 1e9;
+  std::printf("threads %d  %.1f GFLOP/s %s (%.1f per thread)  [checksum %g]\n", threads, flop,
+              bf16 ? "bf16 dot (vdpbf16ps)" : "fp32", flop / threads, s);
   return 0;
 }
