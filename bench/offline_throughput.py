@@ -27,7 +27,8 @@ compares the two. Engine `pagedjax-sampler-full` is pagedjax with `PAGEDJAX_GREE
 the native one-pass kernel). Engines
 `pagedjax-wait-helpers` and `pagedjax-take-over` are pagedjax with `PAGEDJAX_MATMUL_TAKE_OVER`
 0 and 1 (the native matmul's caller waits for a preempted helper, the default, or takes its
-work items over; with `--busy-core`).
+work items over; with `--busy-core`). Engine `pagedjax-all-rows` is pagedjax with
+`PAGEDJAX_LIVE_ROWS=0` (the layer matmuls multiply a step's padding rows too).
 An engine named
 `pagedjax+KEY=VALUE[+KEY=VALUE...]` is pagedjax with those
 `EngineConfig` overrides on top of `--engine-arg`'s, e.g. `pagedjax+max_num_seqs=64` (the
@@ -122,7 +123,7 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
         return worker_cmd("pagedjax", threads, hf_dir, [*engine_args, *name.split("+")[1:]])
     if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
                 "pagedjax-sampler-full", "pagedjax-xla-greedy", "pagedjax-wait-helpers",
-                "pagedjax-take-over", "pagedjax-full-head"):
+                "pagedjax-take-over", "pagedjax-full-head", "pagedjax-all-rows"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
             cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
@@ -136,6 +137,8 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             cmd = ["env", "PAGEDJAX_MATMUL_TAKE_OVER=1", *cmd]
         if name == "pagedjax-full-head":  # greedy rows through the float32 LM head's logits
             cmd = ["env", "PAGEDJAX_SCREENED_HEAD=0", *cmd]
+        if name == "pagedjax-all-rows":  # matmuls over a step's padding rows too
+            cmd = ["env", "PAGEDJAX_LIVE_ROWS=0", *cmd]
         # "pagedjax-sync" / "-async": asynchronous scheduling forced off / on, to measure what
         # overlapping host and device work buys here.
         modes = {"pagedjax-sync": ["async_scheduling=False"],

@@ -30,6 +30,8 @@ Input tokens may have any leading shape (`[batch, seq]` for the contiguous cache
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -269,10 +271,19 @@ class DecoderLM(nn.Module):
                                       rope, meta)
         else:
             carry = (x, kv_cache)
+            matmul = self.packed_matmul
+            live = live_tokens(meta)
+            if (live is not None and getattr(matmul, "takes_live_rows", False)
+                    and os.environ.get("PAGEDJAX_LIVE_ROWS", "1") != "0"):
+                # Padding tokens past the step's real ones cost no matmul work (their rows
+                # come back as zeros, and padding only ever reads its own rows).
+                # PAGEDJAX_LIVE_ROWS=0: every padded row (bench/offline_throughput.py's
+                # `pagedjax-all-rows`).
+                matmul = functools.partial(matmul, live_rows=live)
             for i in range(c.num_layers):
                 layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True,
                                      fused_shards=self.fused_shards, static_layer=i,
-                                     moe_fn=self.moe_fn, packed_matmul=self.packed_matmul,
+                                     moe_fn=self.moe_fn, packed_matmul=matmul,
                                      name=f"{UNSTACKED_PREFIX}{i}")
                 carry, _ = layer(carry, jnp.int32(i), rope, meta)
             x, kv_cache = carry
@@ -305,6 +316,15 @@ class DecoderLM(nn.Module):
 
 
 UNSTACKED_PREFIX = "layer_"
+
+
+def live_tokens(meta: Any) -> jax.Array | None:
+    """A paged step's real token count, ``cu_q_lens[num_seqs]`` (its tokens come first, the
+    bucket's padding after them); None for metadata without a ragged layout."""
+    cu, n = getattr(meta, "cu_q_lens", None), getattr(meta, "num_seqs", None)
+    if cu is None or n is None:
+        return None
+    return jnp.asarray(cu)[jnp.asarray(n)]
 
 
 # Projections the per-layer layout fuses: fused name -> checkpoint names, in output order.

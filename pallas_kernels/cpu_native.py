@@ -44,6 +44,7 @@ TARGET = "pagedjax_ragged_paged_attention_cpu"
 WRITE_TARGET = "pagedjax_write_kv_bytes_cpu"
 PACKED_TARGET = "pagedjax_packed_matmul_cpu"
 DENSE_TARGET = "pagedjax_dense_matmul_cpu"
+DENSE_LIVE_TARGET = "pagedjax_dense_matmul_live_cpu"
 ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
 GREEDY_TARGET = "pagedjax_greedy_rows_cpu"
 LM_HEAD_GREEDY_TARGET = "pagedjax_lm_head_greedy_cpu"
@@ -126,6 +127,8 @@ def _register() -> bool:
     jax.ffi.register_ffi_target(
         DENSE_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulCpu), platform="cpu")
     jax.ffi.register_ffi_target(
+        DENSE_LIVE_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulLiveCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
         ZEROS_TARGET, jax.ffi.pycapsule(lib.PagedjaxZerosHugePagesCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxGreedyRowsCpu), platform="cpu")
@@ -196,15 +199,16 @@ def write_kv_bytes_cpu(k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: 
                 jnp.asarray(layer, jnp.int32).reshape(()), kf, vf, data_slots=np.int64(n))
 
 
-def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None) -> jax.Array:
+def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None,
+                      live_rows: jax.Array | None = None) -> jax.Array:
     """``x [..., K] @ w`` for a packed weight ``p`` (`models.qlinear`: ``codes``, ``scale``,
     optional ``offset``; canonical ``[rows, N]`` or 64-column panels ``[N / 64, rows, 64]``,
     whose true width ``n`` must be given), widening the weight row by row in registers
     (`csrc/packed_matmul_cpu.cc`) instead of materialising it. fp32 or bf16 ``x``. A float32
     weight in panels (``{"panels"}``, `models.qlinear.to_dense_panels`) goes to
-    `dense_matmul_cpu`."""
+    `dense_matmul_cpu`, with ``live_rows`` (see there; packed codes multiply every row)."""
     if "panels" in p:
-        return dense_matmul_cpu(x, p["panels"], n)
+        return dense_matmul_cpu(x, p["panels"], n, live_rows)
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -221,18 +225,33 @@ def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None) -> jax.Array:
     return y.reshape(*lead, n)
 
 
-def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int,
+                     live_rows: jax.Array | None = None) -> jax.Array:
     """``x [..., K] @ w`` for a float32 weight ``w [K, n]`` held as 64-column panels
     ``[ceil(n / 64), K, 64]`` (`models.qlinear.to_dense_panels`; `csrc/dense_matmul_cpu.cc`
     says why: up to six rows cost one pass over the weight, where XLA's GEMM packs it per
-    call). float32 only; each row's result does not depend on how many rows come with it."""
+    call). float32 only; each row's result does not depend on how many rows come with it.
+
+    ``live_rows`` (an int32 scalar, traced): only the first that many rows of ``x`` (flattened
+    to ``[M, K]``) are multiplied and the rest of the result is zeros, so a step padded to its
+    token bucket pays for its real tokens only (`models.decoder.DecoderLM` passes
+    ``cu_q_lens[num_seqs]``)."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
         raise TypeError(f"dense_matmul_cpu: float32 only, got x {x.dtype}, w {panels.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
-    call = jax.ffi.ffi_call(DENSE_TARGET, jax.ShapeDtypeStruct((math.prod(lead), n), x.dtype))
-    return call(x.reshape(-1, k), panels).reshape(*lead, n)
+    out = jax.ShapeDtypeStruct((math.prod(lead), n), x.dtype)
+    if live_rows is None:
+        return jax.ffi.ffi_call(DENSE_TARGET, out)(x.reshape(-1, k), panels).reshape(*lead, n)
+    live = jnp.asarray(live_rows, jnp.int32).reshape(())
+    return jax.ffi.ffi_call(DENSE_LIVE_TARGET, out)(x.reshape(-1, k), panels,
+                                                    live).reshape(*lead, n)
+
+
+
+# `models.decoder.DecoderLM` passes a step's real token count to matmuls that take it.
+packed_matmul_cpu.takes_live_rows = True
 
 
 def greedy_rows_cpu(logits: jax.Array) -> tuple[jax.Array, jax.Array]:

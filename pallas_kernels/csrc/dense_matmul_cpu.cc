@@ -452,15 +452,20 @@ void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int
   }
 }
 
-ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                       ffi::Result<ffi::Buffer<ffi::F32>> y) {
+// y = x @ w over x's first `live` rows; rows from `live` on are zeros (the padding of a
+// bucketed step: `DenseMatmulLive`).
+ffi::Error run_dense(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
+                     ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t live) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("expected x [M, K] and y [M, N]");
   if (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || wd[0] * kCols < yd[1] ||
       (wd[0] - 1) * kCols >= yd[1])
     return ffi::Error::InvalidArgument("expected w in panels [ceil(N / 64), K, 64]");
-  Dense p{xd[0], xd[1], yd[1], wd[0], x.typed_data(), w.typed_data(), y->typed_data(), yd[1]};
+  live = std::clamp<int64_t>(live, 0, xd[0]);
+  if (live < xd[0])
+    std::memset(y->typed_data() + live * yd[1], 0, (xd[0] - live) * yd[1] * sizeof(float));
+  Dense p{live, xd[1], yd[1], wd[0], x.typed_data(), w.typed_data(), y->typed_data(), yd[1]};
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
   const int64_t panels = wd[0], chunks = (p.M + kChunkRows - 1) / kChunkRows;
   // The calling thread works too: one helper fewer than the pool's threads (one per core).
@@ -476,6 +481,21 @@ ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   return ffi::Error::Success();
 }
 
+ffi::Error DenseMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                       ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  return run_dense(pool, x, w, y, x.dimensions().size() == 2 ? x.dimensions()[0] : 0);
+}
+
+// A step padded to its token bucket multiplies only its real tokens, the first `live[0]`
+// rows (`cu_q_lens[num_seqs]`): a 766-token prefill in the 1024 bucket did a third more
+// matmul work than it needed. Each row's result is the same whichever rows come with it.
+ffi::Error DenseMatmulLive(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> live,
+                           ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  if (live.element_count() != 1) return ffi::Error::InvalidArgument("live rows: one int32");
+  return run_dense(pool, x, w, y, live.typed_data()[0]);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDenseMatmulCpu, DenseMatmul,
@@ -483,4 +503,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDenseMatmulCpu, DenseMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // w panels [P, K, 64]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDenseMatmulLiveCpu, DenseMatmulLive,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w panels [P, K, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]

@@ -55,6 +55,36 @@ def test_rows_do_not_depend_on_the_batch():
     np.testing.assert_array_equal(np.asarray(_mm(x[3:11], w, 300)), whole[3:11])
 
 
+@pytest.mark.parametrize("live", [0, 1, 5, 63, 64, 65, 129, 200, 250, -3])
+def test_live_rows_multiply_the_first_rows_and_zero_the_rest(live):
+    """``live_rows`` (a bucketed step's real tokens): the first ``live`` rows are exactly what
+    the whole batch gives them, every later row is zeros even where the output buffer held
+    something else before (NaN x rows, a reused buffer), and counts outside [0, M] clamp."""
+    rng = np.random.default_rng(11)
+    w = to_dense_panels(jnp.asarray(rng.standard_normal((576, 300)), jnp.float32))
+    x = np.asarray(rng.standard_normal((200, 576)), np.float32)
+    whole = np.asarray(_mm(jnp.asarray(x), w, 300))
+    x[max(live, 0):] = np.nan  # padding rows: never read
+    mm = jax.jit(lambda x, w, live: cpu_native.dense_matmul_cpu(x, w, 300, live))
+    for _ in range(2):  # the second call may get the first one's buffer back
+        got = np.asarray(mm(jnp.asarray(x), w, jnp.int32(live)))
+        n = min(max(live, 0), 200)
+        np.testing.assert_array_equal(got[:n], whole[:n])
+        np.testing.assert_array_equal(got[n:], 0.0)
+
+
+def test_packed_matmul_passes_live_rows_to_panels():
+    rng = np.random.default_rng(12)
+    w = to_dense_panels(jnp.asarray(rng.standard_normal((64, 70)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 4, 64)), jnp.float32)  # leading axes flatten
+    got = np.asarray(jax.jit(lambda x: cpu_native.packed_matmul_cpu(
+        x, {"panels": w}, 70, live_rows=jnp.int32(5)))(x))
+    whole = np.asarray(_mm(x, w, 70)).reshape(12, 70)
+    np.testing.assert_array_equal(got.reshape(12, 70)[:5], whole[:5])
+    np.testing.assert_array_equal(got.reshape(12, 70)[5:], 0.0)
+    assert cpu_native.packed_matmul_cpu.takes_live_rows
+
+
 def test_leading_axes_and_panel_layout():
     rng = np.random.default_rng(3)
     w = jnp.asarray(rng.standard_normal((96, 130)), jnp.float32)
