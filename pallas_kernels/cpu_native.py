@@ -249,7 +249,6 @@ def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int,
                                                     live).reshape(*lead, n)
 
 
-
 # `models.decoder.DecoderLM` passes a step's real token count to matmuls that take it.
 packed_matmul_cpu.takes_live_rows = True
 
