@@ -67,7 +67,7 @@ def main() -> None:
         (eng, "_launch", "  engine._launch"),
         (engine_mod, "build_step_inputs", "    build_step_inputs"),
         (runner, "_execute_local", "    runner._execute_local (the step's dispatch)"),
-        (runner, "_step_args", "      runner._step_args (pending-token merge)"),
+        (runner, "_step_args", "      runner._step_args (the step's arguments)"),
         (engine_mod, "sample_greedy_hidden", "    sample_greedy_hidden (dispatch)"),
         (runner, "sampled_tokens", "    runner.sampled_tokens (padding jit)"),
         (eng, "_finish", "  engine._finish"),

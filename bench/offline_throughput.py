@@ -32,7 +32,10 @@ work items over; with `--busy-core`). Engine `pagedjax-all-rows` is pagedjax wit
 An engine named
 `pagedjax+KEY=VALUE[+KEY=VALUE...]` is pagedjax with those
 `EngineConfig` overrides on top of `--engine-arg`'s, e.g. `pagedjax+max_num_seqs=64` (the
-default before 256) beside `pagedjax`.
+default before 256) beside `pagedjax`. `pagedjax@DIR` is the pagedjax checkout at DIR (e.g. a
+`git worktree` of an earlier commit), to A/B two commits in one interleaved run. Engine
+`pagedjax-tcmalloc` is pagedjax with the system's tcmalloc preloaded, as vLLM's CPU engine
+runs (`tcmalloc_ab.json`).
 
 Right before each timed run the engine generates 8 tokens for the job's first prompt, untimed
 (`--no-settle`: not). This host (a VM) charges the first work after a few seconds of idling:
@@ -118,12 +121,27 @@ def ensure_peers(gguf: Path, hf_dir: Path) -> None:
                         "--out", str(hf_dir)], check=True)
 
 
+def tcmalloc_path() -> str:
+    from pagedjax.worker.host_heap import tcmalloc_path as find
+
+    path = find()
+    if path is None:
+        sys.exit("pagedjax-tcmalloc: no libtcmalloc_minimal.so.4 on this machine")
+    return path
+
+
 def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) -> list[str]:
     if name.startswith("pagedjax+"):  # pagedjax with its own overrides, e.g. an old default
         return worker_cmd("pagedjax", threads, hf_dir, [*engine_args, *name.split("+")[1:]])
+    if name.startswith("pagedjax@"):  # the pagedjax checkout at a path: A/B between commits
+        root = Path(name.split("@", 1)[1])
+        cmd = [sys.executable, str(root / "bench/peers/pagedjax_worker.py"), "--threads",
+               str(threads)]
+        return cmd + [a for kv in engine_args for a in ("--engine-arg", kv)]
     if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
                 "pagedjax-sampler-full", "pagedjax-xla-greedy", "pagedjax-wait-helpers",
-                "pagedjax-take-over", "pagedjax-full-head", "pagedjax-all-rows"):
+                "pagedjax-take-over", "pagedjax-full-head", "pagedjax-all-rows",
+                "pagedjax-tcmalloc"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
             cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
@@ -139,6 +157,8 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             cmd = ["env", "PAGEDJAX_SCREENED_HEAD=0", *cmd]
         if name == "pagedjax-all-rows":  # matmuls over a step's padding rows too
             cmd = ["env", "PAGEDJAX_LIVE_ROWS=0", *cmd]
+        if name == "pagedjax-tcmalloc":  # tcmalloc preloaded, as vLLM's CPU engine runs
+            cmd = ["env", f"LD_PRELOAD={tcmalloc_path()}", *cmd]
         # "pagedjax-sync" / "-async": asynchronous scheduling forced off / on, to measure what
         # overlapping host and device work buys here.
         modes = {"pagedjax-sync": ["async_scheduling=False"],
@@ -272,7 +292,7 @@ def main() -> None:
     workers = {}
     try:
         for e in engines:  # one at a time: loading is CPU-heavy
-            log = Path(tempfile.gettempdir()) / f"offline_throughput.{e}.log"
+            log = Path(tempfile.gettempdir()) / f"offline_throughput.{e.replace('/', '_')}.log"
             print(f"starting {e} (log: {log}) ...", flush=True)
             workers[e] = Worker(e, worker_cmd(e, args.threads, hf_dir, args.engine_arg), log)
             workers[e].run({"prompt_ids": [[1, 2, 3]], "max_tokens": 2})  # wait until loaded

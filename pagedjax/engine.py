@@ -1116,7 +1116,7 @@ class LLMEngine:
 
     def _feed_pending(self, sched, inputs, prev: _InFlight | None) -> None:
         """Point each pending token of the step at its row in the previous step's sampled
-        tokens, which stay on the device (`ModelRunner._merge_ids`)."""
+        tokens, which stay on the device (`ModelRunner._make_serve_step`)."""
         rows = None
         cu = inputs.meta.cu_q_lens
         for i, s in enumerate(sched.scheduled):

@@ -708,7 +708,34 @@ def take_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
     return logits[rows]
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "native"))
+@functools.cache
+def _greedy_constants(b: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A greedy batch's outputs that do not depend on the logits, as read-only host arrays:
+    zero logprobs, rank 1, zero top-k logprobs and ids. Returned from the host, not the
+    device: each device output is one more buffer to allocate and fetch every step, and on
+    the 2-core CPU host every millisecond of the engine thread is on a batched step's
+    critical path (`bench/host_breakdown.py`)."""
+    out = (np.zeros((b,), np.float32), np.ones((b,), np.int32),
+           np.zeros((b, k), np.float32), np.zeros((b, k), np.int32))
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("native",))
+def _greedy_tokens(logits: jax.Array, rows: jax.Array, native: bool) -> tuple[jax.Array, jax.Array]:
+    x = logits.astype(jnp.float32)
+    if native:
+        from pallas_kernels.cpu_native import greedy_rows_cpu
+
+        tok, lp = greedy_rows_cpu(x)
+    else:
+        tok = first_argmax(x).astype(jnp.int32)
+        top = jnp.take_along_axis(x, tok[:, None], axis=-1)
+        lp = -jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))
+    return tok[rows], lp[rows]
+
+
 def sample_greedy(logits: jax.Array, rows: jax.Array, num_logprobs: int = 0,
                   native: bool = False) -> SamplerOutput:
     """`sample` for a batch whose metadata is `plain_greedy` and wants no top logprobs: the
@@ -719,26 +746,24 @@ def sample_greedy(logits: jax.Array, rows: jax.Array, num_logprobs: int = 0,
     21.5 ms here; 4.8 vs 2.4 ms for 64 (`bench/sampler.py`, `sampler_greedy_fast.json`).
     The chosen token is the row's first maximum, so its rank is 1 and its raw logprob is
     ``-log(sum(exp(x - max)))``, what `jax.nn.log_softmax` gives it. Top-logprob outputs are
-    zeros, as `sample`'s are when ``want_topk`` is off. ``native`` (one CPU device, the
-    runner's `native_greedy`): the same from `pallas_kernels.cpu_native.greedy_rows_cpu`,
-    which reads each row once instead of XLA's three passes (`bench/sampler.py`
-    ``sample_greedy_native``)."""
-    x = logits.astype(jnp.float32)
-    if native:
-        from pallas_kernels.cpu_native import greedy_rows_cpu
-
-        tok, lp = greedy_rows_cpu(x)
-    else:
-        tok = first_argmax(x).astype(jnp.int32)
-        top = jnp.take_along_axis(x, tok[:, None], axis=-1)
-        lp = -jnp.log(jnp.sum(jnp.exp(x - top), axis=-1))
-    b = rows.shape[0]
-    return SamplerOutput(tok[rows], lp[rows], jnp.ones((b,), jnp.int32),
-                         jnp.zeros((b, num_logprobs), jnp.float32),
-                         jnp.zeros((b, num_logprobs), jnp.int32))
+    zeros, as `sample`'s are when ``want_topk`` is off; ranks and top logprobs are host
+    arrays (`_greedy_constants`), tokens and logprobs device arrays. ``native`` (one CPU
+    device, the runner's `native_greedy`): the same from
+    `pallas_kernels.cpu_native.greedy_rows_cpu`, which reads each row once instead of XLA's
+    three passes (`bench/sampler.py` ``sample_greedy_native``)."""
+    tok, lp = _greedy_tokens(logits, rows, native=native)
+    _, ranks, top_lp, top_ids = _greedy_constants(rows.shape[0], num_logprobs)
+    return SamplerOutput(tok, lp, ranks, top_lp, top_ids)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@jax.jit
+def _greedy_hidden_tokens(hidden: jax.Array, rows: jax.Array, screen: dict,
+                          panels: jax.Array) -> jax.Array:
+    from pallas_kernels.cpu_native import lm_head_greedy_cpu
+
+    return lm_head_greedy_cpu(hidden.astype(jnp.float32), screen, panels)[rows]
+
+
 def sample_greedy_hidden(hidden: jax.Array, rows: jax.Array, screen: dict, panels: jax.Array,
                          num_logprobs: int = 0) -> SamplerOutput:
     """`sample_greedy`'s tokens from the final hidden states ``[R, H]`` instead of logits, for
@@ -747,14 +772,10 @@ def sample_greedy_hidden(hidden: jax.Array, rows: jax.Array, screen: dict, panel
     the few columns that could win recomputed in float32) gives exactly the first argmax of
     the float32 logits, reading half the head's bytes and never writing ``[R, V]``. No
     log-sum-exp is taken, so the logprobs are zeros: the engine uses this only for requests
-    with ``logprobs=None``, whose outputs report no cumulative logprob (as vLLM V1's)."""
-    from pallas_kernels.cpu_native import lm_head_greedy_cpu
-
-    tok = lm_head_greedy_cpu(hidden.astype(jnp.float32), screen, panels)
-    b = rows.shape[0]
-    return SamplerOutput(tok[rows], jnp.zeros((b,), jnp.float32), jnp.ones((b,), jnp.int32),
-                         jnp.zeros((b, num_logprobs), jnp.float32),
-                         jnp.zeros((b, num_logprobs), jnp.int32))
+    with ``logprobs=None``, whose outputs report no cumulative logprob (as vLLM V1's). Only
+    the tokens are a device array (`_greedy_constants`)."""
+    tok = _greedy_hidden_tokens(hidden, rows, screen, panels)
+    return SamplerOutput(tok, *_greedy_constants(rows.shape[0], num_logprobs))
 
 
 @functools.partial(jax.jit, static_argnames=("k",))

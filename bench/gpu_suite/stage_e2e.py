@@ -184,9 +184,9 @@ def _serve(engine, reqs: list, budget: Budget, rate_based: bool) -> dict[str, An
 def _set_async(engine, on: bool) -> None:
     """Async scheduling on or off on an idle engine: the runner's `feed_tokens` decides whether
     `LLMEngine.step` leaves the launched step in flight (async) or finishes it before returning
-    (sync). The step's compiled form is the same either way (its ids argument has one shape and
-    type; async merges the pending tokens into it first, in `_merge_ids`), so one warm engine
-    compares both without a second 8B engine's compiles."""
+    (sync). The step's compiled form is the same either way (on one device every step merges
+    pending tokens into its ids, none when sync: `ModelRunner._make_serve_step`), so one warm
+    engine compares both without a second 8B engine's compiles."""
     if engine.has_unfinished_requests():
         raise RuntimeError("async A/B: the engine still has requests")
     engine.runner.feed_tokens = on

@@ -285,7 +285,7 @@ class ModelRunner:
             spec_tokens=(engine_config.speculative_config.num_speculative_tokens
                          if engine_config.speculative_config is not None else 0))
         self.scan_layers = resolve_layer_loop(engine_config.layer_loop, self.tp, devices) == "scan"
-        # Async scheduling: every step's token ids pass through `_merge_ids`, which takes the
+        # Async scheduling: every step merges its token ids (`_make_serve_step`), taking the
         # ids of pending tokens from the previous step's sampler output on the device.
         # With speculative decoding a drafted step's results are awaited before the next
         # step is scheduled (`LLMEngine._launch`); the others overlap as usual.
@@ -405,8 +405,15 @@ class ModelRunner:
     @params.setter
     def params(self, params: dict) -> None:
         """The weights; with the LM head outside the step, its bfloat16 screen is rebuilt
-        from them (None when the head is not finite: then greedy rows take the full head)."""
+        from them (None when the head is not finite: then greedy rows take the full head).
+        Also kept as one flat tuple of leaves for `_serve_step` (see `_make_serve_step`)."""
         self._params = params
+        leaves, treedef = jax.tree.flatten(params)
+        self._flat_params = tuple(leaves)
+        old = getattr(self, "_params_treedef", None)
+        if old is None or old != treedef:
+            self._params_treedef = treedef
+            self._serve_step = self._make_serve_step(treedef)
         self.head_screen = None
         if self.head_outside:
             from pallas_kernels import cpu_native
@@ -515,8 +522,8 @@ class ModelRunner:
         return blocks
 
     # ---- step --------------------------------------------------------------
-    @partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))
-    def _step(self, params, k_cache, v_cache, input_ids, positions, meta: PagedMeta, logits_indices):
+    def _step_body(self, params, k_cache, v_cache, input_ids, positions, meta: PagedMeta,
+                   logits_indices):
         logits, (k_cache, v_cache) = self.model.apply(
             {"params": params}, input_ids, positions, (k_cache, v_cache), meta,
             logits_indices=logits_indices, return_hidden=self.head_outside)
@@ -530,6 +537,41 @@ class ModelRunner:
             k_cache = jax.lax.with_sharding_constraint(k_cache, cache_sharding(self.mesh))
             v_cache = jax.lax.with_sharding_constraint(v_cache, cache_sharding(self.mesh))
         return logits, k_cache, v_cache
+
+    # The step over a params pytree: what tools lower and compile (`pagedjax.aot`).
+    _step = partial(jax.jit, static_argnums=0, donate_argnums=(2, 3))(_step_body)
+
+    def _make_serve_step(self, treedef):
+        """The step as serving calls it, with as few arguments as it can have: the weights as
+        one flat tuple of leaves (``treedef`` fixed), and all of the step's host-built int32
+        arrays (token ids, positions, the `PagedMeta` arrays, logits rows) packed into one
+        buffer (`_step_args`; ``layout`` names each one's shape, so it is static), one
+        transfer instead of nine. Async scheduling's pending token ids are merged in the same
+        call: the ids of `input_ids`, except where `prev_rows[t] >= 0`, which takes the
+        previous step's sampled token of that row (the host never saw it).
+
+        Why: on the 2-core CPU host every millisecond of the dispatching thread is on a
+        batched step's critical path (`bench/host_critical_path.py`). Flattening the nested
+        params dict (its keys sorted at every call), a transfer per host array and a second
+        dispatch for the merge took ~0.5 ms of a 64-row step's ~1 ms dispatch
+        (`bench/host_breakdown.py`). Rebuilt only when the params' structure changes, so a
+        weight swap of the same structure reuses the compiled steps."""
+        def serve_step(leaves, k_cache, v_cache, ints, prev_tokens, kv_scales, layout,
+                       decode_only):
+            parts, at = [], 0
+            for shape in layout:
+                n = math.prod(shape) if shape is not None else 0
+                parts.append(None if shape is None else ints[at : at + n].reshape(shape))
+                at += n
+            ids, prev_rows, positions, slots, kv_lens, tables, cu_q_lens, num_seqs, rows = parts
+            if prev_rows is not None:
+                ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], ids)
+            meta = PagedMeta(slots, kv_lens, tables, cu_q_lens, num_seqs[0], decode_only,
+                             kv_scales)
+            return self._step_body(jax.tree.unflatten(treedef, leaves), k_cache, v_cache,
+                                   ids, positions, meta, rows)
+
+        return jax.jit(serve_step, donate_argnums=(1, 2), static_argnums=(6, 7))
 
     def warmup(self, prompt_logprobs: bool = True,
                pool: concurrent.futures.Executor | None = None) -> list[tuple]:
@@ -572,7 +614,7 @@ class ModelRunner:
             dummies.append(inputs)
         if pool is not None and not multihost.is_multiprocess():
             def compile_ahead(inp: StepInputs) -> None:
-                type(self)._step.lower(self, *self._step_args(inp)).compile()
+                self._serve_step.lower(*self._step_args(inp)).compile()
 
             for _ in pool.map(compile_ahead, dummies):
                 pass
@@ -621,20 +663,24 @@ class ModelRunner:
         return dense_matmul_cpu(hidden, panels, self.model_config.vocab_size).astype(jnp.float32)
 
     def _step_args(self, inputs: StepInputs) -> tuple:
-        """`_step`'s arguments for one step (the caches as they are now)."""
-        ids = inputs.input_ids
-        if self.feed_tokens:  # always merged, so the step sees one argument type
+        """`_serve_step`'s arguments for one step (the caches as they are now)."""
+        ids, rows, prev = inputs.input_ids, None, None
+        if self.mesh is None:  # always merged, so sync and async steps share one compile
             prev = inputs.prev_tokens if inputs.prev_tokens is not None else self._no_tokens()
             rows = inputs.prev_rows if inputs.prev_rows is not None else np.full(
                 ids.shape, -1, np.int32)
-            ids = self._merge_ids(ids, rows, prev)
-        return (self.params, self.k_cache, self.v_cache, ids, inputs.positions,
-                self.step_meta(inputs.meta), inputs.logits_indices)
+        m = inputs.meta
+        parts = (ids, rows, inputs.positions, m.slot_mapping, m.kv_lens, m.block_tables,
+                 m.cu_q_lens, np.reshape(m.num_seqs, 1), inputs.logits_indices)
+        layout = tuple(None if p is None else p.shape for p in parts)
+        ints = np.concatenate([p.ravel() for p in parts if p is not None], dtype=np.int32)
+        return (self._flat_params, self.k_cache, self.v_cache, ints, prev, self.kv_scales,
+                layout, m.decode_only)
 
     def _execute_local(self, inputs: StepInputs) -> jax.Array:
         if inputs.shape_key not in self.compiled_shapes:
             self.compiled_shapes.add(inputs.shape_key)
-        logits, self.k_cache, self.v_cache = self._step(*self._step_args(inputs))
+        logits, self.k_cache, self.v_cache = self._serve_step(*self._step_args(inputs))
         if self.mesh is not None:
             # Replicated: this process's first shard is the full [R, vocab] array, so sampling
             # runs on one local device (and only on the leader in multi-process runs).
@@ -650,19 +696,13 @@ class ModelRunner:
 
     # ---- async scheduling: token ids that are still on the device ------------
     @partial(jax.jit, static_argnums=0)
-    def _merge_ids(self, host_ids, prev_rows, prev_tokens):
-        """Token ids of the step: `host_ids`, except where `prev_rows[t] >= 0`, which takes
-        the previous step's sampled token of that row (the host never saw it)."""
-        return jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], host_ids)
-
-    @partial(jax.jit, static_argnums=0)
     def _pad_tokens(self, tokens):
         cap = self.shape_plan.sample_cap
         return jnp.zeros(cap, jnp.int32).at[: tokens.shape[0]].set(tokens.astype(jnp.int32))
 
     def sampled_tokens(self, tokens: jax.Array) -> jax.Array:
         """A step's sampled token ids, padded on the device to the largest sampler batch:
-        the next step's `_merge_ids` then has one shape per token bucket."""
+        the next step's merge (`_make_serve_step`) then has one shape per token bucket."""
         return self._pad_tokens(tokens)
 
     def _no_tokens(self) -> jax.Array:
