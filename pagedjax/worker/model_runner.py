@@ -311,7 +311,9 @@ class ModelRunner:
                      max_model_len: int, devices, shard_vocab: bool = True) -> ModelRunner:
         """A runner that holds no device state, over compile-only ``devices``: its `_step`
         can be lowered with `abstract_state` for deviceless AOT compilation
-        (`pagedjax.aot.step`), so the compile tier builds exactly the serving step."""
+        (`pagedjax.aot.step`), so the compile tier builds the serving step's model and
+        kernels (serving wraps `_step`'s body in `_make_serve_step`'s argument unpacking and
+        pending-token merge, a few slices and one gather)."""
         self = cls.__new__(cls)
         self._setup(config, engine_config, dtype, max_model_len, shard_vocab, devices)
         self.devices = tuple(devices)
