@@ -2,7 +2,7 @@
 the step's host int32 arrays packed into one buffer, pending token ids merged in the call.
 It must compute exactly what the plain step (`ModelRunner._step`, params dict, arrays one by
 one, ids merged beforehand) computes: logits and both caches, bit for bit, on a mixed step
-over a poisoned cache, for both layer loops; and a weight swap of the same structure keeps
+over a cache of random values, for both layer loops; and a weight swap of the same structure keeps
 the compiled serving step."""
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def test_serve_step_is_the_plain_step(tiny, layer_loop):
     config, _ = tiny
     runner = _llm(tiny, layer_loop).engine.runner
     rng = np.random.default_rng(0)
-    # Poison the whole cache: the step may read only what the tables and lengths name.
+    # Random values in every block: the decodes attend over cached context, and both forms
+    # must read the same slots of it (a misplaced table or length reads other values).
     k0 = rng.standard_normal(runner.k_cache.shape).astype(runner.k_cache.dtype)
     v0 = rng.standard_normal(runner.v_cache.shape).astype(runner.v_cache.dtype)
     vocab = config.vocab_size
