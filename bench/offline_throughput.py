@@ -122,7 +122,8 @@ def ensure_peers(gguf: Path, hf_dir: Path) -> None:
 
 
 def tcmalloc_path() -> str:
-    from pagedjax.worker.host_heap import tcmalloc_path as find
+    sys.path.insert(0, str(ROOT / "bench/peers"))
+    from protocol import tcmalloc_path as find
 
     path = find()
     if path is None:

