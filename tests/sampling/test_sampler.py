@@ -229,6 +229,20 @@ def test_logprobs_match_numpy_log_softmax() -> None:
     assert sample(logits, meta).topk_ids.shape == (5, 0)
 
 
+def test_greedy_constant_outputs_come_from_the_host() -> None:
+    """`sample_greedy`'s ranks and top logprobs do not depend on the logits: they are cached,
+    read-only host arrays (nothing to fetch from the device), the same objects every call."""
+    logits = jnp.asarray(np.random.default_rng(3).normal(size=(4, V)).astype(np.float32))
+    rows = np.array([0, 1, 2, 3], np.int32)
+    a = sample_greedy(logits, rows, num_logprobs=2)
+    b = sample_greedy(logits * 2, rows, num_logprobs=2)
+    for x, y in zip((a.ranks, a.topk_logprobs, a.topk_ids), (b.ranks, b.topk_logprobs,
+                                                            b.topk_ids), strict=True):
+        assert isinstance(x, np.ndarray) and not x.flags.writeable and x is y
+    assert isinstance(a.token_ids, jax.Array) and isinstance(a.logprobs, jax.Array)
+    np.testing.assert_array_equal(a.ranks, np.ones(4, np.int32))
+
+
 def test_greedy_fast_path_matches_sample_and_numpy() -> None:
     """`sample_greedy` (plain greedy batches, no top logprobs) gives `sample`'s tokens and ranks
     exactly and its logprobs (float64 numpy within 1e-5), with rows repeated (n > 1 fan-out),
