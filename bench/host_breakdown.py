@@ -31,6 +31,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=1024,
+                    help="the engine's max_model_len: on CPU every step's block tables are "
+                         "max_model_len / block_size wide")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -41,7 +44,8 @@ def main() -> None:
     from pagedjax import LLM, SamplingParams
 
     load0 = os.getloadavg()[0]
-    llm = LLM("smollm2", dtype="float32", max_model_len=1024, cpu_kv_cache_gb=1.0)
+    llm = LLM("smollm2", dtype="float32", max_model_len=args.max_model_len,
+              cpu_kv_cache_gb=1.0)
     eng, runner = llm.engine, llm.engine.runner
     reqs = [{"prompt_token_ids": p} for p in make_prompt_ids(eng.tokenizer, args.prompts)]
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
@@ -89,7 +93,8 @@ def main() -> None:
         "machine": {"cpu": platform.processor() or platform.machine(),
                     "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load0},
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
-        "workload": {"prompts": args.prompts, "tokens": args.tokens},
+        "workload": {"prompts": args.prompts, "tokens": args.tokens,
+                     "max_model_len": args.max_model_len},
         "steps": steps,
         "wall_ms_per_step": wall / steps * 1e3,
         "cpu_ms_per_step": ms,

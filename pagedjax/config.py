@@ -50,6 +50,11 @@ class EngineConfig:
     # bench/offline_throughput.py, engines pagedjax-sync / pagedjax-async), off under tensor
     # parallelism; outputs are identical either way.
     async_scheduling: bool | None = None
+    # Block tables kept on the device and updated by deltas (thesis §4.6.2;
+    # `worker.device_tables`): a step sends its sequences' row numbers and the table entries
+    # that changed, not its [S, max_model_len / block_size] tables. None: on with one device;
+    # under tensor parallelism the tables travel with each step as before.
+    device_block_tables: bool | None = None
     # CPU has no device-memory budget to measure; this caps the automatic sizing there.
     cpu_kv_cache_gb: float = 0.5
     # Models mixing sliding-window and global layers (Gemma 2/3) get one block table per

@@ -262,9 +262,16 @@ class LLMEngine:
         self.beams = BeamSearcher(self.scheduler, self.outputs, self._new_seq_id)
         # Persistent per-sequence step state (block tables by deltas); rows of sequences that
         # end are released after each step, and rows it never hears about are swept.
+        device_tables = (ec.device_block_tables if ec.device_block_tables is not None
+                         else self.runner.mesh is None)
+        if device_tables:
+            # The batch's rows stay below 4 x max_num_seqs plus one step's new sequences
+            # (it sweeps itself when it reaches 4 x).
+            self.runner.enable_device_tables(rows=5 * ec.max_num_seqs)
         self.input_batch = InputBatch(self.runner.max_blocks_per_seq,
                                       max_rows=4 * ec.max_num_seqs,
-                                      num_groups=self.runner.num_kv_groups)
+                                      num_groups=self.runner.num_kv_groups,
+                                      device_tables=device_tables)
         # ... and their sampling parameters, written once per (sequence, sample index).
         self.sampling_batch = SamplingBatch(config.vocab_size, 4 * self.runner.shape_plan.seq_cap,
                                             eos_token_ids=sorted(self.eos_token_ids),
@@ -746,6 +753,7 @@ class LLMEngine:
         stay unhealthy and try again at the next step. Waiting and swapped requests wait."""
         try:
             self.runner.reset_cache()
+            self.input_batch.invalidate()  # the device's block tables are zeros again
         except Exception:
             logger.exception("rebuilding the KV cache failed; retrying at the next step")
             time.sleep(self.CACHE_RETRY_S)  # no busy loop while the device recovers

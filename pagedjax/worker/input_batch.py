@@ -27,8 +27,14 @@ forgets every row not in the current step once it holds `max_rows`.
 A hybrid model (several KV-cache groups, `core.kv_groups`) keeps one table per group in each
 row, `[rows, G, M]`, each mirrored by its own version; the step's array is then `[G, S, M]`.
 
-Host memory only: the gathered array still travels to the device with the step's other
-inputs (S x M x 4 bytes, 128 KiB at 256 sequences x 128 blocks).
+With ``device_tables`` (the runner keeps a copy of the rows on the device,
+`worker.device_tables`), every entry a row update writes is also queued, as (flat index,
+value) pairs into the `[max_rows, G, M]` table, and `take_deltas` hands the queue to the step
+that is dispatched next: the device then scatters the changes and gathers the step's rows
+itself, so what travels per step follows what changed, not S x M (128 KiB at 256 sequences x
+128 blocks, 2 MiB at 256 x 2048). The queue is drained at dispatch, not when a step is built,
+so a step built and then dropped leaves its changes for the next one; `invalidate` makes every
+row rewrite itself on its next use (after the device copy was lost or replaced).
 """
 
 from __future__ import annotations
@@ -40,10 +46,12 @@ import numpy as np
 
 class InputBatch:
     def __init__(self, max_blocks_per_seq: int, max_rows: int = 1024,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, device_tables: bool = False) -> None:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_rows = max_rows
         self.num_groups = num_groups
+        # Queued (flat start, values) writes for the device copy; None: no device copy.
+        self._deltas: list[tuple[int, np.ndarray]] | None = [] if device_tables else None
         self._row: dict[int, int] = {}  # seq id -> row
         self._free: list[int] = []
         self._tables = np.zeros((0, num_groups, max_blocks_per_seq), np.int32)
@@ -53,6 +61,11 @@ class InputBatch:
         self.num_rewrites = 0  # full-row writes (tests and benchmarks read it)
         # seq id -> (prompt + outputs buffer, outputs written): penalised sequences only.
         self._hist: dict[int, tuple[np.ndarray, int]] = {}
+
+    @property
+    def device_tables(self) -> bool:
+        """True when the runner keeps the rows on the device (`take_deltas` feeds it)."""
+        return self._deltas is not None
 
     def __len__(self) -> int:
         return len(self._row)
@@ -127,10 +140,49 @@ class InputBatch:
             version[g] = v if v >= 0 else -2
             written[g] = n
             self.num_rewrites += 1
+            if self._deltas is not None:
+                # The stale tail too: the device row then equals the host row exactly.
+                self._deltas.append(((r * self.num_groups + g) * self.max_blocks_per_seq,
+                                     row[: max(old, n)].copy()))
         elif n > written[g]:  # appended blocks only
             w = written[g]
             row[w:n] = table[w:]
             written[g] = n
+            if self._deltas is not None:
+                self._deltas.append(((r * self.num_groups + g) * self.max_blocks_per_seq + w,
+                                     row[w:n].copy()))
+
+    def take_deltas(self) -> tuple[np.ndarray, np.ndarray]:
+        """The queued writes as (flat indices, values) int32 arrays into `host_tables`'
+        ``[max_rows, G, M]`` layout, each index once (the latest value wins), and an empty
+        queue after. Only with ``device_tables``."""
+        if self._deltas is None:
+            raise RuntimeError("take_deltas: this InputBatch keeps no device copy")
+        q, self._deltas = self._deltas, []
+        if not q:
+            return np.zeros(0, np.int32), np.zeros(0, np.int32)
+        idx = np.concatenate([np.arange(a, a + len(v), dtype=np.int32) for a, v in q])
+        val = np.concatenate([v for _, v in q]).astype(np.int32, copy=False)
+        if len(q) > 1:  # a row written twice (a dropped step, then this one): keep the last
+            last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
+            if len(last) < len(idx):
+                last.sort()
+                idx, val = idx[last], val[last]
+        return idx, val
+
+    def invalidate(self) -> None:
+        """Forget what the device copy holds: every row rewrites itself (and queues the
+        whole row) the next time it is used, and the queue is dropped. After the device copy
+        was lost, or replaced by a fresh one."""
+        for version in self._version:
+            version[:] = [-2] * self.num_groups
+        if self._deltas is not None:
+            self._deltas = []
+
+    @property
+    def host_tables(self) -> np.ndarray:
+        """The host rows ``[rows so far, G, M]`` (read-only use: slot mappings, tests)."""
+        return self._tables
 
     def block_tables(self, scheduled, s_pad: int, m_pad: int) -> np.ndarray:
         """The step's `[s_pad, m_pad]` block tables (padding rows and columns 0); hybrid:

@@ -40,6 +40,8 @@ from pagedjax.parallel.mesh import (
     vocab_sharded,
 )
 from pagedjax.worker import huge_pages
+from pagedjax.worker.device_tables import DeviceTables, apply_writes, gather_rows
+from pagedjax.worker.device_tables import capacity as table_capacity
 from pagedjax.worker.host_heap import keep_freed_memory
 from pagedjax.worker.huge_pages import place_on_huge_pages
 from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
@@ -238,6 +240,7 @@ class ModelRunner:
         self.tp = engine_config.tensor_parallel_size
         self.model_config = config
         self.mesh = None
+        self.device_tables: DeviceTables | None = None  # `enable_device_tables`
         self.shard_vocab = shard_vocab  # embeddings/lm_head split on vocab (else replicated)
         self.kv_layout = kv_layout(config, engine_config)
         layout = self.kv_layout if self.kv_layout.hybrid else None
@@ -393,12 +396,16 @@ class ModelRunner:
     def cache_lost(self) -> bool:
         """True when a failed call took the donated KV cache with it (its buffers deleted):
         every later step would fail on them."""
-        return self.k_cache.is_deleted() or self.v_cache.is_deleted()
+        return (self.k_cache.is_deleted() or self.v_cache.is_deleted()
+                or (self.device_tables is not None and self.device_tables.array.is_deleted()))
 
     def reset_cache(self) -> None:
-        """A fresh zero KV cache of the same size (after `cache_lost`)."""
+        """A fresh zero KV cache of the same size (after `cache_lost`), and fresh device block
+        tables (the engine then has its batch rewrite every row: `InputBatch.invalidate`)."""
         self.k_cache = self._zeros_cache(self.num_gpu_blocks)
         self.v_cache = self._zeros_cache(self.num_gpu_blocks)
+        if self.device_tables is not None:
+            self.device_tables.reset()
 
     @property
     def params(self) -> dict:
@@ -558,22 +565,37 @@ class ModelRunner:
         dispatch for the merge took ~0.5 ms of a 64-row step's ~1 ms dispatch
         (`bench/host_breakdown.py`). Rebuilt only when the params' structure changes, so a
         weight swap of the same structure reuses the compiled steps."""
-        def serve_step(leaves, k_cache, v_cache, ints, prev_tokens, kv_scales, layout,
-                       decode_only):
+        def serve_step(leaves, k_cache, v_cache, ints, prev_tokens, kv_scales, dev_tables,
+                       layout, decode_only, table_width):
             parts, at = [], 0
             for shape in layout:
                 n = math.prod(shape) if shape is not None else 0
                 parts.append(None if shape is None else ints[at : at + n].reshape(shape))
                 at += n
-            ids, prev_rows, positions, slots, kv_lens, tables, cu_q_lens, num_seqs, rows = parts
+            ids, prev_rows, positions, slots, kv_lens, tables, cu_q_lens, num_seqs, rows = (
+                parts[:9])
             if prev_rows is not None:
                 ids = jnp.where(prev_rows >= 0, prev_tokens[jnp.maximum(prev_rows, 0)], ids)
+            if table_width is not None:  # `tables` holds row numbers into `dev_tables`
+                dev_tables = apply_writes(dev_tables, parts[9], parts[10])
+                tables = gather_rows(dev_tables, tables, table_width)
             meta = PagedMeta(slots, kv_lens, tables, cu_q_lens, num_seqs[0], decode_only,
                              kv_scales)
-            return self._step_body(jax.tree.unflatten(treedef, leaves), k_cache, v_cache,
-                                   ids, positions, meta, rows)
+            out = self._step_body(jax.tree.unflatten(treedef, leaves), k_cache, v_cache,
+                                  ids, positions, meta, rows)
+            return out if table_width is None else (*out, dev_tables)
 
-        return jax.jit(serve_step, donate_argnums=(1, 2), static_argnums=(6, 7))
+        return jax.jit(serve_step, donate_argnums=(1, 2, 6), static_argnums=(7, 8, 9))
+
+    def enable_device_tables(self, rows: int) -> None:
+        """Keep the engine's `InputBatch` rows (``rows`` of them) on the device: its steps
+        then send row numbers and the entries that changed instead of their block tables
+        (`worker.device_tables`). One device only; steps built without the batch (warm-up,
+        tools, a draft model's) keep sending their tables."""
+        if self.mesh is not None:
+            raise ValueError("device block tables need a single-device runner")
+        self.device_tables = DeviceTables(rows, self.num_kv_groups, self.max_blocks_per_seq,
+                                          jax.local_devices()[0])
 
     def warmup(self, prompt_logprobs: bool = True,
                pool: concurrent.futures.Executor | None = None) -> list[tuple]:
@@ -613,6 +635,9 @@ class ModelRunner:
             assert inputs.shape_key == (t, s, m, r, decode), (inputs.shape_key, (t, s, m, r))
             inputs.meta.slot_mapping[:] = -1
             inputs.meta.kv_lens[:] = 0
+            if self.device_tables is not None:  # serving's steps read tables on the device
+                inputs.meta = dataclasses.replace(inputs.meta, block_tables=None)
+                inputs.table_rows = np.zeros(s, np.int32)  # reads nothing: lengths 0
             dummies.append(inputs)
         if pool is not None and not multihost.is_multiprocess():
             def compile_ahead(inp: StepInputs) -> None:
@@ -622,6 +647,8 @@ class ModelRunner:
                 pass
         for inputs in dummies:
             jax.block_until_ready(self.execute(inputs))
+        if self.device_tables is not None:
+            self.device_tables.warm()
         for n in plan.copy_buckets(self.num_gpu_blocks):
             self.copy_blocks([(0, 0)] * n)  # block 0 onto itself: a no-op (broadcast when multi-process)
         if self.num_cpu_blocks and self.mesh is None:
@@ -665,24 +692,45 @@ class ModelRunner:
         return dense_matmul_cpu(hidden, panels, self.model_config.vocab_size).astype(jnp.float32)
 
     def _step_args(self, inputs: StepInputs) -> tuple:
-        """`_serve_step`'s arguments for one step (the caches as they are now)."""
+        """`_serve_step`'s arguments for one step (the caches as they are now). Steps from
+        the engine's batch with device tables take its queued row writes here, at dispatch."""
         ids, rows, prev = inputs.input_ids, None, None
         if self.mesh is None:  # always merged, so sync and async steps share one compile
             prev = inputs.prev_tokens if inputs.prev_tokens is not None else self._no_tokens()
             rows = inputs.prev_rows if inputs.prev_rows is not None else np.full(
                 ids.shape, -1, np.int32)
         m = inputs.meta
-        parts = (ids, rows, inputs.positions, m.slot_mapping, m.kv_lens, m.block_tables,
-                 m.cu_q_lens, np.reshape(m.num_seqs, 1), inputs.logits_indices)
+        tables, extra, width, dev = m.block_tables, (), None, None
+        if inputs.table_rows is not None:
+            t_pad, s_pad, width = inputs.shape_key[:3]
+            idx, val = (inputs.table_source.take_deltas() if inputs.table_source is not None
+                        else (np.zeros(0, np.int32),) * 2)
+            tables, *extra = self.device_tables.step_parts(
+                inputs.table_rows, idx, val, table_capacity(t_pad, s_pad, self.block_size))
+            dev = self.device_tables.array
+        parts = (ids, rows, inputs.positions, m.slot_mapping, m.kv_lens, tables,
+                 m.cu_q_lens, np.reshape(m.num_seqs, 1), inputs.logits_indices, *extra)
         layout = tuple(None if p is None else p.shape for p in parts)
         ints = np.concatenate([p.ravel() for p in parts if p is not None], dtype=np.int32)
         return (self._flat_params, self.k_cache, self.v_cache, ints, prev, self.kv_scales,
-                layout, m.decode_only)
+                dev, layout, m.decode_only, width)
 
     def _execute_local(self, inputs: StepInputs) -> jax.Array:
         if inputs.shape_key not in self.compiled_shapes:
             self.compiled_shapes.add(inputs.shape_key)
-        logits, self.k_cache, self.v_cache = self._serve_step(*self._step_args(inputs))
+        if inputs.table_rows is None:
+            logits, self.k_cache, self.v_cache = self._serve_step(*self._step_args(inputs))
+        else:
+            try:
+                logits, self.k_cache, self.v_cache, self.device_tables.array = (
+                    self._serve_step(*self._step_args(inputs)))
+            except BaseException:
+                # The writes taken for this step may not have reached the device copy.
+                if inputs.table_source is not None:
+                    inputs.table_source.invalidate()
+                if self.device_tables.array.is_deleted():
+                    self.device_tables.reset()
+                raise
         if self.mesh is not None:
             # Replicated: this process's first shard is the full [R, vocab] array, so sampling
             # runs on one local device (and only on the leader in multi-process runs).

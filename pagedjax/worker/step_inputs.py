@@ -37,6 +37,11 @@ class StepInputs:
     # holds its id (-1: `input_ids` has it), and those tokens on the device.
     prev_rows: np.ndarray | None = None
     prev_tokens: object = None
+    # Block tables kept on the device (`InputBatch(device_tables=True)`): `meta.block_tables`
+    # is None, each sequence's persistent row is here ([S], padding 0), and the runner takes
+    # the batch's queued row writes when it dispatches the step.
+    table_rows: np.ndarray | None = None
+    table_source: InputBatch | None = None
 
 
 def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks_per_seq: int,
@@ -95,7 +100,13 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     cu_q_lens = np.full(s_pad + 1, total, np.int32)
     cu_q_lens[0] = 0
     np.cumsum(q_lens, out=cu_q_lens[1 : num_seqs + 1])
-    if batch is not None:
+    table_rows = None
+    if batch is not None and batch.device_tables:
+        # Only the rows travel; slots come from the host copy of the rows.
+        table_rows = np.zeros(s_pad, np.int32)
+        table_rows[:num_seqs] = batch.rows(scheduled)
+        block_tables = None
+    elif batch is not None:
         block_tables = batch.block_tables(scheduled, s_pad, m_pad)
     elif num_groups > 1:
         block_tables = np.zeros((num_groups, s_pad, m_pad), np.int32)
@@ -114,9 +125,15 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
                                     np.int32, total)
     positions = np.zeros(t_pad, np.int32)
     positions[:total] = pos
-    slot_mapping = np.full(block_tables.shape[:-2] + (t_pad,), -1, np.int32)
-    slot_mapping[..., :total] = (block_tables[..., seq_of_token, pos // block_size] * block_size
-                                 + pos % block_size)
+    if table_rows is None:
+        slot_mapping = np.full(block_tables.shape[:-2] + (t_pad,), -1, np.int32)
+        blocks = block_tables[..., seq_of_token, pos // block_size]
+    else:
+        slot_mapping = np.full((num_groups, t_pad) if num_groups > 1 else (t_pad,), -1,
+                               np.int32)
+        blocks = batch.host_tables[table_rows[seq_of_token], :, pos // block_size].T
+        blocks = blocks if num_groups > 1 else blocks[0]
+    slot_mapping[..., :total] = blocks * block_size + pos % block_size
     kv_lens = np.zeros(s_pad, np.int32)
     kv_lens[:num_seqs] = start_pos + q_lens
 
@@ -133,7 +150,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     sample_seq_pos = np.repeat(np.arange(num_seqs), rows).tolist()
     meta = PagedMeta(slot_mapping, kv_lens, block_tables, cu_q_lens, np.int32(num_seqs), decode_only)
     return StepInputs(input_ids, positions, meta, logits_indices, sample_seq_pos,
-                      (t_pad, s_pad, m_pad, r_pad, decode_only))
+                      (t_pad, s_pad, m_pad, r_pad, decode_only), table_rows=table_rows,
+                      table_source=batch if table_rows is not None else None)
 
 
 def _group_tables(table, num_groups: int):

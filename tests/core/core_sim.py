@@ -59,6 +59,12 @@ class FakeEngine:
         # The runner's persistent block tables, checked against the live tables every step;
         # few rows and only every other finished group released, so rows are swept and reused.
         self.batch = InputBatch(-(-cfg["max_model_len"] // block_size) + 1, max_rows=8)
+        # The same rows kept on a (simulated) device by deltas: `mirror` gets only what
+        # `take_deltas` hands over, taken every other step (a dropped step's writes wait for
+        # the next), and is lost and rebuilt every 7th step (`invalidate`).
+        self.dbatch = InputBatch(self.batch.max_blocks_per_seq, max_rows=8, device_tables=True)
+        self.mirror = np.zeros((8 + self.sched.config.max_num_seqs, 1,
+                                self.batch.max_blocks_per_seq), np.int32)
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 4, n: int = 1, **kw):
         seq = Sequence(next(self.ids), prompt)
@@ -107,6 +113,18 @@ class FakeEngine:
             for i, s in enumerate(out.scheduled):
                 want[i, : len(s.block_table)] = s.block_table
             assert (got == want).all(), "persistent block tables differ from the live tables"
+            rows = self.dbatch.rows(out.scheduled)
+            if self.steps % 2 == 0:
+                idx, val = self.dbatch.take_deltas()
+                assert len(np.unique(idx)) == len(idx)
+                self.mirror.reshape(-1)[idx] = val  # an index past the end would raise
+                for r, s in zip(rows, out.scheduled, strict=True):
+                    assert (self.mirror[r, 0, : len(s.block_table)] == s.block_table).all(), \
+                        "device block tables differ from the live tables"
+                    assert (self.mirror[r] == self.dbatch.host_tables[r]).all()
+            if self.steps % 7 == 6:  # the device copy is lost: zeros, every row rewritten
+                self.mirror[:] = 0
+                self.dbatch.invalidate()
         self.sched.update_after_step(out)
         sampled = []
         for s in out.scheduled:
@@ -123,6 +141,7 @@ class FakeEngine:
             self.finished_at[g.request_id] = self.steps
             if len(self.finished_at) % 2:
                 self.batch.release(s.seq_id for s in g.seqs)
+                self.dbatch.release(s.seq_id for s in g.seqs)
         for g in out.rejected:
             self.finished_at[g.request_id] = self.steps
         for g, _error in out.failed:
