@@ -34,6 +34,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024,
                     help="the engine's max_model_len: on CPU every step's block tables are "
                          "max_model_len / block_size wide")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig field for the engine, e.g. device_block_tables=false")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -44,8 +46,16 @@ def main() -> None:
     from pagedjax import LLM, SamplingParams
 
     load0 = os.getloadavg()[0]
+    import ast
+
+    extra = {}
+    for kv in args.engine_arg:
+        k, v = kv.split("=", 1)
+        low = v.lower()
+        extra[k] = (low == "true" if low in ("true", "false")
+                    else ast.literal_eval(v) if v[:1].isdigit() else v)
     llm = LLM("smollm2", dtype="float32", max_model_len=args.max_model_len,
-              cpu_kv_cache_gb=1.0)
+              cpu_kv_cache_gb=1.0, **extra)
     eng, runner = llm.engine, llm.engine.runner
     reqs = [{"prompt_token_ids": p} for p in make_prompt_ids(eng.tokenizer, args.prompts)]
     sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
@@ -94,7 +104,7 @@ def main() -> None:
                     "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load0},
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "workload": {"prompts": args.prompts, "tokens": args.tokens,
-                     "max_model_len": args.max_model_len},
+                     "max_model_len": args.max_model_len, "engine_args": extra},
         "steps": steps,
         "wall_ms_per_step": wall / steps * 1e3,
         "cpu_ms_per_step": ms,

@@ -71,13 +71,23 @@ class _Runner:
         self.kv_layout = kv_layout(config, engine_config)
         self.num_kv_groups = self.kv_layout.num_groups
         self.params = params
+        self.mesh = None  # one device: the engine keeps the block tables on it
+        self.device_tables = None
+
+    def enable_device_tables(self, rows: int) -> None:
+        self.device_tables = rows  # the host's part only: `execute` takes the queued writes
+
+    def _take(self, inputs) -> None:
+        self.compiled_shapes.add(inputs.shape_key)
+        if inputs.table_source is not None:
+            inputs.table_source.take_deltas()
 
     def execute(self, inputs):
-        self.compiled_shapes.add(inputs.shape_key)
+        self._take(inputs)
         return np.zeros((len(inputs.logits_indices), 1), np.float32)  # never read
 
     def execute_hidden(self, inputs):
-        self.compiled_shapes.add(inputs.shape_key)
+        self._take(inputs)
         return np.zeros((len(inputs.logits_indices), 1), np.float32)  # never read
 
     def cache_lost(self) -> bool:

@@ -15,9 +15,9 @@ entries itself; more (a new sequence with a long cached prefix, a swap-in) go fi
 `CHUNK`-entry calls of `write`, one compiled shape.
 
 The copy is a cache of the host rows, which stay the source of truth. If a dispatch fails
-after the queue was taken, the runner makes the batch rewrite every row on its next use
-(`InputBatch.invalidate`) and starts from zeros if the array was lost; kernels read only the
-entries below a sequence's length, so rows of other or finished sequences are never read.
+after the queue was taken, the runner starts the copy from zeros and the batch sends every row
+whole on its next use (`InputBatch.invalidate`); kernels read only the entries below a
+sequence's length, so rows of other or finished sequences are never read.
 """
 
 from __future__ import annotations

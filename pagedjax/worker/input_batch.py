@@ -33,8 +33,8 @@ value) pairs into the `[max_rows, G, M]` table, and `take_deltas` hands the queu
 that is dispatched next: the device then scatters the changes and gathers the step's rows
 itself, so what travels per step follows what changed, not S x M (128 KiB at 256 sequences x
 128 blocks, 2 MiB at 256 x 2048). The queue is drained at dispatch, not when a step is built,
-so a step built and then dropped leaves its changes for the next one; `invalidate` makes every
-row rewrite itself on its next use (after the device copy was lost or replaced).
+so a step built and then dropped leaves its changes for the next one; `invalidate` (the device
+copy is zeros again) makes every row send all its entries on its next use.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ class InputBatch:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.max_rows = max_rows
         self.num_groups = num_groups
-        # Queued (flat start, values) writes for the device copy; None: no device copy.
-        self._deltas: list[tuple[int, np.ndarray]] | None = [] if device_tables else None
+        # Queued (flat indices, values) writes for the device copy; None: no device copy.
+        self._deltas: list[tuple[np.ndarray, np.ndarray]] | None = [] if device_tables else None
+        # (row, group)s the device copy holds as zeros (`invalidate`): their next rewrite
+        # sends every entry, not only those that differ from the host row.
+        self._zeroed: set[tuple[int, int]] = set()
         self._row: dict[int, int] = {}  # seq id -> row
         self._free: list[int] = []
         self._tables = np.zeros((0, num_groups, max_blocks_per_seq), np.int32)
@@ -134,6 +137,8 @@ class InputBatch:
         version, written, row = self._version[r], self._written[r], self._tables[r, g]
         if v < 0 or version[g] != v:  # new, CoW'd, swapped or unknown: the whole row
             old = written[g]
+            span = max(old, n)
+            before = row[:span].copy() if self._deltas is not None else None
             row[:n] = table
             if old > n:
                 row[n:old] = 0
@@ -141,15 +146,25 @@ class InputBatch:
             written[g] = n
             self.num_rewrites += 1
             if self._deltas is not None:
-                # The stale tail too: the device row then equals the host row exactly.
-                self._deltas.append(((r * self.num_groups + g) * self.max_blocks_per_seq,
-                                     row[: max(old, n)].copy()))
+                # The entries that differ from what the device holds (all of them after
+                # `invalidate`), the stale tail's zeros included: the device row then equals
+                # the host row exactly. An unversioned table that only grew (the contiguous
+                # baselines rewrite every step) sends its new entries only.
+                base = (r * self.num_groups + g) * self.max_blocks_per_seq
+                if (r, g) in self._zeroed:
+                    self._zeroed.discard((r, g))
+                    changed = np.arange(span, dtype=np.int32)
+                else:
+                    changed = np.flatnonzero(row[:span] != before).astype(np.int32)
+                if changed.size:
+                    self._deltas.append((base + changed, row[changed]))
         elif n > written[g]:  # appended blocks only
             w = written[g]
             row[w:n] = table[w:]
             written[g] = n
             if self._deltas is not None:
-                self._deltas.append(((r * self.num_groups + g) * self.max_blocks_per_seq + w,
+                base = (r * self.num_groups + g) * self.max_blocks_per_seq
+                self._deltas.append((np.arange(base + w, base + n, dtype=np.int32),
                                      row[w:n].copy()))
 
     def take_deltas(self) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +176,7 @@ class InputBatch:
         q, self._deltas = self._deltas, []
         if not q:
             return np.zeros(0, np.int32), np.zeros(0, np.int32)
-        idx = np.concatenate([np.arange(a, a + len(v), dtype=np.int32) for a, v in q])
+        idx = np.concatenate([i for i, _ in q])
         val = np.concatenate([v for _, v in q]).astype(np.int32, copy=False)
         if len(q) > 1:  # a row written twice (a dropped step, then this one): keep the last
             last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
@@ -171,13 +186,15 @@ class InputBatch:
         return idx, val
 
     def invalidate(self) -> None:
-        """Forget what the device copy holds: every row rewrites itself (and queues the
-        whole row) the next time it is used, and the queue is dropped. After the device copy
-        was lost, or replaced by a fresh one."""
+        """The device copy is zeros again (lost and rebuilt, or reset after a failed
+        dispatch): every row rewrites itself, queueing all its entries, the next time it is
+        used, and the queue is dropped."""
         for version in self._version:
             version[:] = [-2] * self.num_groups
         if self._deltas is not None:
             self._deltas = []
+            self._zeroed = {(r, g) for r in range(len(self._version))
+                            for g in range(self.num_groups)}
 
     @property
     def host_tables(self) -> np.ndarray:

@@ -316,7 +316,8 @@ class ModelRunner:
         can be lowered with `abstract_state` for deviceless AOT compilation
         (`pagedjax.aot.step`), so the compile tier builds the serving step's model and
         kernels (serving wraps `_step`'s body in `_make_serve_step`'s argument unpacking and
-        pending-token merge, a few slices and one gather)."""
+        pending-token merge, a few slices and one gather, and with device block tables a
+        scatter of the changed entries and a gather of the step's rows)."""
         self = cls.__new__(cls)
         self._setup(config, engine_config, dtype, max_model_len, shard_vocab, devices)
         self.devices = tuple(devices)
@@ -702,6 +703,9 @@ class ModelRunner:
         m = inputs.meta
         tables, extra, width, dev = m.block_tables, (), None, None
         if inputs.table_rows is not None:
+            if self.device_tables is None:
+                raise RuntimeError("a step with device block-table rows, but this runner keeps "
+                                   "none (`enable_device_tables`)")
             t_pad, s_pad, width = inputs.shape_key[:3]
             idx, val = (inputs.table_source.take_deltas() if inputs.table_source is not None
                         else (np.zeros(0, np.int32),) * 2)
@@ -725,11 +729,11 @@ class ModelRunner:
                 logits, self.k_cache, self.v_cache, self.device_tables.array = (
                     self._serve_step(*self._step_args(inputs)))
             except BaseException:
-                # The writes taken for this step may not have reached the device copy.
+                # The writes taken for this step may not have reached the device copy: start
+                # it from zeros, and the batch sends every row whole again.
+                self.device_tables.reset()
                 if inputs.table_source is not None:
                     inputs.table_source.invalidate()
-                if self.device_tables.array.is_deleted():
-                    self.device_tables.reset()
                 raise
         if self.mesh is not None:
             # Replicated: this process's first shard is the full [R, vocab] array, so sampling

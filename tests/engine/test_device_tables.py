@@ -164,3 +164,28 @@ def test_gather_rows_matches_the_host_tables():
             got = np.asarray(dt.gather_rows(mirror, rows, 6))
             got[..., len(sched):, :] = 0  # padding rows: any row (their lengths are 0)
             np.testing.assert_array_equal(got, want, err_msg=f"groups {groups} step {step}")
+
+
+def test_unversioned_rows_send_what_changed_and_invalidate_sends_all():
+    """An unversioned table (the contiguous baselines: version -1, rewritten every step)
+    that only grew queues its new entries only; a replaced row queues what differs, the
+    stale tail's zeros included; after `invalidate` (the device copy is zeros) a row queues
+    every entry it holds, once."""
+    batch = InputBatch(8, device_tables=True)
+    seq = lambda table: ScheduledSeq(0, "r", [0], 0, table, True, -1)  # noqa: E731
+    (r,) = batch.rows([seq([4, 5])])
+    base = r * 8
+    idx, val = batch.take_deltas()
+    assert list(idx) == [base, base + 1] and list(val) == [4, 5]
+    batch.rows([seq([4, 5, 6])])
+    idx, val = batch.take_deltas()
+    assert list(idx) == [base + 2] and list(val) == [6]
+    batch.rows([seq([4, 9])])  # a different table, shorter: one changed id, one zeroed
+    idx, val = batch.take_deltas()
+    assert list(idx) == [base + 1, base + 2] and list(val) == [9, 0]
+    batch.invalidate()
+    batch.rows([seq([4, 9])])
+    idx, val = batch.take_deltas()
+    assert list(idx) == [base, base + 1] and list(val) == [4, 9]  # past it: zeros already
+    batch.rows([seq([4, 9])])
+    assert batch.take_deltas()[0].size == 0
