@@ -2,9 +2,10 @@
 the engine's outputs are those of the engine that ships every step's tables, under
 preemption by swap and recompute, prefix-cache hits, chunked prefill, n > 1, beams and async
 scheduling; writes a step cannot carry go first in `write` calls; a dispatch that fails after
-taking the queue makes every row rewrite itself; and the serving step gathers the same tables
-the host would have sent. The row bookkeeping itself is checked against the live tables at
-every step of the scheduler property tests (tests/core/core_sim.py)."""
+taking the queue resets the table and has every row sent whole again; rows queue only the
+entries that changed; and the serving step gathers the same tables the host would have sent.
+The row bookkeeping itself is checked against the live tables at every step of the scheduler
+property tests (tests/core/core_sim.py)."""
 
 from __future__ import annotations
 
