@@ -50,7 +50,8 @@ class DeviceTables:
         return jax.device_put(np.zeros(self.shape, np.int32), self.device)
 
     def reset(self) -> None:
-        """Zeros again (the old array was lost); the batch must rewrite every row."""
+        """Zeros again (the old array was lost, or a failed dispatch may have left it behind
+        the host rows); the batch must then send every row whole (`InputBatch.invalidate`)."""
         self.array = self._zeros()
 
     def step_parts(self, rows: np.ndarray, idx: np.ndarray, val: np.ndarray, cap: int
