@@ -67,6 +67,13 @@ class BeamSearcher:
         self.scheduler = scheduler
         self.outputs = outputs
         self.new_seq_id = new_seq_id
+        self.dropped: list[int] = []  # beams dropped since `take_dropped`
+
+    def take_dropped(self) -> list[int]:
+        """Ids of the beams dropped since the last call: the engine releases their per-sequence
+        state (batch rows, sampling slots, history slots) as it does finished sequences'."""
+        out, self.dropped = self.dropped, []
+        return out
 
     def candidates(self, logprobs: jax.Array, row_info: list[tuple], requests: dict[str, RequestState]):
         """Launch on-device candidate selection for every beam group whose live beams all have
@@ -140,6 +147,7 @@ class BeamSearcher:
                 s.status = SequenceStatus.FINISHED_ABORTED
                 req.group.remove(s.seq_id)
                 req.forget(s)
+                self.dropped.append(s.seq_id)
         used: set[int] = set()
         assigned: list[tuple[Sequence, float, int]] = []
         for c in new_live:  # fork before any append: children copy the parent's pre-step state

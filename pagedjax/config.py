@@ -55,6 +55,10 @@ class EngineConfig:
     # that changed, not its [S, max_model_len / block_size] tables. None: on with one device;
     # under tensor parallelism the tables travel with each step as before.
     device_block_tables: bool | None = None
+    # Penalised requests' prompt and output ids kept on the device and extended by deltas
+    # (`worker.device_histories`), not packed into [rows, max_model_len] arrays each step.
+    # None: on with one device; under tensor parallelism they are packed as before.
+    device_penalty_histories: bool | None = None
     # CPU has no device-memory budget to measure; this caps the automatic sizing there.
     cpu_kv_cache_gb: float = 0.5
     # Models mixing sliding-window and global layers (Gemma 2/3) get one block table per

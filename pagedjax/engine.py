@@ -80,6 +80,7 @@ from pagedjax.spec import NgramProposer, accepted_prefix
 from pagedjax.spec.draft import DraftModelProposer
 from pagedjax.structured.manager import StructuredOutputs
 from pagedjax.worker.compile_stats import memory_maps, num_backend_compiles
+from pagedjax.worker.device_histories import HistorySlots
 from pagedjax.worker.host_heap import release_freed_memory
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.model_runner import ModelRunner, kv_bytes_per_block
@@ -272,6 +273,16 @@ class LLMEngine:
                                       max_rows=4 * ec.max_num_seqs,
                                       num_groups=self.runner.num_kv_groups,
                                       device_tables=device_tables)
+        # Penalised sequences' prompt and output ids on the device, extended by deltas: two
+        # slots per row of the largest sampler batch, so a slot is reused only after its
+        # sequence ended or left the running batch for that long.
+        device_hist = (ec.device_penalty_histories if ec.device_penalty_histories is not None
+                       else self.runner.mesh is None)
+        self.history_slots: HistorySlots | None = None
+        if device_hist:
+            slots = 2 * self.runner.shape_plan.sample_cap
+            self.runner.enable_device_histories(slots, self.max_model_len)
+            self.history_slots = HistorySlots(slots, self.max_model_len)
         # ... and their sampling parameters, written once per (sequence, sample index).
         self.sampling_batch = SamplingBatch(config.vocab_size, 4 * self.runner.shape_plan.seq_cap,
                                             eos_token_ids=sorted(self.eos_token_ids),
@@ -444,6 +455,14 @@ class LLMEngine:
                 sampled.add(b)
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
+                    if p is full and self.history_slots is not None:
+                        # Histories gathered on the device (`_device_histories`): both
+                        # committed arrays, another jit key than the host-packed ones.
+                        meta = meta.replace(**{k: jax.device_put(getattr(meta, k), dev)
+                                               for k in ("output_token_ids",
+                                                         "prompt_token_ids")})
+                        yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
+                        continue
                     yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
                     if p is full and self.runner.feed_tokens:
                         # Async scheduling writes pending tokens into the histories on the
@@ -711,11 +730,14 @@ class LLMEngine:
                 beams = (fl.beam_groups, cands)
             touched = self._apply_samples(fl, small, beams)
         done = self.scheduler.free_finished_seq_groups()
-        if done:
-            self.input_batch.release(s.seq_id for g in done for s in g.seqs)
-            self.sampling_batch.release(s.seq_id for g in done for s in g.seqs)
+        ended = [s.seq_id for g in done for s in g.seqs] + self.beams.take_dropped()
+        if ended:
+            self.input_batch.release(ended)
+            self.sampling_batch.release(ended)
+            if self.history_slots is not None:
+                self.history_slots.release(ended)
             if self.draft is not None:
-                self.draft.release(s.seq_id for g in done for s in g.seqs)
+                self.draft.release(ended)
         if len(self.structured):  # finished, aborted or failed sequences' matchers
             self.structured.retain({s.seq_id for req in self._requests.values()
                                     if req.grammar is not None for s in req.group.seqs
@@ -754,6 +776,8 @@ class LLMEngine:
         try:
             self.runner.reset_cache()
             self.input_batch.invalidate()  # the device's block tables are zeros again
+            if self.history_slots is not None:  # ... and its penalty histories
+                self.history_slots.invalidate()
         except Exception:
             logger.exception("rebuilding the KV cache failed; retrying at the next step")
             time.sleep(self.CACHE_RETRY_S)  # no busy loop while the device recovers
@@ -845,14 +869,17 @@ class LLMEngine:
     def _sampling_metadata(self, rows: list[tuple], pad_to: int,
                            masks: dict[int, np.ndarray] | None = None,
                            bans: dict[int, list[int]] | None = None,
-                           keys: list[tuple[int, int]] | None = None) -> SamplingMetadata:
+                           keys: list[tuple[int, int]] | None = None,
+                           pack_histories: bool = True) -> SamplingMetadata:
         """The step's sampling metadata; with ``keys`` (each row's sequence id and sample
-        index) from the parameters kept across steps (`SamplingBatch`), else row by row."""
+        index) from the parameters kept across steps (`SamplingBatch`), else row by row.
+        ``pack_histories`` False: penalty histories left None for the device to gather."""
         widths = dict(history_width=self.max_model_len, ban_width=self._ban_width,
                       masks=masks, mask_width=self.structured.mask_width,
                       bias_width=self._bias_width, extra_bans=bans)
         if keys is not None:
-            meta = self.sampling_batch.metadata(rows, keys, pad_to, **widths)
+            meta = self.sampling_batch.metadata(rows, keys, pad_to, pack_histories=pack_histories,
+                                                **widths)
         else:
             meta = SamplingMetadata.from_params(
                 rows, pad_to=pad_to, vocab_size=self.model_config.vocab_size,
@@ -898,9 +925,12 @@ class LLMEngine:
                                 native=self.runner.native_greedy)
             fl.row_info, fl.out = row_info, out
             return self._mark_pending(fl, out) if self.runner.feed_tokens else fl
-        hist = self.input_batch.histories  # penalty histories: persistent, grown by deltas
+        # Penalty histories: kept on the device (`worker.device_histories`), else packed on
+        # the host from buffers grown by deltas (`InputBatch.histories`).
+        on_device = self.history_slots is not None
+        hist = self.input_batch.histories
         rows = [(req.params, SeqSamplingState(
-                    *(hist(seq) if req.params.uses_penalties
+                    *(hist(seq) if req.params.uses_penalties and not on_device
                       else (seq.prompt_token_ids, seq.output_token_ids)),
                     req.counter, index, seq.num_pending))
                 for req, seq, index, _ in row_info]
@@ -921,7 +951,10 @@ class LLMEngine:
                         np.concatenate(head + [np.asarray(drafts[:j], np.int32)]))))
         masks, bans = self._token_masks(row_info, rows, fl)
         meta = self._sampling_metadata(rows, b_pad, masks, bans,
-                                       [(seq.seq_id, index) for _, seq, index, _ in row_info])
+                                       [(seq.seq_id, index) for _, seq, index, _ in row_info],
+                                       pack_histories=not on_device)
+        if meta.output_token_ids is None:
+            meta = self._device_histories(meta, row_info, fl)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
         # Beams rank candidates from `sample`'s raw log-softmax rows; speculative steps keep
@@ -1100,6 +1133,31 @@ class LLMEngine:
                 out[s.seq_id] = (r, s.spec_token_ids)
             r += n
         return out
+
+    def _device_histories(self, meta: SamplingMetadata, row_info, fl: _InFlight
+                          ) -> SamplingMetadata:
+        """The step's penalty histories gathered on the device: the ids the host learned
+        since the last step are written into each penalised sequence's slot, and a drafted
+        sequence's rows 1..k get their drafts after its outputs (and its pending token, which
+        `_feed_pending_history` writes in next), as the host-packed rows hold them."""
+        b = meta.temperature.shape[0]
+        seqs = [seq if req.params.uses_penalties else None for req, seq, _, _ in row_info]
+        slots, p_lens, o_lens, idx, val = self.history_slots.step(seqs, b)
+        patches = []
+        for r0, drafts in fl.spec_rows.values():
+            seq = seqs[r0]
+            if seq is None:
+                continue
+            at = int(o_lens[r0]) + seq.num_pending
+            for j in range(1, len(drafts) + 1):
+                patches.extend((r0 + j, at + i, drafts[i]) for i in range(j))
+        try:
+            out, prompt = self.runner.gather_histories(
+                slots, p_lens, o_lens, meta.repetition_penalty != 1.0, idx, val, patches)
+        except Exception:
+            self.history_slots.invalidate()  # the runner reset the device copy
+            raise
+        return meta.replace(output_token_ids=out, prompt_token_ids=prompt)
 
     def _feed_pending_history(self, meta: SamplingMetadata, row_info, prev: _InFlight | None
                               ) -> SamplingMetadata:

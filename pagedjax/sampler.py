@@ -232,10 +232,14 @@ class SamplingMetadata:
         mask_width: int | None = None,
         bias_width: int | None = None,
         extra_bans: dict[int, list[int]] | None = None,
+        pack_histories: bool = True,
     ) -> SamplingMetadata:
         """The metadata from per-row columns (`param_columns`, padded to ``b`` rows) and the
         rows that are penalised, biased or banned: `from_params` builds those row by row,
-        `worker.sampling_batch.SamplingBatch` gathers them from rows kept across steps."""
+        `worker.sampling_batch.SamplingBatch` gathers them from rows kept across steps.
+        ``pack_histories`` False (histories kept on the device, `worker.device_histories`):
+        where the histories are present, the penalty history fields are None, for the
+        caller to fill."""
         banned = {i: list(ids) for i, ids in banned.items() if ids}
         for i, ids in (extra_bans or {}).items():
             if ids:
@@ -270,8 +274,11 @@ class SamplingMetadata:
         bias_vals = np.zeros(bias_ids.shape, np.float32)
         for i in biased:
             bias_vals[i, : len(bias_lists[i])] = list(rows[i][0].logit_bias.values())
-        out_hist = pack(out_lists, history_width)
-        prompt_hist = pack(prompt_lists, history_width)
+        if pack_histories or not full:
+            out_hist = pack(out_lists, history_width)
+            prompt_hist = pack(prompt_lists, history_width)
+        else:
+            out_hist = prompt_hist = None
         top_k, top_p, min_p = cols["top_k"], cols["top_p"], cols["min_p"]
         return cls(
             **cols,

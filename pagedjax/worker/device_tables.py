@@ -22,12 +22,12 @@ sequence's length, so rows of other or finished sequences are never read.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import numpy as np
 
-CHUNK = 2048
+from pagedjax.worker.device_deltas import CHUNK, DeltaArray, apply_writes
+
+__all__ = ["CHUNK", "DeviceTables", "apply_writes", "capacity", "gather_rows"]
 
 
 def capacity(tokens: int, seqs: int, block_size: int) -> int:
@@ -36,63 +36,17 @@ def capacity(tokens: int, seqs: int, block_size: int) -> int:
     return seqs + tokens // block_size
 
 
-class DeviceTables:
+class DeviceTables(DeltaArray):
     def __init__(self, rows: int, num_groups: int, width: int, device: jax.Device) -> None:
-        self.shape = (rows, num_groups, width)
-        self.size = rows * num_groups * width
-        if self.size >= 2**31 - 1:
-            raise ValueError(f"device block tables of {self.shape} entries overflow int32 "
-                             f"indices: lower max_num_seqs or max_model_len")
-        self.device = device
-        self.array = self._zeros()
-
-    def _zeros(self) -> jax.Array:
-        return jax.device_put(np.zeros(self.shape, np.int32), self.device)
-
-    def reset(self) -> None:
-        """Zeros again (the old array was lost, or a failed dispatch may have left it behind
-        the host rows); the batch must then send every row whole (`InputBatch.invalidate`)."""
-        self.array = self._zeros()
+        super().__init__((rows, num_groups, width), device, "device block tables")
 
     def step_parts(self, rows: np.ndarray, idx: np.ndarray, val: np.ndarray, cap: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rows, idx, val) for a step carrying ``cap`` entries: writes past ``cap`` are
-        applied now (`write`); the step's own are padded with an index past the end, which
-        the scatter drops."""
+        """(rows, idx, val) for a step carrying ``cap`` entries (`DeltaArray.spill`)."""
         if len(rows) and int(rows.max()) >= self.shape[0]:
             raise RuntimeError(f"block-table row {int(rows.max())} is past the device "
                                f"table's {self.shape[0]} rows")
-        extra = len(idx) - cap
-        at = 0
-        while extra > 0:  # rare: a long cached prefix, a swap-in, a rebuilt batch
-            n = min(CHUNK, extra)
-            self.array = self.write(self.array, *self._padded(idx[at:at + n], val[at:at + n],
-                                                             CHUNK))
-            at += n
-            extra -= n
-        step_idx, step_val = self._padded(idx[at:], val[at:], cap)
-        return rows, step_idx, step_val
-
-    def _padded(self, idx: np.ndarray, val: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-        out_i = np.full(n, self.size, np.int32)
-        out_v = np.zeros(n, np.int32)
-        out_i[: len(idx)] = idx
-        out_v[: len(val)] = val
-        return out_i, out_v
-
-    @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
-    def write(self, array: jax.Array, idx: jax.Array, val: jax.Array) -> jax.Array:
-        return apply_writes(array, idx, val)
-
-    def warm(self) -> None:
-        """Compile `write` (its one shape)."""
-        self.array = self.write(self.array, *self._padded(np.zeros(0, np.int32),
-                                                          np.zeros(0, np.int32), CHUNK))
-
-
-def apply_writes(array: jax.Array, idx: jax.Array, val: jax.Array) -> jax.Array:
-    """``array`` with ``val`` written at flat positions ``idx`` (those past the end dropped)."""
-    return array.reshape(-1).at[idx].set(val, mode="drop").reshape(array.shape)
+        return (rows, *self.spill(idx, val, cap))
 
 
 def gather_rows(array: jax.Array, rows: jax.Array, width: int) -> jax.Array:

@@ -40,6 +40,7 @@ from pagedjax.parallel.mesh import (
     vocab_sharded,
 )
 from pagedjax.worker import huge_pages
+from pagedjax.worker.device_histories import DeviceHistories
 from pagedjax.worker.device_tables import DeviceTables, apply_writes, gather_rows
 from pagedjax.worker.device_tables import capacity as table_capacity
 from pagedjax.worker.host_heap import keep_freed_memory
@@ -241,6 +242,7 @@ class ModelRunner:
         self.model_config = config
         self.mesh = None
         self.device_tables: DeviceTables | None = None  # `enable_device_tables`
+        self.device_histories: DeviceHistories | None = None  # `enable_device_histories`
         self.shard_vocab = shard_vocab  # embeddings/lm_head split on vocab (else replicated)
         self.kv_layout = kv_layout(config, engine_config)
         layout = self.kv_layout if self.kv_layout.hybrid else None
@@ -398,15 +400,20 @@ class ModelRunner:
         """True when a failed call took the donated KV cache with it (its buffers deleted):
         every later step would fail on them."""
         return (self.k_cache.is_deleted() or self.v_cache.is_deleted()
-                or (self.device_tables is not None and self.device_tables.array.is_deleted()))
+                or (self.device_tables is not None and self.device_tables.array.is_deleted())
+                or (self.device_histories is not None
+                    and self.device_histories.array.is_deleted()))
 
     def reset_cache(self) -> None:
         """A fresh zero KV cache of the same size (after `cache_lost`), and fresh device block
-        tables (the engine then has its batch rewrite every row: `InputBatch.invalidate`)."""
+        tables and penalty histories (the engine then has every row sent whole again:
+        `InputBatch.invalidate`, `HistorySlots.invalidate`)."""
         self.k_cache = self._zeros_cache(self.num_gpu_blocks)
         self.v_cache = self._zeros_cache(self.num_gpu_blocks)
         if self.device_tables is not None:
             self.device_tables.reset()
+        if self.device_histories is not None:
+            self.device_histories.reset()
 
     @property
     def params(self) -> dict:
@@ -598,6 +605,24 @@ class ModelRunner:
         self.device_tables = DeviceTables(rows, self.num_kv_groups, self.max_blocks_per_seq,
                                           jax.local_devices()[0])
 
+    def enable_device_histories(self, slots: int, width: int) -> None:
+        """Keep penalised sequences' prompt and output ids on the device, ``slots`` rows of
+        ``width`` (`worker.device_histories`): sampler batches then send slot numbers and the
+        ids that are new instead of their packed histories. One device only."""
+        if self.mesh is not None:
+            raise ValueError("device penalty histories need a single-device runner")
+        self.device_histories = DeviceHistories(slots, width, self.shape_plan.spec_tokens,
+                                                jax.local_devices()[0])
+
+    def gather_histories(self, *args, **kwargs) -> tuple[jax.Array, jax.Array]:
+        """`DeviceHistories.gather`; a failed call resets the copy (the caller then forgets
+        its slots: `HistorySlots.invalidate`)."""
+        try:
+            return self.device_histories.gather(*args, **kwargs)
+        except Exception:
+            self.device_histories.reset()
+            raise
+
     def warmup(self, prompt_logprobs: bool = True,
                pool: concurrent.futures.Executor | None = None) -> list[tuple]:
         """Compile the step at every shape of `shape_plan` (with or without the prompt-logprob
@@ -781,7 +806,9 @@ class ModelRunner:
 
     def warmup_token_feed(self, history_width: int = 0) -> None:
         """Compile `_pad_tokens`, and `_merge_history` at `history_width`, for every sampler
-        batch size (the sequence buckets)."""
+        batch size (the sequence buckets); and the device histories' calls."""
+        if self.device_histories is not None:
+            self.device_histories.warm(self.shape_plan.sample_buckets)
         if not self.feed_tokens:
             return
         dev = jax.local_devices()[0]
@@ -790,8 +817,10 @@ class ModelRunner:
             jax.block_until_ready(tokens)
             if history_width:
                 none = np.full(b, -1, np.int32)
-                jax.block_until_ready(self.merge_pending_history(
-                    np.zeros((b, history_width), np.int32), none, none, tokens))
+                history = np.zeros((b, history_width), np.int32)
+                if self.device_histories is not None:  # gathered there: a committed array
+                    history = jax.device_put(history, dev)
+                jax.block_until_ready(self.merge_pending_history(history, none, none, tokens))
 
     # ---- block operations --------------------------------------------------
     @staticmethod
