@@ -111,9 +111,10 @@ def _run(config, params, on_device: bool, mode: str, prefix_caching: bool, seed:
     else:  # repeated spans: the n-gram proposer drafts
         prompts = _prompts(config.vocab_size, 24, seed=seed)
     requests = [(f"r{i}", p, _penalised(rng)) for i, p in enumerate(prompts)]
-    if spec is not None:  # no beams; half greedy with light penalties, which accept drafts
-        light = SamplingParams(temperature=0, max_tokens=30, presence_penalty=0.05,
-                               repetition_penalty=1.02, ignore_eos=True)
+    if spec is not None:  # no beams; half greedy rewarding repeats: drafts (copied from the
+        # history) are accepted, and each accepted draft's count moves the next argmax
+        light = SamplingParams(temperature=0, max_tokens=30, frequency_penalty=-0.6,
+                               ignore_eos=True)
         requests = [(r, p, light if i % 2 else sp) for i, (r, p, sp) in enumerate(requests)
                     if not sp.use_beam_search]
     plan = np.random.default_rng(seed + 1)
