@@ -1,6 +1,8 @@
 """Where the main thread's CPU time goes in a real CPU engine step (JAX calls included).
 
     .venv/bin/python bench/host_breakdown.py --prompts 64
+    .venv/bin/python bench/host_breakdown.py --prompts 64 --penalties \
+        --engine-arg device_penalty_histories=false   # penalty histories packed on the host
 
 `bench/host_overhead.py` stubs the device calls; this script runs `LLM.generate` on the demo
 model (fp32, greedy, the side-by-side benchmark's prompts, 128 tokens) after one untimed
@@ -36,6 +38,9 @@ def main() -> None:
                          "max_model_len / block_size wide")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="an EngineConfig field for the engine, e.g. device_block_tables=false")
+    ap.add_argument("--penalties", action="store_true",
+                    help="every request sampled (temperature 0.8, top-p 0.9, seeded) with "
+                         "presence and repetition penalties, instead of greedy")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -58,7 +63,11 @@ def main() -> None:
               cpu_kv_cache_gb=1.0, **extra)
     eng, runner = llm.engine, llm.engine.runner
     reqs = [{"prompt_token_ids": p} for p in make_prompt_ids(eng.tokenizer, args.prompts)]
-    sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
+    if args.penalties:
+        sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.8, top_p=0.9,
+                            seed=0, presence_penalty=0.2, repetition_penalty=1.1)
+    else:
+        sp = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0)
     llm.generate(reqs, sp, use_tqdm=False)  # compiles this workload's shapes
 
     cpu = collections.defaultdict(float)
@@ -84,6 +93,11 @@ def main() -> None:
         (runner, "_step_args", "      runner._step_args (the step's arguments)"),
         (engine_mod, "sample_greedy_hidden", "    sample_greedy_hidden (dispatch)"),
         (runner, "sampled_tokens", "    runner.sampled_tokens (padding jit)"),
+        (eng, "_sampling_metadata", "    engine._sampling_metadata"),
+        (eng, "_device_histories", "    engine._device_histories"),
+        (runner, "gather_histories", "      runner.gather_histories (dispatch)"),
+        (eng, "_feed_pending_history", "    engine._feed_pending_history"),
+        (engine_mod, "sample", "    sample (dispatch)"),
         (eng, "_finish", "  engine._finish"),
         (engine_mod.jax, "device_get", "    jax.device_get (results)"),
         (eng, "_apply_samples", "    engine._apply_samples"),
@@ -104,6 +118,7 @@ def main() -> None:
                     "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load0},
         "versions": {"jax": jax.__version__, "python": platform.python_version()},
         "workload": {"prompts": args.prompts, "tokens": args.tokens,
+                     "sampling": "penalised" if args.penalties else "greedy",
                      "max_model_len": args.max_model_len, "engine_args": extra},
         "steps": steps,
         "wall_ms_per_step": wall / steps * 1e3,

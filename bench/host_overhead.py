@@ -77,6 +77,14 @@ class _Runner:
     def enable_device_tables(self, rows: int) -> None:
         self.device_tables = rows  # the host's part only: `execute` takes the queued writes
 
+    def enable_device_histories(self, slots: int, width: int) -> None:
+        self.device_histories = None  # the host's part (`HistorySlots.step`) runs in the engine
+        self._no_history = np.full((self.shape_plan.sample_cap, width), -1, np.int32)
+
+    def gather_histories(self, slots, *a, **k):
+        out = self._no_history[: len(slots)]  # never read: the stub samplers ignore them
+        return out, out
+
     def _take(self, inputs) -> None:
         self.compiled_shapes.add(inputs.shape_key)
         if inputs.table_source is not None:
@@ -100,6 +108,7 @@ class _Runner:
     def copy_blocks(self, pairs) -> None: ...
 
 
+ENGINE_ARGS: dict = {}  # `--engine-arg`: EngineConfig fields for every engine measured
 SETTLE_STEPS = 8  # untimed decode steps between start-up (heap frozen) and the timed ones
 
 # (owner, attribute, label): the stages `--phases` times; nested ones are indented, so a
@@ -199,7 +208,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         blocks = num_seqs * -(-max_len // 16) + 16
         ec = EngineConfig(num_gpu_blocks=blocks, max_num_seqs=num_seqs,
                           max_num_batched_tokens=max(2048, num_seqs), max_model_len=max_len,
-                          warmup=False)
+                          warmup=False, **ENGINE_ARGS)
         engine = eng_mod.LLMEngine(config, {}, tokenizer, ec)
         for i in range(num_seqs):
             if mix == "mixed" and i % 2:
@@ -293,6 +302,10 @@ def main() -> None:
     ap.add_argument("--mixes", default="greedy,mixed", help="sampling mixes, comma-separated")
     ap.add_argument("--reps", type=int, default=1, help="rounds of every configuration")
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead.json"))
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="an EngineConfig field, e.g. device_penalty_histories=false "
+                         "(the stub's histories gather costs nothing: the device's work is "
+                         "what this benchmark leaves out)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="measure without gc.freeze() after start-up (the server freezes)")
     ap.add_argument("--compare-gc", type=int, default=0, metavar="REPS",
@@ -311,6 +324,11 @@ def main() -> None:
                          "SamplingBatch at --seqs rows, --reps rounds, written to "
                          "host_overhead_metadata.json")
     args = ap.parse_args()
+    import ast
+
+    for kv in args.engine_arg:
+        k, v = kv.split("=", 1)
+        ENGINE_ARGS[k] = ast.literal_eval(v.capitalize() if v.lower() in ("true", "false") else v)
     if args.metadata:
         load = os.getloadavg()[0]
         rows = [metadata_ab(n, max(args.reps, 3)) for n in map(int, args.seqs.split(","))]
@@ -404,7 +422,7 @@ def main() -> None:
     res = {"what": "host ms per decode step, device calls stubbed (bench/host_overhead.py)",
            "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
            "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(),
-           "python": sys.version.split()[0], "rows": rows}
+           "python": sys.version.split()[0], "engine_args": ENGINE_ARGS, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)

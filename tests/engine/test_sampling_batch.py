@@ -125,8 +125,9 @@ def test_engine_samples_the_same_with_the_persistent_batch(monkeypatch):
         if not persistent:
             real = eng._sampling_metadata
             monkeypatch.setattr(eng, "_sampling_metadata",
-                                lambda rows, pad, masks=None, bans=None, keys=None:
-                                real(rows, pad, masks, bans))
+                                lambda rows, pad, masks=None, bans=None, keys=None,
+                                pack_histories=True:
+                                real(rows, pad, masks, bans, pack_histories=pack_histories))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
         assert len(eng.sampling_batch) == 0  # every slot released with its request
         return outs, eng.sampling_batch.num_writes, eng.get_stats().num_preemptions_total
