@@ -406,10 +406,13 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 
 # Candidates from which top-k / top-p thresholds are read when they suffice (see
-# `filter_logits`): enough for the nucleus of a confident distribution at common settings;
-# a `lax.top_k` of 64 costs XLA:CPU about three passes over the logits (4.7 ms at
-# 64 x 49152), of 256 twice that.
-TOP_CANDIDATES = 64
+# `filter_logits`): enough for the nucleus of a confident distribution at common settings.
+# One row whose nucleus is wider sends the whole batch to the exact search and the noise over
+# the vocabulary (~80 ms at 64 x 49152 on CPU), so the count is set by real logits: the demo
+# model's 64-row steps at temperature 0.8 / top-p 0.9 had nuclei of up to 48-108 tokens, and
+# `sample` took 20-22 ms with 128 candidates on every step against 78-82 ms on four steps of
+# six with 64; 256 gained nothing more (`bench/sampler_candidates.py`).
+TOP_CANDIDATES = 128
 
 
 def _order_key(x: jax.Array) -> jax.Array:

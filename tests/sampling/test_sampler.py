@@ -142,7 +142,7 @@ def test_filter_masks_match_numpy() -> None:
     np.testing.assert_array_equal(kept[want], logits[want])
 
 
-@pytest.mark.parametrize("candidates", [1, 64, V])
+@pytest.mark.parametrize("candidates", [1, 64, 128, V])
 def test_top_k_top_p_thresholds_from_candidates_and_search_match_numpy(monkeypatch, candidates):
     """Both ways to a threshold, against float64 numpy: read from the top candidates (peaked
     rows, k within them) and the exact bisection (flat rows, k past the candidates; with one
