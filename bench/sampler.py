@@ -24,7 +24,8 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
 - `sample_greedy_native`: the same with ``native=True``, the one-pass kernel the CPU engine
   uses (`pallas_kernels/csrc/greedy_rows_cpu.cc`; omitted where the library does not build);
 - `sample_top_p_peaked`: top-p over the same logits times 8, a confident distribution whose
-  nucleus lies within the 64 candidates (`TOP_CANDIDATES`), the common case for a trained model.
+  nucleus lies within the candidates (`TOP_CANDIDATES`), the common case for a trained model
+  (`bench/sampler_candidates.py` measures real logits).
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
 average at the start. Writes bench/results/cpu/sampler.json and .png.
