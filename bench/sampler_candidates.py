@@ -155,7 +155,9 @@ def main() -> None:
            "versions": {"jax": jax.__version__, "python": platform.python_version()},
            "largest_nucleus_per_step": [s["largest_nucleus"] for s in first],
            "settings_per_step": [s["setting"] for s in first],
-           "tokens_identical_across_counts": same, "summary": summary, "runs": runs}
+           "tokens_identical_across_counts": same, "summary": summary,
+           "runs": [{**r, "steps": [{k: v for k, v in st.items() if k != "tokens"}
+                                    for st in r["steps"]]} for r in runs]}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     try:
         import matplotlib
