@@ -61,8 +61,9 @@ class HistorySlots:
         self._at.clear()
         self._free = list(range(self.slots - 1, -1, -1))
 
-    def _take(self, keep: set[int]) -> int:
+    def _take(self, seqs: Sequence) -> int:
         if not self._free:  # releases were missed: drop every sequence this step does not use
+            keep = {s.seq_id for s in seqs if s is not None}
             self.release([sid for sid in self._at if sid not in keep])
         if not self._free:
             raise RuntimeError(f"a step uses more than {self.slots} penalised sequences")
@@ -80,7 +81,6 @@ class HistorySlots:
         idx: list[int] = []
         val: list[int] = []
         w = self.width
-        keep = {s.seq_id for s in seqs if s is not None}
         seen: dict[int, tuple[int, int, int]] = {}
         for r, s in enumerate(seqs):
             if s is None:
@@ -94,7 +94,7 @@ class HistorySlots:
                                      f"max_model_len {w}")
                 ent = self._at.get(s.seq_id)
                 if ent is None or ent[1] != p or ent[2] > n:
-                    slot = ent[0] if ent is not None else self._take(keep)
+                    slot = ent[0] if ent is not None else self._take(seqs)
                     base = slot * w
                     idx.extend(range(base, base + p + n))
                     val.extend(prompt)

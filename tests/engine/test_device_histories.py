@@ -22,6 +22,7 @@ from pagedjax import LLM, SamplingParams
 from pagedjax.worker import device_histories as dh
 from pagedjax.worker.device_deltas import CHUNK
 from tests.engine.test_async_scheduling import _key, _logprobs
+from tests.engine.test_device_tables import serve_randomly
 from tests.engine.test_speculative import SPEC, _prompts
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
@@ -117,19 +118,7 @@ def _run(config, params, on_device: bool, mode: str, prefix_caching: bool, seed:
                                ignore_eos=True)
         requests = [(r, p, light if i % 2 else sp) for i, (r, p, sp) in enumerate(requests)
                     if not sp.use_beam_search]
-    plan = np.random.default_rng(seed + 1)
-    outputs, pending = {}, list(requests)
-    while pending or engine.has_unfinished_requests():
-        for _ in range(int(plan.integers(0, 4))):
-            if pending:
-                rid, prompt, sp = pending.pop(0)
-                engine.add_request(rid, None, sp, prompt_token_ids=prompt)
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id] = out
-    bm = engine.block_manager
-    bm.check_invariants()
-    assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
+    outputs = serve_randomly(engine, requests, seed + 1)
     if on_device:
         assert len(engine.history_slots) == 0, "slots of finished sequences were kept"
     return outputs, engine, poisoned, writes

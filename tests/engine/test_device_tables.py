@@ -58,7 +58,13 @@ def _run(config, params, device_tables: bool, mode: str, prefix_caching: bool, s
         if i % 3 == 0:  # a cached prefix of 5 blocks: more entries than a small step carries
             prompt = shared + prompt[:20]
         requests.append((f"r{i}", prompt, _params(rng, prefix_caching)))
-    plan = np.random.default_rng(seed + 1)
+    return serve_randomly(engine, requests, seed + 1), writes, engine.get_stats()
+
+
+def serve_randomly(engine, requests: list, plan_seed: int) -> dict:
+    """Add ``requests`` (id, prompt ids, params) 0-3 at a time between steps until all are
+    finished; returns the finished outputs by id, after checking the block pool is whole."""
+    plan = np.random.default_rng(plan_seed)
     outputs, pending = {}, list(requests)
     while pending or engine.has_unfinished_requests():
         for _ in range(int(plan.integers(0, 4))):
@@ -71,7 +77,7 @@ def _run(config, params, device_tables: bool, mode: str, prefix_caching: bool, s
     bm = engine.block_manager
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
-    return outputs, writes, engine.get_stats()
+    return outputs
 
 
 @pytest.mark.parametrize("mode,prefix_caching,seed,async_scheduling",
