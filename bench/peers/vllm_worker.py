@@ -97,7 +97,8 @@ def main() -> None:
     def generate(prompts: list[list[int]], max_tokens: int, ignore_eos: bool, job: dict):
         if job.get("reset_prefix_cache", True):
             llm.reset_prefix_cache()
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+        params = SamplingParams(**{"temperature": 0.0, **(job.get("sampling") or {})},
+                                max_tokens=max_tokens, ignore_eos=ignore_eos)
         inputs = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
         if job.get("arrivals") is not None:  # Poisson serving run through the engine loop
             eng = llm.llm_engine

@@ -305,6 +305,12 @@ class ModelRunner:
         self.native_greedy = (self.tp == 1 and platform == "cpu"
                               and os.environ.get("PAGEDJAX_NATIVE_GREEDY", "1")
                               not in ("0", "false") and _native_cpu())
+        # Sampled batches cut and draw each row natively there too (`pagedjax.sampler.sample`'s
+        # ``native``: a row costs itself, not the batch's widest nucleus);
+        # ``PAGEDJAX_NATIVE_SAMPLER=0`` keeps XLA's batch-wide branches.
+        self.native_sampler = (self.tp == 1 and platform == "cpu"
+                               and os.environ.get("PAGEDJAX_NATIVE_SAMPLER", "1")
+                               not in ("0", "false") and _native_cpu())
         # Set from the params in `__init__`: the step returns hidden states and the runner
         # applies the LM head (`execute`), so greedy rows can take the screened head instead
         # (`execute_hidden`, `head_screen`).

@@ -15,14 +15,11 @@
 
 #include <immintrin.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <thread>
 
+#include "row_math.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -40,73 +37,17 @@ struct Rows {
 };
 
 #if defined(__AVX512F__)
-// exp(a) for a <= 0 (and NaN, which it keeps): 2^n * p(r), r = a - n ln 2 in [-ln2/2, ln2/2],
-// p the degree-7 Taylor polynomial (relative error ~5e-9, below float rounding). Inputs under
-// -104 are clamped there: their exp is below float's smallest subnormal either way, and
-// `scalef` then gives 0. `max(c, a)` returns a when a is NaN (MAXPS returns its second
-// operand on unordered inputs), so NaN goes through.
-inline __m512 exp_nonpositive(__m512 a) {
-  a = _mm512_max_ps(_mm512_set1_ps(-104.0f), a);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), a);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-}
+using pagedjax_rows::exp_nonpositive;
+using pagedjax_rows::tail_mask;
 
 void row(const Rows& p, int64_t m) {
   const float* x = p.x + m * p.V;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  // Pass 1: per lane the largest value and the first index holding it (a strict > keeps the
-  // earlier index), and whether any NaN was seen.
-  __m512 best = _mm512_set1_ps(ninf);
-  __m512i best_i = _mm512_set1_epi32(0);
-  __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
-  __mmask16 nan = 0;
-  int64_t v = 0;
-  for (; v + 16 <= p.V; v += 16) {
-    const __m512 xv = _mm512_loadu_ps(x + v);
-    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(xv, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, xv);
-    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-    idx = _mm512_add_epi32(idx, step);
-  }
-  if (v < p.V) {
-    const __mmask16 t = tail_mask(p.V - v);
-    const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(ninf), t, x + v);
-    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
-    const __mmask16 gt = _mm512_cmp_ps_mask(xv, best, _CMP_GT_OQ);
-    best = _mm512_mask_mov_ps(best, gt, xv);
-    best_i = _mm512_mask_mov_epi32(best_i, gt, idx);
-  }
-  if (nan) {  // the first NaN is the maximum: find it (rare: a broken row)
-    for (int64_t i = 0; i < p.V; ++i)
-      if (std::isnan(x[i])) {
-        p.tok[m] = int32_t(i);
-        break;
-      }
+  // Pass 1: the first maximum (per lane the largest value and the first index holding it).
+  float top;
+  if (!pagedjax_rows::first_max(x, p.V, p.tok[m], top)) {  // a NaN: it is the maximum
     p.lp[m] = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const float top = _mm512_reduce_max_ps(best);
-  // The lowest index among lanes holding the maximum (a row of all -inf: index 0).
-  const __mmask16 at = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-  const int32_t first = _mm512_mask_reduce_min_epi32(at, best_i);
-  p.tok[m] = at ? first : 0;
   // Pass 2: sum(exp(x - top)) (the row is in L2 now): each 64 values summed in float, those
   // sums in double, so the result does not drift with the vocabulary's size (one float
   // accumulator per lane was off by ~2e-6 over 49152 values; XLA's tree sum by ~2e-7).
@@ -117,7 +58,7 @@ void row(const Rows& p, int64_t m) {
     hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
                                _mm512_castps_pd(s), 1))));
   };
-  v = 0;
+  int64_t v = 0;
   for (; v + 64 <= p.V; v += 64) {
     const __m512 e0 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + v), t));
     const __m512 e1 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + v + 16), t));
@@ -156,23 +97,6 @@ void row(const Rows& p, int64_t m) {
 }
 #endif
 
-// Items of kRowsPerItem rows handed out by one counter; `done` counts finished rows. Heap-held
-// so a helper that starts after the call returned (it then finds no item left) touches no
-// dead stack frame, and it reads the buffers only for an item it claimed, which the caller
-// waits for.
-struct Shared {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void work(Shared& sh, const Rows& p, int64_t items) {
-  for (int64_t i = sh.next.fetch_add(1); i < items; i = sh.next.fetch_add(1)) {
-    const int64_t m1 = std::min(p.B, (i + 1) * kRowsPerItem);
-    for (int64_t m = i * kRowsPerItem; m < m1; ++m) row(p, m);
-    sh.done.fetch_add(m1 - i * kRowsPerItem, std::memory_order_acq_rel);
-  }
-}
-
 ffi::Error GreedyRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                       ffi::Result<ffi::Buffer<ffi::S32>> tok,
                       ffi::Result<ffi::Buffer<ffi::F32>> lp) {
@@ -182,15 +106,8 @@ ffi::Error GreedyRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument("expected logits [B, V], tokens [B] and logprobs [B]");
   if (xd[1] < 1) return ffi::Error::InvalidArgument("logits need at least one column");
   const Rows p{xd[0], xd[1], x.typed_data(), tok->typed_data(), lp->typed_data()};
-  if (p.B == 0) return ffi::Error::Success();
-  const int64_t items = (p.B + kRowsPerItem - 1) / kRowsPerItem;
-  const int64_t helpers = p.B < kMinRowsForHelpers
-                              ? 0
-                              : std::min<int64_t>(pool.num_threads() - 1, items - 1);
-  auto sh = std::make_shared<Shared>();
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([sh, p, items] { work(*sh, p, items); });
-  work(*sh, p, items);
-  while (sh->done.load(std::memory_order_acquire) < p.B) std::this_thread::yield();
+  pagedjax_rows::for_rows(pool, p.B, kRowsPerItem, kMinRowsForHelpers,
+                          [p] { return [p](int64_t m) { row(p, m); }; });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,367 @@
+// Sampled tokens for float32 logits rows, as an XLA FFI call
+// (`pallas_kernels.cpu_native.sample_rows_cpu`, behind `pagedjax.sampler.sample(native=True)`):
+// per row temperature, top-k, top-p, min-p and a Gumbel-max draw with the row's threefry key.
+//
+// Why native code: XLA has only batch-wide control flow, so one row whose nucleus is wider than
+// the sampler's top-128 candidates sends every row of the step to an exact threshold search
+// (32 bisection passes over [B, V]) and to Gumbel noise over the whole vocabulary (threefry
+// and two logs per entry): ~100 ms of a 64-row step on this project's 2-core host, where the
+// model takes ~110. Here each row pays for itself only: its threshold comes from a histogram of
+// the row's probability mass (one pass, then a sort of the few values near the cut), and noise
+// is drawn only for entries that are kept and could still win the draw (a Gumbel value lies in
+// [-4.47, 15.95], so an entry more than 20.5 below the best score so far cannot win).
+//
+// Same definitions as `pagedjax.sampler.sample` (whose tokens the tests compare): greedy rows
+// (temperature < eps) take the first maximum of the unscaled row; the others scale by
+// 1 / temperature, keep values >= the largest of the k-th largest value (top-k), the smallest
+// value v with mass(> v) < top_p * mass(top-k) <= mass(>= v) (top-p; ties of v are kept), and
+// row max + log(min_p) (min-p); and take the first index maximising kept + Gumbel noise, the
+// noise being `jax.random.gumbel(key, (V,))`'s: threefry2x32(key, (0, i)), both words xored,
+// as `jax.random.uniform` turns bits into floats. The masses are summed in double here and in
+// float by XLA, and the logs differ by an ulp, so a row whose cut or draw is decided within
+// float rounding may differ; elsewhere the tokens are the same. A row holding a NaN takes its
+// first NaN (as greedy rows do), a row of all -inf index 0.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "row_math.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRowsPerItem = 1;  // a sampled row: ~20-150 us
+constexpr int64_t kMinRowsForHelpers = 2;
+// Mass histogram over d = row max - value: kBins bins of width 1 / kScale, the last one
+// holding every d past (kBins - 1) / kScale (mass below e^-31 of the maximum's).
+constexpr int kScale = 128;
+constexpr int kBins = 4096;
+// Bounds of the float Gumbel values: u in [tiny, 1 - 2^-24] gives -log(-log(u)) in
+// [-4.4699, 15.9424]; the margins cover the logs' rounding.
+constexpr float kGumbelMax = 16.0f;
+
+struct Rows {
+  int64_t B, V;
+  const float* x;
+  const float* temp;
+  const int32_t* top_k;
+  const float* top_p;
+  const float* log_min_p;
+  const uint32_t* keys;  // [B, 2]
+  float greedy_eps;
+  int32_t* tok;
+};
+
+inline uint32_t ordered(float f) {  // unsigned keys that order like the floats (NaN excepted)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+inline float unordered(uint32_t k) {
+  const uint32_t u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The k-th largest value of xs[0, V) (1 <= k <= V), by radix selection over its ordered keys:
+// three passes of 11, 11 and 10 bits, each counting the entries that share the prefix found.
+float kth_largest(const float* xs, int64_t V, int64_t k, std::vector<uint32_t>& count) {
+  uint32_t prefix = 0, prefix_mask = 0;
+  int64_t left = k;  // rank still to find among entries matching the prefix
+  const int shifts[3] = {21, 10, 0};
+  const int widths[3] = {11, 11, 10};
+  for (int pass = 0; pass < 3; ++pass) {
+    const int sh = shifts[pass];
+    const uint32_t nb = 1u << widths[pass];
+    count.assign(nb, 0);
+    for (int64_t i = 0; i < V; ++i) {
+      const uint32_t key = ordered(xs[i]);
+      if ((key & prefix_mask) == prefix) ++count[(key >> sh) & (nb - 1)];
+    }
+    uint32_t b = nb;
+    while (b-- > 0) {
+      if (int64_t(count[b]) >= left) break;
+      left -= count[b];
+    }
+    prefix |= b << sh;
+    prefix_mask |= (nb - 1) << sh;
+  }
+  return unordered(prefix);
+}
+
+// exp(v - top) for v <= top, in float: the vector polynomial where there is one, so that the
+// histogram and the walk below give a value the same mass.
+inline float mass_of(float v, float top) {
+#if defined(__AVX512F__)
+  return _mm512_cvtss_f32(pagedjax_rows::exp_nonpositive(_mm512_set1_ps(v - top)));
+#else
+  return std::exp(v - top);
+#endif
+}
+
+// The top-p cut: the smallest value v with mass(> v) < p * total <= mass(>= v), each value's
+// mass exp(v - top), values under `floor` (top-k's cut) having none. A histogram of the mass
+// over d = top - v in bins of 1 / kScale finds the bin holding the cut (every value of a bin
+// exceeds every value of the next); that bin's values, sorted, give it.
+float top_p_cut(const float* xs, int64_t V, float top, float floor, float top_p,
+                std::vector<double>& mass, std::vector<float>& near) {
+  mass.assign(kBins, 0.0);
+  auto bin = [top](float v) {
+    const float d = (top - v) * float(kScale);
+    return d < float(kBins - 1) ? int(d) : kBins - 1;
+  };
+#if defined(__AVX512F__)
+  const __m512 t = _mm512_set1_ps(top), f = _mm512_set1_ps(floor);
+  alignas(64) float e[16];
+  alignas(64) int32_t bi[16];
+  for (int64_t v = 0; v < V; v += 16) {
+    const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                           pagedjax_rows::tail_mask(V - v), xs + v);
+    const __mmask16 kept = _mm512_cmp_ps_mask(xv, f, _CMP_GE_OQ);
+    if (!kept) continue;
+    _mm512_store_ps(e, _mm512_maskz_mov_ps(kept, pagedjax_rows::exp_nonpositive(
+                                                     _mm512_sub_ps(xv, t))));
+    const __m512 d = _mm512_min_ps(_mm512_mul_ps(_mm512_sub_ps(t, xv), _mm512_set1_ps(kScale)),
+                                   _mm512_set1_ps(float(kBins - 1)));
+    _mm512_store_si512(bi, _mm512_cvttps_epi32(d));
+    for (int l = 0; l < 16; ++l) mass[bi[l]] += e[l];
+  }
+#else
+  for (int64_t i = 0; i < V; ++i)
+    if (xs[i] >= floor) mass[bin(xs[i])] += mass_of(xs[i], top);
+#endif
+  double total = 0.0;
+  for (int b = 0; b < kBins; ++b) total += mass[b];
+  const double want = double(top_p) * total;
+  double above = 0.0;  // mass of the bins before b
+  int b = 0;
+  for (; b < kBins - 1; ++b) {
+    if (above + mass[b] >= want) break;
+    above += mass[b];
+  }
+  near.clear();
+  for (int64_t i = 0; i < V; ++i)
+    if (xs[i] >= floor && bin(xs[i]) == b) near.push_back(xs[i]);
+  std::sort(near.begin(), near.end(), [](float a, float c) { return a > c; });
+  for (size_t i = 0; i < near.size();) {
+    const float v = near[i];
+    size_t j = i;
+    while (j < near.size() && near[j] == v) ++j;
+    const double tied = double(j - i) * mass_of(v, top);
+    if (above + tied >= want) return v;  // and above < want: the mass of everything before v
+    above += tied;
+    i = j;
+  }
+  return near.empty() ? floor : near.back();  // rounding left the cut past the bin
+}
+
+#if defined(__AVX512F__)
+inline __m512i rotl(__m512i x, int r) {
+  switch (r) {  // vprold takes an immediate
+    case 13: return _mm512_rol_epi32(x, 13);
+    case 15: return _mm512_rol_epi32(x, 15);
+    case 26: return _mm512_rol_epi32(x, 26);
+    case 6: return _mm512_rol_epi32(x, 6);
+    case 17: return _mm512_rol_epi32(x, 17);
+    case 29: return _mm512_rol_epi32(x, 29);
+    case 16: return _mm512_rol_epi32(x, 16);
+    default: return _mm512_rol_epi32(x, 24);
+  }
+}
+
+// threefry2x32(key, (0, i)) for 16 consecutive i: both output words xored, as
+// `jax.random.bits` gives them with partitionable keys.
+inline __m512i threefry_bits(uint32_t k0, uint32_t k1, __m512i i) {
+  const uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
+  const uint32_t ks[3] = {k0, k1, k2};
+  static constexpr int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  __m512i x0 = _mm512_set1_epi32(int(k0));
+  __m512i x1 = _mm512_add_epi32(i, _mm512_set1_epi32(int(k1)));
+  for (int g = 0; g < 5; ++g) {
+    for (int r = 0; r < 4; ++r) {
+      x0 = _mm512_add_epi32(x0, x1);
+      x1 = _mm512_xor_si512(rotl(x1, rot[g & 1][r]), x0);
+    }
+    x0 = _mm512_add_epi32(x0, _mm512_set1_epi32(int(ks[(g + 1) % 3])));
+    x1 = _mm512_add_epi32(x1, _mm512_set1_epi32(int(ks[(g + 2) % 3] + uint32_t(g + 1))));
+  }
+  return _mm512_xor_si512(x0, x1);
+}
+
+// `jax.random.gumbel`'s values from the bits: a float in [1, 2) minus one, zero raised to
+// float's smallest normal, then -log(-log(u)).
+inline __m512 gumbel(__m512i bits) {
+  const __m512 f = _mm512_sub_ps(
+      _mm512_castsi512_ps(_mm512_or_si512(_mm512_srli_epi32(bits, 9),
+                                          _mm512_set1_epi32(0x3F800000))),
+      _mm512_set1_ps(1.0f));
+  const __m512 u = _mm512_max_ps(f, _mm512_set1_ps(std::numeric_limits<float>::min()));
+  const __m512 nlog = _mm512_sub_ps(_mm512_setzero_ps(), pagedjax_rows::log_positive(u));
+  return _mm512_sub_ps(_mm512_setzero_ps(), pagedjax_rows::log_positive(nlog));
+}
+
+// The first index maximising xs + noise over kept values (>= cut), drawing noise only for
+// 16-value chunks where some kept value could still reach the best score.
+int32_t draw(const float* xs, int64_t V, float cut, uint32_t k0, uint32_t k1) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float best = ninf;
+  int32_t best_i = 0;
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 c = _mm512_set1_ps(cut);
+  for (int64_t v = 0; v < V; v += 16, at = _mm512_add_epi32(at, _mm512_set1_epi32(16))) {
+    const __m512 xv = _mm512_mask_loadu_ps(_mm512_set1_ps(ninf), pagedjax_rows::tail_mask(V - v),
+                                           xs + v);
+    // Could win: kept, and its best possible score not below the best (ties go to the first
+    // index, so an equal later score cannot win either; rounding is monotone).
+    const __mmask16 live =
+        _mm512_cmp_ps_mask(xv, c, _CMP_GE_OQ) &
+        _mm512_cmp_ps_mask(_mm512_add_ps(xv, _mm512_set1_ps(kGumbelMax)), _mm512_set1_ps(best),
+                           _CMP_GT_OQ);
+    if (!live) continue;
+    const __m512 score = _mm512_mask_add_ps(_mm512_set1_ps(ninf), live, xv,
+                                            gumbel(threefry_bits(k0, k1, at)));
+    const float top = _mm512_reduce_max_ps(score);
+    if (top > best) {
+      best = top;
+      const __mmask16 hit = _mm512_cmp_ps_mask(score, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      best_i = int32_t(v) + int32_t(__builtin_ctz(uint32_t(hit)));
+    }
+  }
+  return best_i;
+}
+#else
+uint32_t rotl32(uint32_t x, int r) { return (x << r) | (x >> (32 - r)); }
+
+int32_t draw(const float* xs, int64_t V, float cut, uint32_t k0, uint32_t k1) {
+  const uint32_t k2 = k0 ^ k1 ^ 0x1BD11BDAu;
+  const uint32_t ks[3] = {k0, k1, k2};
+  static constexpr int rot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
+  float best = -std::numeric_limits<float>::infinity();
+  int32_t best_i = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (!(xs[i] >= cut) || !(xs[i] + kGumbelMax > best)) continue;
+    uint32_t x0 = k0, x1 = uint32_t(i) + k1;
+    for (int g = 0; g < 5; ++g) {
+      for (int r = 0; r < 4; ++r) {
+        x0 += x1;
+        x1 = rotl32(x1, rot[g & 1][r]) ^ x0;
+      }
+      x0 += ks[(g + 1) % 3];
+      x1 += ks[(g + 2) % 3] + uint32_t(g + 1);
+    }
+    const uint32_t bits = ((x0 ^ x1) >> 9) | 0x3F800000u;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    const float u = std::max(f - 1.0f, std::numeric_limits<float>::min());
+    const float s = xs[i] + -std::log(-std::log(u));
+    if (s > best) {
+      best = s;
+      best_i = int32_t(i);
+    }
+  }
+  return best_i;
+}
+#endif
+
+struct Scratch {
+  std::vector<float> xs;
+  std::vector<uint32_t> count;
+  std::vector<double> mass;
+  std::vector<float> near;
+};
+
+int32_t first_max(const float* x, int64_t V, float& top) {
+#if defined(__AVX512F__)
+  int32_t idx = 0;
+  pagedjax_rows::first_max(x, V, idx, top);
+  return idx;
+#else
+  top = -std::numeric_limits<float>::infinity();
+  int32_t arg = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (x[i] != x[i]) {
+      top = x[i];
+      return int32_t(i);
+    }
+    if (x[i] > top) {
+      top = x[i];
+      arg = int32_t(i);
+    }
+  }
+  return arg;
+#endif
+}
+
+void row(const Rows& p, int64_t m, Scratch& s) {
+  const float* x = p.x + m * p.V;
+  const float t = p.temp[m];
+  float top;
+  if (!(t >= p.greedy_eps)) {  // greedy: the unscaled row's first maximum
+    p.tok[m] = first_max(x, p.V, top);
+    return;
+  }
+  float* xs = s.xs.data();
+  for (int64_t i = 0; i < p.V; ++i) xs[i] = x[i] / t;
+  const int32_t arg = first_max(xs, p.V, top);
+  if (std::isnan(top) || top == -std::numeric_limits<float>::infinity() ||
+      top == std::numeric_limits<float>::infinity()) {
+    p.tok[m] = arg;  // a NaN, all -inf, or an infinite logit: the first of them
+    return;
+  }
+  const int64_t k = std::clamp<int64_t>(p.top_k[m], 1, p.V);
+  float cut = k < p.V ? kth_largest(xs, p.V, k, s.count)
+                      : -std::numeric_limits<float>::infinity();
+  if (p.top_p[m] < 1.0f) cut = top_p_cut(xs, p.V, top, cut, p.top_p[m], s.mass, s.near);
+  cut = std::max(cut, top + p.log_min_p[m]);
+  p.tok[m] = draw(xs, p.V, cut, p.keys[2 * m], p.keys[2 * m + 1]);
+}
+
+ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> temp,
+                     ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
+                     ffi::Buffer<ffi::F32> log_min_p, ffi::Buffer<ffi::U32> keys,
+                     float greedy_eps, ffi::Result<ffi::Buffer<ffi::S32>> tok) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("expected logits [B, V]");
+  const int64_t B = xd[0], V = xd[1];
+  if (V < 1) return ffi::Error::InvalidArgument("logits need at least one column");
+  auto is_rows = [B](auto dims) { return dims.size() == 1 && dims[0] == B; };
+  if (!is_rows(temp.dimensions()) || !is_rows(top_k.dimensions()) ||
+      !is_rows(top_p.dimensions()) || !is_rows(log_min_p.dimensions()) ||
+      !is_rows(tok->dimensions()) || keys.dimensions().size() != 2 ||
+      keys.dimensions()[0] != B || keys.dimensions()[1] != 2)
+    return ffi::Error::InvalidArgument(
+        "expected temperature, top_k, top_p, log_min_p and tokens [B], keys [B, 2]");
+  const Rows p{B, V, x.typed_data(), temp.typed_data(), top_k.typed_data(),
+               top_p.typed_data(), log_min_p.typed_data(), keys.typed_data(), greedy_eps,
+               tok->typed_data()};
+  pagedjax_rows::for_rows(pool, B, kRowsPerItem, kMinRowsForHelpers, [p] {
+    auto s = std::make_shared<Scratch>();
+    s->xs.resize(p.V);
+    return [p, s](int64_t m) { row(p, m, *s); };
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxSampleRowsCpu, SampleRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // logits [B, V], processed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // temperature [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // top_k [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // top_p [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // log(min_p) [B]
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // threefry keys [B, 2]
+                                  .Attr<float>("greedy_eps")
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // tokens [B]

@@ -1,0 +1,215 @@
+"""The native per-row sampler (`pallas_kernels/csrc/sample_rows_cpu.cc`) against `sample`'s
+XLA path (the same tokens), against `jax.random.categorical` (the same noise), and against a
+float64 numpy model of temperature, top-k, top-p and min-p (token frequencies over many keys,
+and no token outside the cut ever drawn). Widths around its 16-lane vectors, ties at the cut,
+-inf entries, broken rows, rows that do not depend on their batch, and bad arguments."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedjax.sampler import SamplingMetadata, SeqSamplingState, row_keys, sample
+from pagedjax.sampling_params import _GREEDY_EPS, SamplingParams
+from pallas_kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(),
+                                reason="native CPU kernels need a C++ compiler")
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """An XLA:CPU custom call: every case runs on the CPU device, whatever the default."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+_native = jax.jit(cpu_native.sample_rows_cpu, static_argnames=("greedy_eps",))
+
+
+def _meta(params: list[SamplingParams], v: int) -> SamplingMetadata:
+    return SamplingMetadata.from_params([(p, SeqSamplingState([0], [])) for p in params],
+                                        len(params), v)
+
+
+def _both(x: np.ndarray, params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
+    meta = _meta(params, x.shape[1])
+    rows = np.arange(len(params), dtype=np.int32)
+    xla = sample(jnp.asarray(x), meta, rows=rows)
+    nat = sample(jnp.asarray(x), meta, rows=rows, native=True)
+    # Everything but the token comes from the same XLA code on the same token.
+    for a, b in zip(xla[1:5], nat[1:5]):
+        np.testing.assert_array_equal(np.asarray(a)[np.asarray(xla[0]) == np.asarray(nat[0])],
+                                      np.asarray(b)[np.asarray(xla[0]) == np.asarray(nat[0])])
+    return np.asarray(xla.token_ids), np.asarray(nat.token_ids)
+
+
+def _logits(rng: np.random.Generator, b: int, v: int, kind: str) -> np.ndarray:
+    if kind == "peaked":  # a few likely tokens over a wide tail, like a model's rows
+        x = rng.standard_normal((b, v)) * 2.5
+        x[:, rng.integers(0, v, size=min(v, 8))] += 8
+    elif kind == "flat":  # the nucleus holds most of the vocabulary
+        x = rng.standard_normal((b, v)) * 0.3
+    else:  # "ties": few distinct values, so cuts fall on runs of equal values
+        x = rng.integers(-3, 3, size=(b, v)).astype(np.float64)
+    return x.astype(np.float32)
+
+
+_CONFIGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=1.0, top_p=0.95),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.3, top_k=40, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1),
+    dict(temperature=0.9, top_k=20, top_p=0.7, min_p=0.05),
+    dict(temperature=1.0, top_p=0.01),
+    dict(temperature=1.0, top_k=1),
+    dict(temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("v", [1, 15, 16, 17, 100, 1000, 49152])
+@pytest.mark.parametrize("kind", ["peaked", "flat", "ties"])
+def test_same_tokens_as_the_xla_sampler(v, kind):
+    rng = np.random.default_rng(v * 7 + len(kind))
+    params = [SamplingParams(**{**c, **({"top_k": min(c["top_k"], v)} if "top_k" in c else {})},
+                             seed=int(rng.integers(1 << 31)))
+              for c in _CONFIGS for _ in range(2)]
+    x = _logits(rng, len(params), v, kind)
+    xla, nat = _both(x, params)
+    np.testing.assert_array_equal(nat, xla)
+    assert nat.dtype == np.int32
+
+
+def test_mixed_rows_with_banned_entries():
+    """A batch mixing every configuration, with -inf entries (bans, masks) in every row."""
+    rng = np.random.default_rng(1)
+    v = 4099
+    params = [SamplingParams(**_CONFIGS[i % len(_CONFIGS)], seed=i) for i in range(37)]
+    x = _logits(rng, len(params), v, "peaked")
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    xla, nat = _both(x, params)
+    np.testing.assert_array_equal(nat, xla)
+
+
+def test_noise_is_jax_gumbel():
+    """Pure temperature sampling of a flat row is the argmax of the noise alone: the token of
+    `jax.random.categorical` with the row's key, for every key (an independent reference for
+    the threefry stream and the noise's float conversion)."""
+    b, v = 64, 3001
+    params = [SamplingParams(temperature=1.0, seed=s) for s in range(b)]
+    meta = _meta(params, v)
+    keys = row_keys(meta)
+    x = np.zeros((b, v), np.float32)
+    got = np.asarray(_native(jnp.asarray(x), meta.temperature, meta.top_k, meta.top_p,
+                             meta.min_p, jax.random.key_data(keys), greedy_eps=_GREEDY_EPS))
+    want = np.asarray(jax.vmap(lambda k: jax.random.categorical(k, jnp.zeros(v)))(keys))
+    np.testing.assert_array_equal(got, want)
+    assert len(set(got.tolist())) > b // 2  # the keys differ, so do the tokens
+
+
+def _model(x: np.ndarray, t: float, k: int, p: float, min_p: float) -> np.ndarray:
+    """float64 probabilities after temperature, top-k, top-p (the shortest descending prefix
+    whose mass reaches p, ties of its last value kept) and min-p."""
+    xs = x.astype(np.float64) / t
+    order = np.sort(xs)[::-1]
+    kth = order[min(k, len(xs)) - 1]
+    e = np.where(xs >= kth, np.exp(xs - xs.max()), 0.0)
+    cut = kth
+    if p < 1.0:
+        vals = np.unique(xs[xs >= kth])[::-1]
+        above = 0.0
+        for val in vals:
+            tied = e[xs == val].sum()
+            if above + tied >= p * e.sum():
+                cut = val
+                break
+            above += tied
+    if min_p > 0:
+        cut = max(cut, xs.max() + np.log(min_p))
+    e = np.where(xs >= cut, np.exp(xs - xs.max()), 0.0)
+    return e / e.sum()
+
+
+@pytest.mark.parametrize("cfg", [dict(t=1.0, k=12, p=1.0, min_p=0.0),
+                                 dict(t=0.7, k=12, p=0.8, min_p=0.0),
+                                 dict(t=1.5, k=5, p=1.0, min_p=0.0),
+                                 dict(t=1.0, k=12, p=1.0, min_p=0.2),
+                                 dict(t=1.2, k=8, p=0.9, min_p=0.05)])
+def test_token_frequencies_follow_a_float64_model(cfg):
+    """One row drawn with 20 000 keys: tokens outside the cut never appear, and each kept
+    token's frequency is within 5 standard deviations of the float64 model's probability."""
+    rng = np.random.default_rng(7)
+    v, n = 12, 20_000
+    row = (rng.standard_normal(v) * 1.5).astype(np.float32)
+    want = _model(row, cfg["t"], cfg["k"], cfg["p"], cfg["min_p"])
+    x = np.broadcast_to(row, (n, v)).copy()
+    keys = jax.random.key_data(jax.random.split(jax.random.key(3), n))
+    got = np.asarray(_native(jnp.asarray(x), jnp.full(n, cfg["t"]), jnp.full(n, cfg["k"]),
+                             jnp.full(n, cfg["p"]), jnp.full(n, cfg["min_p"]), keys,
+                             greedy_eps=_GREEDY_EPS))
+    freq = np.bincount(got, minlength=v) / n
+    assert (freq[want == 0] == 0).all()
+    sd = np.sqrt(want * (1 - want) / n)
+    assert (np.abs(freq - want) <= 5 * sd + 1e-12).all(), (freq, want)
+    assert (want > 0).sum() >= 2  # the cut keeps several tokens: the test is not vacuous
+
+
+def test_broken_rows():
+    """A NaN row takes its first NaN, as greedy rows do; a row of all -inf index 0; an
+    infinite logit its first +inf; greedy rows their first maximum."""
+    v = 33
+    x = np.zeros((5, v), np.float32)
+    x[0, [4, 9]] = np.nan
+    x[1] = -np.inf
+    x[2, [7, 20]] = np.inf
+    x[3, [2, 30]] = 5.0  # greedy: the first of two maxima
+    x[4, 11] = np.nan  # greedy NaN row
+    t = np.array([1.0, 1.0, 1.0, 0.0, 0.0], np.float32)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 5))
+    got = np.asarray(_native(jnp.asarray(x), jnp.asarray(t), jnp.full(5, v), jnp.full(5, 0.9),
+                             jnp.zeros(5), keys, greedy_eps=_GREEDY_EPS))
+    np.testing.assert_array_equal(got, [4, 0, 7, 2, 11])
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    """Each row's token is the same alone as in a batch (the rows are spread over threads)."""
+    rng = np.random.default_rng(5)
+    b, v = 9, 2048
+    params = [SamplingParams(**_CONFIGS[i % len(_CONFIGS)], seed=i) for i in range(b)]
+    meta = _meta(params, v)
+    x = _logits(rng, b, v, "flat")
+    keys = jax.random.key_data(row_keys(meta))
+    args = (meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys)
+    whole = np.asarray(_native(jnp.asarray(x), *args, greedy_eps=_GREEDY_EPS))
+    for i in range(b):
+        one = _native(jnp.asarray(x[i:i + 1]), *(a[i:i + 1] for a in args),
+                      greedy_eps=_GREEDY_EPS)
+        assert int(one[0]) == whole[i]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 70), st.integers(0, 2**31 - 1), st.sampled_from(range(len(_CONFIGS))),
+       st.sampled_from(["peaked", "flat", "ties"]))
+def test_random_rows_match_the_xla_sampler(v, seed, cfg, kind):
+    rng = np.random.default_rng(seed)
+    c = dict(_CONFIGS[cfg])
+    if "top_k" in c:
+        c["top_k"] = int(rng.integers(1, v + 1))
+    params = [SamplingParams(**c, seed=int(rng.integers(1 << 31))) for _ in range(3)]
+    xla, nat = _both(_logits(rng, 3, v, kind), params)
+    np.testing.assert_array_equal(nat, xla)
+
+
+def test_bad_arguments():
+    z = jnp.zeros(2)
+    keys = jnp.zeros((2, 2), jnp.uint32)
+    with pytest.raises(TypeError, match="float32"):
+        cpu_native.sample_rows_cpu(jnp.zeros((2, 8), jnp.bfloat16), z, z, z, z, keys, 1e-5)
+    with pytest.raises(ValueError, match="keys"):
+        cpu_native.sample_rows_cpu(jnp.zeros((2, 8)), z, z, z, z, keys[:1], 1e-5)
