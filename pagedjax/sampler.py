@@ -657,6 +657,20 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
         logits = logits[rows]
     logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if native:  # the processing below, the cut and the draw, row by row in one call
+        from pallas_kernels.cpu_native import sample_rows_cpu
+
+        pen = meta.do_penalties
+        tokens = sample_rows_cpu(
+            logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
+            jax.random.key_data(row_keys(meta)), _GREEDY_EPS,
+            prompt_ids=meta.prompt_token_ids if pen else None,
+            output_ids=meta.output_token_ids if pen else None,
+            presence=meta.presence_penalty, frequency=meta.frequency_penalty,
+            repetition=meta.repetition_penalty, bias_ids=meta.bias_token_ids,
+            bias_values=meta.bias_values, banned_ids=meta.banned_token_ids,
+            bitmask=meta.allowed_bitmask)
+        return _sampler_output(raw_logprobs, tokens, num_logprobs, meta.want_topk)
     x = logits
     if meta.do_penalties:
         x = apply_penalties(x, meta.prompt_token_ids, meta.output_token_ids,
@@ -670,12 +684,6 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     if meta.allowed_bitmask.shape[-1]:
         x = apply_bitmask(x, meta.allowed_bitmask)
     keys = row_keys(meta)
-    if native:
-        from pallas_kernels.cpu_native import sample_rows_cpu
-
-        tokens = sample_rows_cpu(x, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
-                                 jax.random.key_data(keys), _GREEDY_EPS)
-        return _sampler_output(raw_logprobs, tokens, num_logprobs, meta.want_topk)
     greedy_tokens = first_argmax(x).astype(jnp.int32)
 
     greedy = meta.temperature < _GREEDY_EPS

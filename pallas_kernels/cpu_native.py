@@ -276,13 +276,20 @@ def greedy_rows_cpu(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                    top_p: jax.Array, min_p: jax.Array, keys: jax.Array, greedy_eps: float
-                    ) -> jax.Array:
-    """One token per row of processed float32 ``logits [B, V]`` (penalties, bans and masks
-    applied): the first maximum where ``temperature < greedy_eps``, else a draw from the
+                    top_p: jax.Array, min_p: jax.Array, keys: jax.Array, greedy_eps: float, *,
+                    prompt_ids: jax.Array | None = None, output_ids: jax.Array | None = None,
+                    presence: jax.Array | None = None, frequency: jax.Array | None = None,
+                    repetition: jax.Array | None = None, bias_ids: jax.Array | None = None,
+                    bias_values: jax.Array | None = None, banned_ids: jax.Array | None = None,
+                    bitmask: jax.Array | None = None) -> jax.Array:
+    """One token per row of float32 ``logits [B, V]``: the row processed as
+    `pagedjax.sampler.sample` processes it (penalties over ``prompt_ids`` / ``output_ids``,
+    ``bias_ids`` / ``bias_values`` added, ``banned_ids`` set to -inf, tokens whose
+    ``bitmask`` bit is clear set to -inf; ``[B, W]`` lists with -1 padding, absent = width 0),
+    then its first maximum where ``temperature < greedy_eps``, else a draw from the
     temperature-scaled row cut by top-k, top-p and min-p, with Gumbel noise from the row's
-    threefry ``keys [B, 2]`` (uint32 key data). `pagedjax.sampler.sample`'s tokens, each row
-    paying only for itself (`csrc/sample_rows_cpu.cc` says how and where they may differ)."""
+    threefry ``keys [B, 2]`` (uint32 key data). `sample`'s tokens, each row paying only for
+    itself (`csrc/sample_rows_cpu.cc` says how and where they may differ)."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     if logits.dtype != jnp.float32 or logits.ndim != 2:
@@ -291,11 +298,33 @@ def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     b = logits.shape[0]
     if keys.shape != (b, 2):
         raise ValueError(f"sample_rows_cpu: keys must be [{b}, 2] uint32, got {keys.shape}")
-    call = jax.ffi.ffi_call(SAMPLE_TARGET, jax.ShapeDtypeStruct((b,), jnp.int32))
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+
+    def ids(a):
+        return jnp.zeros((b, 0), jnp.int32) if a is None else jnp.asarray(a, jnp.int32)
+
+    def per_row(a, default):
+        return jnp.full((b,), default, jnp.float32) if a is None else f32(a)
+
+    lists = {"prompt_ids": ids(prompt_ids), "output_ids": ids(output_ids),
+             "bias_ids": ids(bias_ids), "banned_ids": ids(banned_ids), "bitmask": ids(bitmask)}
+    for name, a in lists.items():
+        if a.ndim != 2 or a.shape[0] != b:
+            raise ValueError(f"sample_rows_cpu: {name} must be [{b}, W], got {a.shape}")
+    values = jnp.zeros(lists["bias_ids"].shape, jnp.float32) if bias_values is None \
+        else f32(bias_values)
+    if values.shape != lists["bias_ids"].shape:
+        raise ValueError(f"sample_rows_cpu: bias_values {values.shape} must match bias_ids "
+                         f"{lists['bias_ids'].shape}")
+    if lists["bitmask"].shape[1] and lists["bitmask"].shape[1] * 32 < logits.shape[1]:
+        raise ValueError(f"sample_rows_cpu: bitmask needs {-(-logits.shape[1] // 32)} words a "
+                         f"row, got {lists['bitmask'].shape[1]}")
+    call = jax.ffi.ffi_call(SAMPLE_TARGET, jax.ShapeDtypeStruct((b,), jnp.int32))
     return call(logits, f32(temperature), jnp.asarray(top_k, jnp.int32), f32(top_p),
-                jnp.log(f32(min_p)), jnp.asarray(keys, jnp.uint32),
-                greedy_eps=np.float32(greedy_eps))
+                jnp.log(f32(min_p)), jnp.asarray(keys, jnp.uint32), lists["prompt_ids"],
+                lists["output_ids"], per_row(presence, 0.0), per_row(frequency, 0.0),
+                per_row(repetition, 1.0), lists["bias_ids"], values, lists["banned_ids"],
+                lists["bitmask"], greedy_eps=np.float32(greedy_eps))
 
 
 def lm_head_screen(panels, n: int) -> dict | None:

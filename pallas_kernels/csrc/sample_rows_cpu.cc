@@ -1,6 +1,7 @@
 // Sampled tokens for float32 logits rows, as an XLA FFI call
 // (`pallas_kernels.cpu_native.sample_rows_cpu`, behind `pagedjax.sampler.sample(native=True)`):
-// per row temperature, top-k, top-p, min-p and a Gumbel-max draw with the row's threefry key.
+// per row the logits processing (penalties, logit bias, bans, allowed-token bitmask), then
+// temperature, top-k, top-p, min-p and a Gumbel-max draw with the row's threefry key.
 //
 // Why native code: XLA has only batch-wide control flow, so one row whose nucleus is wider than
 // the sampler's top-128 candidates sends every row of the step to an exact threshold search
@@ -11,8 +12,13 @@
 // is drawn only for entries that are kept and could still win the draw (a Gumbel value lies in
 // [-4.47, 15.95], so an entry more than 20.5 below the best score so far cannot win).
 //
-// Same definitions as `pagedjax.sampler.sample` (whose tokens the tests compare): greedy rows
-// (temperature < eps) take the first maximum of the unscaled row; the others scale by
+// XLA also spent ~18 ms of a penalised 64-row step on the processing: two [B, V] scratch
+// arrays scattered into (counts, seen) and passes over them; here only the listed tokens of a
+// row change, in a private copy of the row that the cut and the draw then read from L2.
+//
+// Same definitions as `pagedjax.sampler.sample` (whose tokens the tests compare): the row is
+// processed in its order (`penalize`, then bias, bans, bitmask); greedy rows
+// (temperature < eps) take the first maximum of the processed row; the others scale by
 // 1 / temperature, keep values >= the largest of the k-th largest value (top-k), the smallest
 // value v with mass(> v) < top_p * mass(top-k) <= mass(>= v) (top-p; ties of v are kept), and
 // row max + log(min_p) (min-p); and take the first index maximising kept + Gumbel noise, the
@@ -29,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "row_math.h"
@@ -48,6 +55,14 @@ constexpr int kBins = 4096;
 // [-4.4699, 15.9424]; the margins cover the logs' rounding.
 constexpr float kGumbelMax = 16.0f;
 
+// A [B, W] int32 or float32 per-row list (W may be 0: absent).
+template <class T>
+struct List {
+  const T* data;
+  int64_t width;
+  const T* row(int64_t m) const { return data + m * width; }
+};
+
 struct Rows {
   int64_t B, V;
   const float* x;
@@ -56,6 +71,13 @@ struct Rows {
   const float* top_p;
   const float* log_min_p;
   const uint32_t* keys;  // [B, 2]
+  // What changes the logits before the cut, in `sample`'s order: penalties over the prompt
+  // and output ids, logit bias, banned ids, an allowed-token bitmask; -1 ids are padding.
+  List<int32_t> prompt_ids, output_ids, bias_ids, banned_ids, bitmask;
+  List<float> bias_values;
+  const float* presence;
+  const float* frequency;
+  const float* repetition;
   float greedy_eps;
   int32_t* tok;
 };
@@ -278,7 +300,66 @@ struct Scratch {
   std::vector<uint32_t> count;
   std::vector<double> mass;
   std::vector<float> near;
+  std::vector<int32_t> seen;     // per token: output count + 1 once seen, else 0 (kept zeroed)
+  std::vector<int32_t> touched;  // the tokens whose `seen` entry this row set
 };
+
+// vLLM's penalties, as `pagedjax.sampler.apply_penalties` applies them: repetition over the
+// prompt and output ids (divide a positive logit, multiply a negative one), then frequency
+// times the output count and presence once over the output ids. Only the listed tokens
+// change, so the cost is the lists', not the vocabulary's.
+void penalize(const Rows& p, int64_t m, float* xs, Scratch& s) {
+  const int64_t V = p.V;
+  int32_t* seen = s.seen.data();
+  s.touched.clear();
+  const int32_t* out = p.output_ids.row(m);
+  for (int64_t j = 0; j < p.output_ids.width; ++j) {
+    const int32_t t = out[j];
+    if (t < 0 || t >= V) continue;
+    if (seen[t] == 0) {
+      s.touched.push_back(t);
+      seen[t] = 1;
+    }
+    ++seen[t];
+  }
+  const int32_t* prompt = p.prompt_ids.row(m);
+  for (int64_t j = 0; j < p.prompt_ids.width; ++j) {
+    const int32_t t = prompt[j];
+    if (t < 0 || t >= V || seen[t]) continue;
+    s.touched.push_back(t);
+    seen[t] = 1;
+  }
+  const float rep = p.repetition[m], freq = p.frequency[m], pres = p.presence[m];
+  for (const int32_t t : s.touched) {
+    const float count = float(seen[t] - 1);
+    const float v = xs[t];
+    const float r = v > 0.0f ? v / rep : v * rep;
+    const float f = freq * count;
+    const float q = pres * (count > 0.0f ? 1.0f : 0.0f);
+    xs[t] = (r - f) - q;
+    seen[t] = 0;
+  }
+}
+
+// The row's processed logits into xs: penalties, bias, bans, then the bitmask.
+void process(const Rows& p, int64_t m, float* xs, Scratch& s) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::memcpy(xs, p.x + m * p.V, sizeof(float) * p.V);
+  if (p.output_ids.width || p.prompt_ids.width) penalize(p, m, xs, s);
+  for (int64_t j = 0; j < p.bias_ids.width; ++j) {
+    const int32_t t = p.bias_ids.row(m)[j];
+    if (t >= 0 && t < p.V) xs[t] += p.bias_values.row(m)[j];
+  }
+  for (int64_t j = 0; j < p.banned_ids.width; ++j) {
+    const int32_t t = p.banned_ids.row(m)[j];
+    if (t >= 0 && t < p.V) xs[t] = ninf;
+  }
+  if (p.bitmask.width) {
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(p.bitmask.row(m));
+    for (int64_t t = 0; t < p.V; ++t)
+      if (!((words[t >> 5] >> (t & 31)) & 1u)) xs[t] = ninf;
+  }
+}
 
 int32_t first_max(const float* x, int64_t V, float& top) {
 #if defined(__AVX512F__)
@@ -303,14 +384,20 @@ int32_t first_max(const float* x, int64_t V, float& top) {
 }
 
 void row(const Rows& p, int64_t m, Scratch& s) {
-  const float* x = p.x + m * p.V;
   const float t = p.temp[m];
+  const bool plain = !p.output_ids.width && !p.prompt_ids.width && !p.bias_ids.width &&
+                     !p.banned_ids.width && !p.bitmask.width;
+  const float* x = p.x + m * p.V;
+  float* xs = s.xs.data();
+  if (!plain) {
+    process(p, m, xs, s);
+    x = xs;
+  }
   float top;
-  if (!(t >= p.greedy_eps)) {  // greedy: the unscaled row's first maximum
+  if (!(t >= p.greedy_eps)) {  // greedy: the processed row's first maximum
     p.tok[m] = first_max(x, p.V, top);
     return;
   }
-  float* xs = s.xs.data();
   for (int64_t i = 0; i < p.V; ++i) xs[i] = x[i] / t;
   const int32_t arg = first_max(xs, p.V, top);
   if (std::isnan(top) || top == -std::numeric_limits<float>::infinity() ||
@@ -329,7 +416,12 @@ void row(const Rows& p, int64_t m, Scratch& s) {
 ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> temp,
                      ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
                      ffi::Buffer<ffi::F32> log_min_p, ffi::Buffer<ffi::U32> keys,
-                     float greedy_eps, ffi::Result<ffi::Buffer<ffi::S32>> tok) {
+                     ffi::Buffer<ffi::S32> prompt_ids, ffi::Buffer<ffi::S32> output_ids,
+                     ffi::Buffer<ffi::F32> presence, ffi::Buffer<ffi::F32> frequency,
+                     ffi::Buffer<ffi::F32> repetition, ffi::Buffer<ffi::S32> bias_ids,
+                     ffi::Buffer<ffi::F32> bias_values, ffi::Buffer<ffi::S32> banned_ids,
+                     ffi::Buffer<ffi::S32> bitmask, float greedy_eps,
+                     ffi::Result<ffi::Buffer<ffi::S32>> tok) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("expected logits [B, V]");
   const int64_t B = xd[0], V = xd[1];
@@ -341,12 +433,31 @@ ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
       keys.dimensions()[0] != B || keys.dimensions()[1] != 2)
     return ffi::Error::InvalidArgument(
         "expected temperature, top_k, top_p, log_min_p and tokens [B], keys [B, 2]");
+  if (!is_rows(presence.dimensions()) || !is_rows(frequency.dimensions()) ||
+      !is_rows(repetition.dimensions()))
+    return ffi::Error::InvalidArgument("expected penalties [B]");
+  auto is_list = [B](auto dims) { return dims.size() == 2 && dims[0] == B; };
+  if (!is_list(prompt_ids.dimensions()) || !is_list(output_ids.dimensions()) ||
+      !is_list(bias_ids.dimensions()) || !is_list(bias_values.dimensions()) ||
+      !is_list(banned_ids.dimensions()) || !is_list(bitmask.dimensions()) ||
+      bias_values.dimensions()[1] != bias_ids.dimensions()[1])
+    return ffi::Error::InvalidArgument("expected id lists, bias values and bitmask [B, W]");
+  if (bitmask.dimensions()[1] && bitmask.dimensions()[1] * 32 < V)
+    return ffi::Error::InvalidArgument("the bitmask needs V / 32 words a row");
+  auto list = [](auto& b) {
+    return List<std::remove_const_t<std::remove_pointer_t<decltype(b.typed_data())>>>{
+        b.typed_data(), b.dimensions()[1]};
+  };
   const Rows p{B, V, x.typed_data(), temp.typed_data(), top_k.typed_data(),
-               top_p.typed_data(), log_min_p.typed_data(), keys.typed_data(), greedy_eps,
+               top_p.typed_data(), log_min_p.typed_data(), keys.typed_data(),
+               list(prompt_ids), list(output_ids), list(bias_ids), list(banned_ids),
+               list(bitmask), list(bias_values), presence.typed_data(),
+               frequency.typed_data(), repetition.typed_data(), greedy_eps,
                tok->typed_data()};
   pagedjax_rows::for_rows(pool, B, kRowsPerItem, kMinRowsForHelpers, [p] {
     auto s = std::make_shared<Scratch>();
     s->xs.resize(p.V);
+    if (p.output_ids.width || p.prompt_ids.width) s->seen.assign(p.V, 0);
     return [p, s](int64_t m) { row(p, m, *s); };
   });
   return ffi::Error::Success();
@@ -363,5 +474,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxSampleRowsCpu, SampleRows,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // top_p [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // log(min_p) [B]
                                   .Arg<ffi::Buffer<ffi::U32>>()  // threefry keys [B, 2]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // prompt ids [B, Lp]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // output ids [B, Lo]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // presence penalty [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // frequency penalty [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // repetition penalty [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // logit bias ids [B, Wb]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // logit bias values [B, Wb]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // banned ids [B, S]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // allowed bitmask [B, W]
                                   .Attr<float>("greedy_eps")
                                   .Ret<ffi::Buffer<ffi::S32>>());  // tokens [B]

@@ -2,7 +2,8 @@
 XLA path (the same tokens), against `jax.random.categorical` (the same noise), and against a
 float64 numpy model of temperature, top-k, top-p and min-p (token frequencies over many keys,
 and no token outside the cut ever drawn). Widths around its 16-lane vectors, ties at the cut,
--inf entries, broken rows, rows that do not depend on their batch, and bad arguments."""
+-inf entries, the logits processing it fuses (penalties, bias, bans, masks), broken rows, rows
+that do not depend on their batch, and bad arguments."""
 
 from __future__ import annotations
 
@@ -95,6 +96,70 @@ def test_mixed_rows_with_banned_entries():
     x[rng.random(x.shape) < 0.3] = -np.inf
     xla, nat = _both(x, params)
     np.testing.assert_array_equal(nat, xla)
+
+
+def _processed_batch(rng: np.random.Generator, v: int, greedy: bool):
+    """A batch whose logits the processing changes: penalties (negative frequency included)
+    over histories that repeat the rows' top tokens, logit bias, min_tokens bans of the EOS,
+    structured-output masks, and plain rows beside them."""
+    b = 24
+    x = _logits(rng, b, v, "peaked")
+    top = np.argsort(-x, axis=1)[:, :6]
+    rows, masks = [], {}
+    for i in range(b):
+        kind = i % 6
+        out = [int(t) for t in rng.choice(top[i], size=int(rng.integers(1, 9)))]
+        out += [int(t) for t in rng.integers(0, v, size=3)]
+        prompt = [int(t) for t in rng.integers(0, v, size=5)] + [int(top[i, 0])]
+        kw = dict(temperature=0.0 if greedy else float(rng.choice([0.7, 1.0])),
+                  top_p=1.0 if greedy else 0.9, seed=i)
+        if kind in (0, 1, 2):
+            if i % 12 < 6:  # negative logits: repetition multiplies them instead of dividing
+                x[i] -= 30.0
+            kw.update(presence_penalty=float(rng.choice([0.0, 1.5, -0.5])),
+                      frequency_penalty=float(rng.choice([0.0, 0.7, -0.3])),
+                      repetition_penalty=float(rng.choice([1.0, 1.8, 0.6])))
+        if kind == 3:
+            kw["logit_bias"] = {int(top[i, 1]): 30.0, int(top[i, 0]): -50.0}
+        if kind == 4:
+            kw.update(min_tokens=100, max_tokens=200)  # bans the EOS (token top[4, 0]) below
+        if kind == 5:
+            allowed = rng.random(v) < 0.2
+            bits = np.zeros(-(-v // 32) * 32, bool)
+            bits[:v] = allowed
+            masks[i] = np.packbits(bits.reshape(-1, 32), axis=1, bitorder="little") \
+                .view("<u4").ravel().view(np.int32)  # bit t % 32 of word t // 32
+        rows.append((SamplingParams(**kw), SeqSamplingState(prompt, out)))
+    eos = int(top[4, 0])
+    meta = SamplingMetadata.from_params(rows, b, v, eos_token_id=eos, masks=masks or None)
+    return x, meta
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+@pytest.mark.parametrize("v", [77, 4096])
+def test_processing_matches_the_xla_sampler(greedy, v):
+    """Penalties, bias, bans and masks applied in the kernel give `sample`'s tokens, greedy
+    rows (the processed argmax, exact) and sampled ones; and the processing changes tokens."""
+    x, meta = _processed_batch(np.random.default_rng(v + greedy), v, greedy)
+    assert meta.do_penalties and meta.bias_token_ids.shape[1] and \
+        meta.banned_token_ids.shape[1] and meta.allowed_bitmask.shape[1]
+    rows = np.arange(x.shape[0], dtype=np.int32)
+    xla = np.asarray(sample(jnp.asarray(x), meta, rows=rows).token_ids)
+    nat = np.asarray(sample(jnp.asarray(x), meta, rows=rows, native=True).token_ids)
+    np.testing.assert_array_equal(nat, xla)
+    plain = meta.replace(output_token_ids=meta.output_token_ids[:, :0],
+                         prompt_token_ids=meta.prompt_token_ids[:, :0],
+                         bias_token_ids=meta.bias_token_ids[:, :0],
+                         bias_values=meta.bias_values[:, :0],
+                         banned_token_ids=meta.banned_token_ids[:, :0],
+                         allowed_bitmask=meta.allowed_bitmask[:, :0])
+    unprocessed = np.asarray(sample(jnp.asarray(x), plain, rows=rows, native=True).token_ids)
+    assert (unprocessed != nat).sum() >= len(nat) // 4
+    if greedy:  # masked rows draw allowed tokens only
+        bits = np.asarray(meta.allowed_bitmask).view(np.uint32)
+        for i in range(len(nat)):
+            if (bits[i] != 0xFFFFFFFF).any():
+                assert (bits[i, nat[i] >> 5] >> (nat[i] & 31)) & 1
 
 
 def test_noise_is_jax_gumbel():
@@ -209,7 +274,15 @@ def test_random_rows_match_the_xla_sampler(v, seed, cfg, kind):
 def test_bad_arguments():
     z = jnp.zeros(2)
     keys = jnp.zeros((2, 2), jnp.uint32)
+    x = jnp.zeros((2, 64))
     with pytest.raises(TypeError, match="float32"):
         cpu_native.sample_rows_cpu(jnp.zeros((2, 8), jnp.bfloat16), z, z, z, z, keys, 1e-5)
     with pytest.raises(ValueError, match="keys"):
-        cpu_native.sample_rows_cpu(jnp.zeros((2, 8)), z, z, z, z, keys[:1], 1e-5)
+        cpu_native.sample_rows_cpu(x, z, z, z, z, keys[:1], 1e-5)
+    with pytest.raises(ValueError, match="output_ids"):
+        cpu_native.sample_rows_cpu(x, z, z, z, z, keys, 1e-5, output_ids=jnp.zeros((3, 4)))
+    with pytest.raises(ValueError, match="bias_values"):
+        cpu_native.sample_rows_cpu(x, z, z, z, z, keys, 1e-5, bias_ids=jnp.zeros((2, 4)),
+                                   bias_values=jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match="bitmask"):
+        cpu_native.sample_rows_cpu(x, z, z, z, z, keys, 1e-5, bitmask=jnp.zeros((2, 1)))
