@@ -180,14 +180,21 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             "--threads", str(threads)]
 
 
+# Fields every sampling worker maps onto its engine's parameters (HF has no presence or
+# frequency penalty: a job with one fails there).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty")
+
+
 def parse_sampling(text: str) -> dict:
     """``temperature=0.8,top_p=0.95`` -> {"temperature": 0.8, "top_p": 0.95}; the fields every
     worker maps onto its engine's sampling parameters."""
     out: dict = {}
     for kv in filter(None, text.split(",")):
         k, _, v = kv.partition("=")
-        if k not in ("temperature", "top_p", "top_k", "min_p") or not v:
-            sys.exit(f"--sampling: {kv!r} is not one of temperature=, top_p=, top_k=, min_p=")
+        if k not in SAMPLING_FIELDS or not v:
+            sys.exit(f"--sampling: {kv!r} is not one of " + ", ".join(f"{f}=" for f in
+                                                                     SAMPLING_FIELDS))
         out[k] = int(v) if k == "top_k" else float(v)
     return out
 
@@ -286,7 +293,8 @@ def main() -> None:
                          "says why there is one)")
     ap.add_argument("--sampling", default="", metavar="KEY=VALUE,...",
                     help="sample instead of decoding greedily, with these SamplingParams fields "
-                         "for every engine (temperature, top_p, top_k, min_p), unseeded: e.g. "
+                         "for every engine (temperature, top_p, top_k, min_p and the presence, "
+                         "frequency and repetition penalties), unseeded: e.g. "
                          "temperature=0.8,top_p=0.95; outputs are then not compared")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

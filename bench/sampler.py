@@ -25,7 +25,12 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
   uses (`pallas_kernels/csrc/greedy_rows_cpu.cc`; omitted where the library does not build);
 - `sample_top_p_peaked`: top-p over the same logits times 8, a confident distribution whose
   nucleus lies within the candidates (`TOP_CANDIDATES`), the common case for a trained model
-  (`bench/sampler_candidates.py` measures real logits).
+  (`bench/sampler_candidates.py` measures real logits);
+- `sample_penalised`: top-p 0.9 at temperature 0.8 over the peaked logits with presence,
+  frequency and repetition penalties over 64 prompt and 256 output ids a row;
+- `*_native`: those three with ``native=True``, the per-row kernel the CPU engine uses for
+  sampled batches (`pallas_kernels/csrc/sample_rows_cpu.cc`); the share of rows whose tokens
+  equal the XLA branches' is recorded (`native_same_tokens`).
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
 average at the start. Writes bench/results/cpu/sampler.json and .png.
@@ -83,6 +88,13 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
         greedy = meta(SamplingParams(temperature=0), False)
         top_p = meta(SamplingParams(temperature=0.8, top_p=0.9, seed=1), False)
         with_lp = meta(SamplingParams(temperature=0, logprobs=20), True)
+        # Penalised top-p rows, each with 64 prompt and 256 output ids.
+        hist = [SeqSamplingState(rng.integers(0, vocab, 64).tolist(),
+                                 rng.integers(0, vocab, 256).tolist()) for _ in range(b)]
+        penal = SamplingMetadata.from_params(
+            [(SamplingParams(temperature=0.8, top_p=0.9, seed=1, presence_penalty=0.2,
+                             frequency_penalty=0.1, repetition_penalty=1.1), h) for h in hist],
+            b, vocab).replace(want_topk=np.bool_(False))
         calls = {
             "jnp_argmax": lambda x=logits: argmax(x),
             "first_argmax": lambda x=logits: fast(x),
@@ -99,11 +111,23 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
                                                                          rows=i),
             "sample_top_p_peaked": lambda x=peaked, m=top_p, i=idx: sample(x, m, num_logprobs=20,
                                                                            rows=i),
+            "sample_penalised": lambda x=peaked, m=penal, i=idx: sample(x, m, num_logprobs=20,
+                                                                        rows=i),
         }
+        if on_cpu and cpu_native.available():  # the same calls through the per-row kernel
+            for k, x, m in (("sample_top_p", logits, top_p), ("sample_top_p_peaked", peaked, top_p),
+                            ("sample_penalised", peaked, penal)):
+                calls[f"{k}_native"] = lambda x=x, m=m, i=idx: sample(x, m, num_logprobs=20,
+                                                                      rows=i, native=True)
         assert (np.asarray(argmax(logits)) == np.asarray(fast(logits))).all()
         if "sample_greedy_native" in calls:
             assert (np.asarray(calls["sample_greedy_native"]().token_ids)
                     == np.asarray(calls["sample_greedy_fast"]().token_ids)).all()
+        for k in ("sample_top_p", "sample_top_p_peaked", "sample_penalised"):
+            if f"{k}_native" in calls:  # the same tokens (the kernel's test says where not)
+                same = (np.asarray(calls[k]().token_ids)
+                        == np.asarray(calls[f"{k}_native"]().token_ids)).mean()
+                out.setdefault("native_same_tokens", {})[f"{b}/{k}"] = float(same)
         times: dict[str, list[float]] = {k: [] for k in calls}
         for f in calls.values():
             jax.block_until_ready(f())

@@ -20,7 +20,7 @@ from pathlib import Path
 from bench.gpu_suite.common import REPO, Budget, Recorder
 
 CPU_ONLY_FILES = ("test_cpu_native.py", "test_dense_matmul.py", "test_greedy_rows.py",
-                  "test_packed_matmul.py")
+                  "test_packed_matmul.py", "test_sample_rows.py")
 _LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
 # pytest-xdist's -v lines put the outcome first: "[gw1] [ 12%] PASSED tests/...::test[x]".
 _XDIST_LINE = re.compile(r"^\[gw\d+\]\s+\[\s*\d+%\]\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+"

@@ -8,8 +8,9 @@ workers run as scripts from this folder, which puts it on `sys.path`.
              "ttft_s": wall time of a max_tokens=1 run of the prompt (one prompt, else null),
              "outputs": [[token ids], ...], **the worker's metadata}
 
-A job may add "sampling": {"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ...}: the
-worker samples with exactly those parameters (unseeded) instead of decoding greedily.
+A job may add "sampling": {"temperature": ..., "top_p": ..., "top_k": ..., "min_p": ..., and
+the "presence_penalty" / "frequency_penalty" / "repetition_penalty"}: the worker samples with
+exactly those parameters (unseeded) instead of decoding greedily.
 
 A serving job adds "arrivals": [seconds after the start, one per prompt] (Poisson): the worker
 adds each request when its time comes and steps its engine between arrivals
