@@ -64,6 +64,7 @@ from pagedjax.sampler import (
     SamplingMetadata,
     SeqSamplingState,
     prompt_logprobs,
+    raw_logprob_rows,
     sample,
     sample_greedy,
     sample_greedy_hidden,
@@ -453,6 +454,8 @@ class LLMEngine:
                 if b in sampled:
                     continue
                 sampled.add(b)
+                if self.runner.native_sampler:  # beams' raw rows (`raw_logprob_rows`)
+                    yield call(b, raw_logprob_rows, rows)
                 for p in (dummy, full):
                     meta = self._sampling_metadata([(p, SeqSamplingState([0], []))], b)
                     if p is full and self.history_slots is not None:
@@ -462,7 +465,7 @@ class LLMEngine:
                                                for k in ("output_token_ids",
                                                          "prompt_token_ids")})
                         yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
-                               native=self.runner.native_sampler)
+                                   native=self.runner.native_sampler)
                         continue
                     yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
                                native=self.runner.native_sampler)
@@ -473,7 +476,7 @@ class LLMEngine:
                         meta = meta.replace(output_token_ids=jax.device_put(
                             meta.output_token_ids, dev))
                         yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
-                               native=self.runner.native_sampler)
+                                   native=self.runner.native_sampler)
             if r > s:
                 rows = np.zeros(r, np.int32)
                 yield call(r, prompt_logprobs, rows, MAX_LOGPROBS, rows=rows)
@@ -971,6 +974,9 @@ class LLMEngine:
             x, picked = self._sampler_rows(logits, src)
             out = sample(x, meta, num_logprobs=MAX_LOGPROBS, rows=picked,
                          native=self.runner.native_sampler)
+            if out.raw_logprobs is None and any(info[0].is_beam for info in row_info):
+                # The native sampler leaves out the [B, V] log-softmax; beams rank from it.
+                out = out._replace(raw_logprobs=raw_logprob_rows(x, picked))
         beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
         fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
         if beams:

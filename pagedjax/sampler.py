@@ -622,13 +622,18 @@ def row_keys(meta: SamplingMetadata) -> jax.Array:
 
 
 def _logprob_info(
-    raw_logprobs: jax.Array, token_ids: jax.Array, k: int, want_topk: jax.Array | bool = True
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    lp = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
-    rank = jnp.sum(raw_logprobs > lp[:, None], axis=-1).astype(jnp.int32) + 1
+    raw_logprobs: jax.Array, token_ids: jax.Array, k: int, want_topk: jax.Array | bool = True,
+    top_only: bool = False,
+) -> tuple[jax.Array, ...]:
+    """The chosen tokens' raw logprobs and ranks, and the top-``k`` logprobs and ids where
+    ``want_topk``. ``top_only``: the first argument is the logits, and only the top ``k``
+    are returned, their log-softmax computed inside the conditional (the native sampler
+    gives the rest)."""
     n = raw_logprobs.shape[0]
 
     def top(x):
+        if top_only:
+            x = jax.nn.log_softmax(x, axis=-1)
         top_lp, top_ids = jax.lax.top_k(x, k)
         return top_lp, top_ids.astype(jnp.int32)
 
@@ -636,6 +641,10 @@ def _logprob_info(
         return jnp.zeros((n, k), x.dtype), jnp.zeros((n, k), jnp.int32)
 
     top_lp, top_ids = jax.lax.cond(want_topk, top, none, raw_logprobs) if k > 0 else none(raw_logprobs)
+    if top_only:
+        return top_lp, top_ids
+    lp = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(raw_logprobs > lp[:, None], axis=-1).astype(jnp.int32) + 1
     return lp, rank, top_lp, top_ids
 
 
@@ -649,19 +658,18 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     wants them, and each request slices what it asked for. ``rows [B]`` picks (and may
     repeat) rows of ``logits``: the n samples of a fresh prompt share its one logits row.
     ``native`` (static; one CPU device): the tokens come from
-    `pallas_kernels.cpu_native.sample_rows_cpu`, where each row's cut and draw cost that row
-    alone, instead of the batch-wide branches below (the same tokens but where a cut or draw
-    is decided within float rounding).
+    `pallas_kernels.cpu_native.sample_rows_cpu`, where each row's processing, cut and draw
+    cost that row alone, instead of the batch-wide branches below (the same tokens but where
+    a cut or draw is decided within float rounding).
     """
     if rows is not None:
         logits = logits[rows]
     logits = logits.astype(jnp.float32)
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    if native:  # the processing below, the cut and the draw, row by row in one call
+    if native:  # the processing below, the cut, the draw and the logprob, row by row
         from pallas_kernels.cpu_native import sample_rows_cpu
 
         pen = meta.do_penalties
-        tokens = sample_rows_cpu(
+        tokens, lp, rank = sample_rows_cpu(
             logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
             jax.random.key_data(row_keys(meta)), _GREEDY_EPS,
             prompt_ids=meta.prompt_token_ids if pen else None,
@@ -670,7 +678,12 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
             repetition=meta.repetition_penalty, bias_ids=meta.bias_token_ids,
             bias_values=meta.bias_values, banned_ids=meta.banned_token_ids,
             bitmask=meta.allowed_bitmask)
-        return _sampler_output(raw_logprobs, tokens, num_logprobs, meta.want_topk)
+        # No [B, V] log-softmax unless a row wants top logprobs; beams take theirs from
+        # `raw_logprob_rows`.
+        top_lp, top_ids = _logprob_info(logits, tokens, num_logprobs, meta.want_topk,
+                                        top_only=True)
+        return SamplerOutput(tokens, lp, rank, top_lp, top_ids, None)
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = logits
     if meta.do_penalties:
         x = apply_penalties(x, meta.prompt_token_ids, meta.output_token_ids,
@@ -730,6 +743,13 @@ def _sampler_output(raw_logprobs: jax.Array, tokens: jax.Array, num_logprobs: in
                     want_topk: jax.Array) -> SamplerOutput:
     lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs, want_topk)
     return SamplerOutput(tokens, lp, rank, top_lp, top_ids, raw_logprobs)
+
+
+@jax.jit
+def raw_logprob_rows(logits: jax.Array, rows: jax.Array) -> jax.Array:
+    """``log_softmax(logits[rows])`` in float32: the raw rows beam search ranks candidates
+    from, which `sample` returns itself except on its native path."""
+    return jax.nn.log_softmax(logits[rows].astype(jnp.float32), axis=-1)
 
 
 @jax.jit

@@ -281,15 +281,19 @@ def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                     presence: jax.Array | None = None, frequency: jax.Array | None = None,
                     repetition: jax.Array | None = None, bias_ids: jax.Array | None = None,
                     bias_values: jax.Array | None = None, banned_ids: jax.Array | None = None,
-                    bitmask: jax.Array | None = None) -> jax.Array:
-    """One token per row of float32 ``logits [B, V]``: the row processed as
+                    bitmask: jax.Array | None = None
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One token per row of float32 ``logits [B, V]``, with its raw logprob and rank: the
+    row processed as
     `pagedjax.sampler.sample` processes it (penalties over ``prompt_ids`` / ``output_ids``,
     ``bias_ids`` / ``bias_values`` added, ``banned_ids`` set to -inf, tokens whose
     ``bitmask`` bit is clear set to -inf; ``[B, W]`` lists with -1 padding, absent = width 0),
     then its first maximum where ``temperature < greedy_eps``, else a draw from the
     temperature-scaled row cut by top-k, top-p and min-p, with Gumbel noise from the row's
     threefry ``keys [B, 2]`` (uint32 key data). `sample`'s tokens, each row paying only for
-    itself (`csrc/sample_rows_cpu.cc` says how and where they may differ)."""
+    itself (`csrc/sample_rows_cpu.cc` says how and where they may differ). The logprob and
+    rank are those of the unprocessed row's `log_softmax`, whose max and log-sum-exp XLA
+    computes here (two reductions, no ``[B, V]`` result)."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     if logits.dtype != jnp.float32 or logits.ndim != 2:
@@ -319,12 +323,17 @@ def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     if lists["bitmask"].shape[1] and lists["bitmask"].shape[1] * 32 < logits.shape[1]:
         raise ValueError(f"sample_rows_cpu: bitmask needs {-(-logits.shape[1] // 32)} words a "
                          f"row, got {lists['bitmask'].shape[1]}")
-    call = jax.ffi.ffi_call(SAMPLE_TARGET, jax.ShapeDtypeStruct((b,), jnp.int32))
+    # `jax.nn.log_softmax`'s max and log-sum-exp, as it computes them.
+    mx = jnp.max(logits, axis=-1, initial=-np.inf, keepdims=True)
+    lse = jnp.log(jnp.sum(jnp.exp(logits - mx), axis=-1, keepdims=True))
+    call = jax.ffi.ffi_call(SAMPLE_TARGET, (jax.ShapeDtypeStruct((b,), jnp.int32),
+                                            jax.ShapeDtypeStruct((b,), jnp.float32),
+                                            jax.ShapeDtypeStruct((b,), jnp.int32)))
     return call(logits, f32(temperature), jnp.asarray(top_k, jnp.int32), f32(top_p),
                 jnp.log(f32(min_p)), jnp.asarray(keys, jnp.uint32), lists["prompt_ids"],
                 lists["output_ids"], per_row(presence, 0.0), per_row(frequency, 0.0),
                 per_row(repetition, 1.0), lists["bias_ids"], values, lists["banned_ids"],
-                lists["bitmask"], greedy_eps=np.float32(greedy_eps))
+                lists["bitmask"], mx[:, 0], lse[:, 0], greedy_eps=np.float32(greedy_eps))
 
 
 def lm_head_screen(panels, n: int) -> dict | None:

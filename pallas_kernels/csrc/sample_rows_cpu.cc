@@ -12,7 +12,7 @@
 // is drawn only for entries that are kept and could still win the draw (a Gumbel value lies in
 // [-4.47, 15.95], so an entry more than 20.5 below the best score so far cannot win).
 //
-// XLA also spent ~18 ms of a penalised 64-row step on the processing: two [B, V] scratch
+// XLA also spent ~11 ms of a penalised 64-row step on the processing: two [B, V] scratch
 // arrays scattered into (counts, seen) and passes over them; here only the listed tokens of a
 // row change, in a private copy of the row that the cut and the draw then read from L2.
 //
@@ -51,7 +51,7 @@ constexpr int64_t kMinRowsForHelpers = 2;
 // holding every d past (kBins - 1) / kScale (mass below e^-31 of the maximum's).
 constexpr int kScale = 128;
 constexpr int kBins = 4096;
-// Bounds of the float Gumbel values: u in [tiny, 1 - 2^-24] gives -log(-log(u)) in
+// Bounds of the float Gumbel values: u in [tiny, 1 - 2^-23] gives -log(-log(u)) in
 // [-4.4699, 15.9424]; the margins cover the logs' rounding.
 constexpr float kGumbelMax = 16.0f;
 
@@ -78,8 +78,14 @@ struct Rows {
   const float* presence;
   const float* frequency;
   const float* repetition;
+  // The raw rows' max and log(sum(exp(x - max))), from XLA, so the chosen token's logprob
+  // (x - max) - lse and its rank are the bits `log_softmax` gives.
+  const float* raw_max;
+  const float* raw_lse;
   float greedy_eps;
   int32_t* tok;
+  float* lp;
+  int32_t* rank;
 };
 
 inline uint32_t ordered(float f) {  // unsigned keys that order like the floats (NaN excepted)
@@ -383,7 +389,38 @@ int32_t first_max(const float* x, int64_t V, float& top) {
 #endif
 }
 
-void row(const Rows& p, int64_t m, Scratch& s) {
+// The raw logprob of token t, (x_t - max) - lse, and its rank: one more than the number of
+// raw logprobs above it, each computed with the same two float subtractions (`log_softmax`'s:
+// the barriers keep the compiler from folding them into x - (max + lse)).
+void logprob_and_rank(const Rows& p, int64_t m) {
+  const float* x = p.x + m * p.V;
+  const float mx = p.raw_max[m], lse = p.raw_lse[m];
+  const int32_t t = p.tok[m];
+  float shifted = x[t] - mx;
+  asm("" : "+x"(shifted));
+  const float lp = shifted - lse;
+  p.lp[m] = lp;
+  int64_t above = 0;
+#if defined(__AVX512F__)
+  const __m512 vmx = _mm512_set1_ps(mx), vlse = _mm512_set1_ps(lse), vlp = _mm512_set1_ps(lp);
+  for (int64_t v = 0; v < p.V; v += 16) {
+    const __mmask16 k = pagedjax_rows::tail_mask(p.V - v);
+    __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + v), vmx);
+    asm("" : "+v"(d));
+    above += __builtin_popcount(
+        uint32_t(_mm512_mask_cmp_ps_mask(k, _mm512_sub_ps(d, vlse), vlp, _CMP_GT_OQ)));
+  }
+#else
+  for (int64_t i = 0; i < p.V; ++i) {
+    float d = x[i] - mx;
+    asm("" : "+x"(d));
+    above += (d - lse) > lp;
+  }
+#endif
+  p.rank[m] = int32_t(above + 1);
+}
+
+void sample_row(const Rows& p, int64_t m, Scratch& s) {
   const float t = p.temp[m];
   const bool plain = !p.output_ids.width && !p.prompt_ids.width && !p.bias_ids.width &&
                      !p.banned_ids.width && !p.bitmask.width;
@@ -413,6 +450,11 @@ void row(const Rows& p, int64_t m, Scratch& s) {
   p.tok[m] = draw(xs, p.V, cut, p.keys[2 * m], p.keys[2 * m + 1]);
 }
 
+void row(const Rows& p, int64_t m, Scratch& s) {
+  sample_row(p, m, s);
+  logprob_and_rank(p, m);
+}
+
 ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> temp,
                      ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
                      ffi::Buffer<ffi::F32> log_min_p, ffi::Buffer<ffi::U32> keys,
@@ -420,8 +462,10 @@ ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                      ffi::Buffer<ffi::F32> presence, ffi::Buffer<ffi::F32> frequency,
                      ffi::Buffer<ffi::F32> repetition, ffi::Buffer<ffi::S32> bias_ids,
                      ffi::Buffer<ffi::F32> bias_values, ffi::Buffer<ffi::S32> banned_ids,
-                     ffi::Buffer<ffi::S32> bitmask, float greedy_eps,
-                     ffi::Result<ffi::Buffer<ffi::S32>> tok) {
+                     ffi::Buffer<ffi::S32> bitmask, ffi::Buffer<ffi::F32> raw_max,
+                     ffi::Buffer<ffi::F32> raw_lse, float greedy_eps,
+                     ffi::Result<ffi::Buffer<ffi::S32>> tok, ffi::Result<ffi::Buffer<ffi::F32>> lp,
+                     ffi::Result<ffi::Buffer<ffi::S32>> rank) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("expected logits [B, V]");
   const int64_t B = xd[0], V = xd[1];
@@ -434,8 +478,11 @@ ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "expected temperature, top_k, top_p, log_min_p and tokens [B], keys [B, 2]");
   if (!is_rows(presence.dimensions()) || !is_rows(frequency.dimensions()) ||
-      !is_rows(repetition.dimensions()))
-    return ffi::Error::InvalidArgument("expected penalties [B]");
+      !is_rows(repetition.dimensions()) || !is_rows(raw_max.dimensions()) ||
+      !is_rows(raw_lse.dimensions()) || !is_rows(lp->dimensions()) ||
+      !is_rows(rank->dimensions()))
+    return ffi::Error::InvalidArgument("expected penalties, raw max and lse, logprobs and "
+                                       "ranks [B]");
   auto is_list = [B](auto dims) { return dims.size() == 2 && dims[0] == B; };
   if (!is_list(prompt_ids.dimensions()) || !is_list(output_ids.dimensions()) ||
       !is_list(bias_ids.dimensions()) || !is_list(bias_values.dimensions()) ||
@@ -452,8 +499,9 @@ ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                top_p.typed_data(), log_min_p.typed_data(), keys.typed_data(),
                list(prompt_ids), list(output_ids), list(bias_ids), list(banned_ids),
                list(bitmask), list(bias_values), presence.typed_data(),
-               frequency.typed_data(), repetition.typed_data(), greedy_eps,
-               tok->typed_data()};
+               frequency.typed_data(), repetition.typed_data(), raw_max.typed_data(),
+               raw_lse.typed_data(), greedy_eps, tok->typed_data(), lp->typed_data(),
+               rank->typed_data()};
   pagedjax_rows::for_rows(pool, B, kRowsPerItem, kMinRowsForHelpers, [p] {
     auto s = std::make_shared<Scratch>();
     s->xs.resize(p.V);
@@ -483,5 +531,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxSampleRowsCpu, SampleRows,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // logit bias values [B, Wb]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // banned ids [B, S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // allowed bitmask [B, W]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // raw rows' max [B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // raw rows' lse [B]
                                   .Attr<float>("greedy_eps")
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // tokens [B]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // tokens [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // their raw logprobs [B]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // their ranks [B]

@@ -14,7 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedjax.sampler import SamplingMetadata, SeqSamplingState, row_keys, sample
+from pagedjax.sampler import (
+    SamplingMetadata,
+    SeqSamplingState,
+    raw_logprob_rows,
+    row_keys,
+    sample,
+)
 from pagedjax.sampling_params import _GREEDY_EPS, SamplingParams
 from pallas_kernels import cpu_native
 
@@ -29,7 +35,12 @@ def _on_the_cpu():
         yield
 
 
-_native = jax.jit(cpu_native.sample_rows_cpu, static_argnames=("greedy_eps",))
+_native3 = jax.jit(cpu_native.sample_rows_cpu, static_argnames=("greedy_eps",))
+
+
+def _native(*args, **kw):
+    """The kernel's tokens (its logprobs and ranks are checked through `sample`)."""
+    return _native3(*args, **kw)[0]
 
 
 def _meta(params: list[SamplingParams], v: int) -> SamplingMetadata:
@@ -40,13 +51,37 @@ def _meta(params: list[SamplingParams], v: int) -> SamplingMetadata:
 def _both(x: np.ndarray, params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
     meta = _meta(params, x.shape[1])
     rows = np.arange(len(params), dtype=np.int32)
-    xla = sample(jnp.asarray(x), meta, rows=rows)
-    nat = sample(jnp.asarray(x), meta, rows=rows, native=True)
-    # Everything but the token comes from the same XLA code on the same token.
+    k = min(5, x.shape[1])
+    xla = sample(jnp.asarray(x), meta, num_logprobs=k, rows=rows)
+    nat = sample(jnp.asarray(x), meta, num_logprobs=k, rows=rows, native=True)
+    # The raw logprob and rank of the same token are the bits of XLA's `log_softmax` (the
+    # kernel is handed its max and log-sum-exp and repeats its two subtractions), and the top
+    # logprobs come from the same XLA code.
+    same = np.asarray(xla.token_ids) == np.asarray(nat.token_ids)
     for a, b in zip(xla[1:5], nat[1:5]):
-        np.testing.assert_array_equal(np.asarray(a)[np.asarray(xla[0]) == np.asarray(nat[0])],
-                                      np.asarray(b)[np.asarray(xla[0]) == np.asarray(nat[0])])
+        np.testing.assert_array_equal(np.asarray(a)[same], np.asarray(b)[same])
+    assert nat.raw_logprobs is None  # beams take `raw_logprob_rows`
     return np.asarray(xla.token_ids), np.asarray(nat.token_ids)
+
+
+def test_logprob_ranks_and_top_logprobs_match_xla_with_many_ties():
+    """Ranks count strictly larger raw logprobs: rows of few distinct values (many ties) and
+    top logprobs asked for (``want_topk``), every row greedy or sampled."""
+    rng = np.random.default_rng(11)
+    v = 3000
+    params = [SamplingParams(temperature=float(t), top_p=0.9, seed=i, logprobs=5)
+              for i, t in enumerate([0.0, 0.8, 1.0, 0.0, 1.3, 0.5] * 4)]
+    x = _logits(rng, len(params), v, "ties")
+    meta = _meta(params, v)
+    assert bool(meta.want_topk)
+    rows = np.arange(len(params), dtype=np.int32)
+    xla = sample(jnp.asarray(x), meta, num_logprobs=5, rows=rows)
+    nat = sample(jnp.asarray(x), meta, num_logprobs=5, rows=rows, native=True)
+    for a, b in zip(xla[:5], nat[:5]):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    assert np.asarray(nat.ranks).max() > 1  # sampled rows drew below the maximum
+    raw = np.asarray(raw_logprob_rows(jnp.asarray(x), rows))
+    np.testing.assert_array_equal(raw, np.asarray(xla.raw_logprobs))
 
 
 def _logits(rng: np.random.Generator, b: int, v: int, kind: str) -> np.ndarray:
