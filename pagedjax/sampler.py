@@ -660,7 +660,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     ``native`` (static; one CPU device): the tokens come from
     `pallas_kernels.cpu_native.sample_rows_cpu`, where each row's processing, cut and draw
     cost that row alone, instead of the batch-wide branches below (the same tokens but where
-    a cut or draw is decided within float rounding).
+    a cut or draw is decided within float rounding), and no raw ``[B, V]`` rows come back
+    (`raw_logprob_rows` gives them to beams).
     """
     if rows is not None:
         logits = logits[rows]

@@ -1,7 +1,9 @@
 // Sampled tokens for float32 logits rows, as an XLA FFI call
 // (`pallas_kernels.cpu_native.sample_rows_cpu`, behind `pagedjax.sampler.sample(native=True)`):
 // per row the logits processing (penalties, logit bias, bans, allowed-token bitmask), then
-// temperature, top-k, top-p, min-p and a Gumbel-max draw with the row's threefry key.
+// temperature, top-k, top-p, min-p and a Gumbel-max draw with the row's threefry key, and the
+// chosen token's raw logprob and rank (from `log_softmax`'s max and log-sum-exp, which XLA
+// computes: no [B, V] log-softmax is written).
 //
 // Why native code: XLA has only batch-wide control flow, so one row whose nucleus is wider than
 // the sampler's top-128 candidates sends every row of the step to an exact threshold search
@@ -10,7 +12,7 @@
 // model takes ~110. Here each row pays for itself only: its threshold comes from a histogram of
 // the row's probability mass (one pass, then a sort of the few values near the cut), and noise
 // is drawn only for entries that are kept and could still win the draw (a Gumbel value lies in
-// [-4.47, 15.95], so an entry more than 20.5 below the best score so far cannot win).
+// [-4.47, 15.95], so an entry 16 or more below the best score so far cannot win).
 //
 // XLA also spent ~11 ms of a penalised 64-row step on the processing: two [B, V] scratch
 // arrays scattered into (counts, seen) and passes over them; here only the listed tokens of a
