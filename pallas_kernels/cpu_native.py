@@ -259,17 +259,22 @@ def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int,
 packed_matmul_cpu.takes_live_rows = True
 
 
+def _logits_rows(name: str, logits: jax.Array) -> int:
+    """The row count of float32 ``logits [B, V]`` for the native samplers; raises when the
+    library is missing or the logits are not that."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    if logits.dtype != jnp.float32 or logits.ndim != 2:
+        raise TypeError(f"{name}: float32 [B, V] logits, got {logits.dtype} {logits.shape}")
+    return logits.shape[0]
+
+
 def greedy_rows_cpu(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Per row of float32 ``logits [B, V]``: the first maximum's index (int32; a NaN counts as
     the maximum) and its raw logprob ``-log(sum(exp(x - max)))``, reading each row from memory
     once (`csrc/greedy_rows_cpu.cc` says why). Tokens equal `pagedjax.sampler.first_argmax`'s;
     logprobs equal the XLA formula's to float rounding."""
-    if not _register():
-        raise NativeBuildError("native CPU kernels are not available")
-    if logits.dtype != jnp.float32 or logits.ndim != 2:
-        raise TypeError(f"greedy_rows_cpu: float32 [B, V] logits, got {logits.dtype} "
-                        f"{logits.shape}")
-    b = logits.shape[0]
+    b = _logits_rows("greedy_rows_cpu", logits)
     call = jax.ffi.ffi_call(GREEDY_TARGET, (jax.ShapeDtypeStruct((b,), jnp.int32),
                                             jax.ShapeDtypeStruct((b,), jnp.float32)))
     return call(logits)
@@ -284,8 +289,7 @@ def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                     bitmask: jax.Array | None = None
                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One token per row of float32 ``logits [B, V]``, with its raw logprob and rank: the
-    row processed as
-    `pagedjax.sampler.sample` processes it (penalties over ``prompt_ids`` / ``output_ids``,
+    row processed as `pagedjax.sampler.sample` processes it (penalties over ``prompt_ids`` / ``output_ids``,
     ``bias_ids`` / ``bias_values`` added, ``banned_ids`` set to -inf, tokens whose
     ``bitmask`` bit is clear set to -inf; ``[B, W]`` lists with -1 padding, absent = width 0),
     then its first maximum where ``temperature < greedy_eps``, else a draw from the
@@ -294,12 +298,7 @@ def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     itself (`csrc/sample_rows_cpu.cc` says how and where they may differ). The logprob and
     rank are those of the unprocessed row's `log_softmax`, whose max and log-sum-exp XLA
     computes here (two reductions, no ``[B, V]`` result)."""
-    if not _register():
-        raise NativeBuildError("native CPU kernels are not available")
-    if logits.dtype != jnp.float32 or logits.ndim != 2:
-        raise TypeError(f"sample_rows_cpu: float32 [B, V] logits, got {logits.dtype} "
-                        f"{logits.shape}")
-    b = logits.shape[0]
+    b = _logits_rows("sample_rows_cpu", logits)
     if keys.shape != (b, 2):
         raise ValueError(f"sample_rows_cpu: keys must be [{b}, 2] uint32, got {keys.shape}")
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
