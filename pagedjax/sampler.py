@@ -623,17 +623,12 @@ def row_keys(meta: SamplingMetadata) -> jax.Array:
 
 def _logprob_info(
     raw_logprobs: jax.Array, token_ids: jax.Array, k: int, want_topk: jax.Array | bool = True,
-    top_only: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The chosen tokens' raw logprobs and ranks, and the top-``k`` logprobs and ids where
-    ``want_topk``. ``top_only``: the first argument is the logits, and only the top ``k``
-    are returned, their log-softmax computed inside the conditional (the native sampler
-    gives the rest)."""
+    ``want_topk``."""
     n = raw_logprobs.shape[0]
 
     def top(x):
-        if top_only:
-            x = jax.nn.log_softmax(x, axis=-1)
         top_lp, top_ids = jax.lax.top_k(x, k)
         return top_lp, top_ids.astype(jnp.int32)
 
@@ -641,8 +636,6 @@ def _logprob_info(
         return jnp.zeros((n, k), x.dtype), jnp.zeros((n, k), jnp.int32)
 
     top_lp, top_ids = jax.lax.cond(want_topk, top, none, raw_logprobs) if k > 0 else none(raw_logprobs)
-    if top_only:
-        return top_lp, top_ids
     lp = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     rank = jnp.sum(raw_logprobs > lp[:, None], axis=-1).astype(jnp.int32) + 1
     return lp, rank, top_lp, top_ids
@@ -660,30 +653,45 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     ``native`` (static; one CPU device): the tokens come from
     `pallas_kernels.cpu_native.sample_rows_cpu`, where each row's processing, cut and draw
     cost that row alone, instead of the batch-wide branches below (the same tokens but where
-    a cut or draw is decided within float rounding), and no raw ``[B, V]`` rows come back
-    (`raw_logprob_rows` gives them to beams).
+    a cut or draw is decided within float rounding), reading ``logits[rows]`` in place; the
+    logprobs are its own log-sum-exp's (float rounding from XLA's), and no raw ``[B, V]``
+    rows come back (`raw_logprob_rows` gives them to beams).
     """
-    if rows is not None:
-        logits = logits[rows]
-    logits = logits.astype(jnp.float32)
     if native:  # the processing below, the cut, the draw and the logprob, row by row
         from pallas_kernels.cpu_native import sample_rows_cpu
 
+        logits = logits.astype(jnp.float32)
+
         pen = meta.do_penalties
-        tokens, lp, rank = sample_rows_cpu(
+        # The kernel reads its rows of the step's logits in place: no [B, V] gather.
+        tokens, lp, rank, mx, lse = sample_rows_cpu(
             logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p,
-            jax.random.key_data(row_keys(meta)), _GREEDY_EPS,
+            jax.random.key_data(row_keys(meta)), _GREEDY_EPS, rows=rows,
             prompt_ids=meta.prompt_token_ids if pen else None,
             output_ids=meta.output_token_ids if pen else None,
             presence=meta.presence_penalty, frequency=meta.frequency_penalty,
             repetition=meta.repetition_penalty, bias_ids=meta.bias_token_ids,
             bias_values=meta.bias_values, banned_ids=meta.banned_token_ids,
             bitmask=meta.allowed_bitmask)
-        # No [B, V] log-softmax unless a row wants top logprobs; beams take theirs from
-        # `raw_logprob_rows`.
-        top_lp, top_ids = _logprob_info(logits, tokens, num_logprobs, meta.want_topk,
-                                        top_only=True)
+        # No [B, V] log-softmax unless a row wants top logprobs, then with the kernel's max
+        # and log-sum-exp, so a top logprob is the chosen token's bits; beams take theirs
+        # from `raw_logprob_rows`.
+        k = num_logprobs
+        b = tokens.shape[0]
+
+        def top(_):
+            x = logits if rows is None else logits[rows]
+            top_lp, top_ids = jax.lax.top_k((x - mx[:, None]) - lse[:, None], k)
+            return top_lp, top_ids.astype(jnp.int32)
+
+        def none(_):
+            return jnp.zeros((b, k), jnp.float32), jnp.zeros((b, k), jnp.int32)
+
+        top_lp, top_ids = jax.lax.cond(meta.want_topk, top, none, 0) if k > 0 else none(0)
         return SamplerOutput(tokens, lp, rank, top_lp, top_ids, None)
+    if rows is not None:
+        logits = logits[rows]
+    logits = logits.astype(jnp.float32)
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
     x = logits
     if meta.do_penalties:

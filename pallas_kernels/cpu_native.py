@@ -282,23 +282,32 @@ def greedy_rows_cpu(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                     top_p: jax.Array, min_p: jax.Array, keys: jax.Array, greedy_eps: float, *,
+                    rows: jax.Array | None = None,
                     prompt_ids: jax.Array | None = None, output_ids: jax.Array | None = None,
                     presence: jax.Array | None = None, frequency: jax.Array | None = None,
                     repetition: jax.Array | None = None, bias_ids: jax.Array | None = None,
                     bias_values: jax.Array | None = None, banned_ids: jax.Array | None = None,
                     bitmask: jax.Array | None = None
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One token per row of float32 ``logits [B, V]``, with its raw logprob and rank: the
-    row processed as `pagedjax.sampler.sample` processes it (penalties over ``prompt_ids`` / ``output_ids``,
-    ``bias_ids`` / ``bias_values`` added, ``banned_ids`` set to -inf, tokens whose
-    ``bitmask`` bit is clear set to -inf; ``[B, W]`` lists with -1 padding, absent = width 0),
-    then its first maximum where ``temperature < greedy_eps``, else a draw from the
-    temperature-scaled row cut by top-k, top-p and min-p, with Gumbel noise from the row's
-    threefry ``keys [B, 2]`` (uint32 key data). `sample`'s tokens, each row paying only for
-    itself (`csrc/sample_rows_cpu.cc` says how and where they may differ). The logprob and
-    rank are those of the unprocessed row's `log_softmax`, whose max and log-sum-exp XLA
-    computes here (two reductions, no ``[B, V]`` result)."""
-    b = _logits_rows("sample_rows_cpu", logits)
+                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One token per sampled row, with its raw logprob and rank. Row m reads
+    ``logits[rows[m]]`` of float32 ``logits [T, V]`` (``rows [B]``, each in ``[0, T)``; absent:
+    every row in order), read in place, not gathered. The row is processed as
+    `pagedjax.sampler.sample` processes it (penalties over ``prompt_ids`` / ``output_ids``,
+    ``bias_ids`` / ``bias_values`` added, ``banned_ids`` set to -inf, tokens whose ``bitmask``
+    bit is clear set to -inf; ``[B, W]`` lists with -1 padding, absent = width 0), then its
+    first maximum where ``temperature < greedy_eps``, else a draw from the temperature-scaled
+    row cut by top-k, top-p and min-p, with Gumbel noise from the row's threefry
+    ``keys [B, 2]`` (uint32 key data). `sample`'s tokens, each row paying only for itself
+    (`csrc/sample_rows_cpu.cc` says how and where they may differ). Returns the tokens, the
+    logprobs and ranks of the unprocessed rows' log-softmax, and those rows' max and
+    log-sum-exp (``log_softmax = (x - max) - lse``, float rounding from XLA's)."""
+    t = _logits_rows("sample_rows_cpu", logits)
+    if rows is None:
+        rows = jnp.arange(t, dtype=jnp.int32)
+    rows = jnp.asarray(rows, jnp.int32)
+    if rows.ndim != 1:
+        raise ValueError(f"sample_rows_cpu: rows must be [B], got {rows.shape}")
+    b = rows.shape[0]
     if keys.shape != (b, 2):
         raise ValueError(f"sample_rows_cpu: keys must be [{b}, 2] uint32, got {keys.shape}")
     f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
@@ -322,17 +331,15 @@ def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
     if lists["bitmask"].shape[1] and lists["bitmask"].shape[1] * 32 < logits.shape[1]:
         raise ValueError(f"sample_rows_cpu: bitmask needs {-(-logits.shape[1] // 32)} words a "
                          f"row, got {lists['bitmask'].shape[1]}")
-    # `jax.nn.log_softmax`'s max and log-sum-exp, as it computes them.
-    mx = jnp.max(logits, axis=-1, initial=-np.inf, keepdims=True)
-    lse = jnp.log(jnp.sum(jnp.exp(logits - mx), axis=-1, keepdims=True))
-    call = jax.ffi.ffi_call(SAMPLE_TARGET, (jax.ShapeDtypeStruct((b,), jnp.int32),
-                                            jax.ShapeDtypeStruct((b,), jnp.float32),
-                                            jax.ShapeDtypeStruct((b,), jnp.int32)))
-    return call(logits, f32(temperature), jnp.asarray(top_k, jnp.int32), f32(top_p),
+    out = (jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
+           jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.float32),
+           jax.ShapeDtypeStruct((b,), jnp.float32))
+    call = jax.ffi.ffi_call(SAMPLE_TARGET, out)
+    return call(logits, rows, f32(temperature), jnp.asarray(top_k, jnp.int32), f32(top_p),
                 jnp.log(f32(min_p)), jnp.asarray(keys, jnp.uint32), lists["prompt_ids"],
                 lists["output_ids"], per_row(presence, 0.0), per_row(frequency, 0.0),
                 per_row(repetition, 1.0), lists["bias_ids"], values, lists["banned_ids"],
-                lists["bitmask"], mx[:, 0], lse[:, 0], greedy_eps=np.float32(greedy_eps))
+                lists["bitmask"], greedy_eps=np.float32(greedy_eps))
 
 
 def lm_head_screen(panels, n: int) -> dict | None:

@@ -37,9 +37,6 @@ struct Rows {
 };
 
 #if defined(__AVX512F__)
-using pagedjax_rows::exp_nonpositive;
-using pagedjax_rows::tail_mask;
-
 void row(const Rows& p, int64_t m) {
   const float* x = p.x + m * p.V;
   // Pass 1: the first maximum (per lane the largest value and the first index holding it).
@@ -48,29 +45,8 @@ void row(const Rows& p, int64_t m) {
     p.lp[m] = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  // Pass 2: sum(exp(x - top)) (the row is in L2 now): each 64 values summed in float, those
-  // sums in double, so the result does not drift with the vocabulary's size (one float
-  // accumulator per lane was off by ~2e-6 over 49152 values; XLA's tree sum by ~2e-7).
-  const __m512 t = _mm512_set1_ps(top);
-  __m512d lo = _mm512_setzero_pd(), hi = lo;
-  auto add = [&](__m512 s) {
-    lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(s)));
-    hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(
-                               _mm512_castps_pd(s), 1))));
-  };
-  int64_t v = 0;
-  for (; v + 64 <= p.V; v += 64) {
-    const __m512 e0 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + v), t));
-    const __m512 e1 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + v + 16), t));
-    const __m512 e2 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + v + 32), t));
-    const __m512 e3 = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + v + 48), t));
-    add(_mm512_add_ps(_mm512_add_ps(e0, e1), _mm512_add_ps(e2, e3)));
-  }
-  for (; v < p.V; v += 16) {
-    const __mmask16 k = tail_mask(p.V - v);
-    add(_mm512_maskz_mov_ps(k, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + v), t))));
-  }
-  const double sum = _mm512_reduce_add_pd(_mm512_add_pd(lo, hi));
+  // Pass 2: sum(exp(x - top)), the row in L2 now (`pagedjax_rows::sum_exp_below`).
+  const double sum = pagedjax_rows::sum_exp_below(x, p.V, top);
   p.lp[m] = float(-std::log(sum));
 }
 #else

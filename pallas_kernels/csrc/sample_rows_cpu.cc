@@ -1,9 +1,10 @@
 // Sampled tokens for float32 logits rows, as an XLA FFI call
 // (`pallas_kernels.cpu_native.sample_rows_cpu`, behind `pagedjax.sampler.sample(native=True)`):
-// per row the logits processing (penalties, logit bias, bans, allowed-token bitmask), then
-// temperature, top-k, top-p, min-p and a Gumbel-max draw with the row's threefry key, and the
-// chosen token's raw logprob and rank (from `log_softmax`'s max and log-sum-exp, which XLA
-// computes: no [B, V] log-softmax is written).
+// for each listed row of the step's logits, the logits processing (penalties, logit bias,
+// bans, allowed-token bitmask), then temperature, top-k, top-p, min-p and a Gumbel-max draw
+// with the row's threefry key, and the chosen token's raw logprob and rank with the raw row's
+// max and log-sum-exp (no [B, V] gather or log-softmax is written: XLA's took ~55 ms of a
+// 256-row call on this project's 2-core host, the gather ~23 and the two reductions ~31).
 //
 // Why native code: XLA has only batch-wide control flow, so one row whose nucleus is wider than
 // the sampler's top-128 candidates sends every row of the step to an exact threshold search
@@ -67,7 +68,8 @@ struct List {
 
 struct Rows {
   int64_t B, V;
-  const float* x;
+  const float* x;      // the step's logits [T, V]
+  const int32_t* src;  // [B]: the logits row each sampled row reads, in [0, T)
   const float* temp;
   const int32_t* top_k;
   const float* top_p;
@@ -80,15 +82,17 @@ struct Rows {
   const float* presence;
   const float* frequency;
   const float* repetition;
-  // The raw rows' max and log(sum(exp(x - max))), from XLA, so the chosen token's logprob
-  // (x - max) - lse and its rank are the bits `log_softmax` gives.
-  const float* raw_max;
-  const float* raw_lse;
   float greedy_eps;
   int32_t* tok;
   float* lp;
   int32_t* rank;
+  // The raw rows' max and log(sum(exp(x - max))): with them XLA computes top logprobs the way
+  // the chosen token's is computed here, (x - max) - lse.
+  float* raw_max;
+  float* raw_lse;
 };
+
+inline const float* raw_row(const Rows& p, int64_t m) { return p.x + int64_t(p.src[m]) * p.V; }
 
 inline uint32_t ordered(float f) {  // unsigned keys that order like the floats (NaN excepted)
   uint32_t u;
@@ -352,7 +356,7 @@ void penalize(const Rows& p, int64_t m, float* xs, Scratch& s) {
 // The row's processed logits into xs: penalties, bias, bans, then the bitmask.
 void process(const Rows& p, int64_t m, float* xs, Scratch& s) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  std::memcpy(xs, p.x + m * p.V, sizeof(float) * p.V);
+  std::memcpy(xs, raw_row(p, m), sizeof(float) * p.V);
   if (p.output_ids.width || p.prompt_ids.width) penalize(p, m, xs, s);
   for (int64_t j = 0; j < p.bias_ids.width; ++j) {
     const int32_t t = p.bias_ids.row(m)[j];
@@ -391,12 +395,37 @@ int32_t first_max(const float* x, int64_t V, float& top) {
 #endif
 }
 
-// The raw logprob of token t, (x_t - max) - lse, and its rank: one more than the number of
-// raw logprobs above it, each computed with the same two float subtractions (`log_softmax`'s:
-// the barriers keep the compiler from folding them into x - (max + lse)).
+// The raw row's max and lse = log(sum(exp(x - max))) (summed in double: closer to the exact
+// value than XLA's float tree sum, ~1e-7 apart), then the raw logprob of token t,
+// (x_t - max) - lse, and its rank: one more than the number of raw logprobs above it, each
+// computed with the same two float subtractions as `log_softmax`'s (the barriers keep the
+// compiler from folding them into x - (max + lse)). A row holding a NaN, or whose maximum is
+// infinite, gets a NaN lse, as XLA's formula gives.
 void logprob_and_rank(const Rows& p, int64_t m) {
-  const float* x = p.x + m * p.V;
-  const float mx = p.raw_max[m], lse = p.raw_lse[m];
+  const float* x = raw_row(p, m);
+  float mx;
+  double sum;
+#if defined(__AVX512F__)
+  int32_t unused;
+  if (pagedjax_rows::first_max(x, p.V, unused, mx)) {
+    sum = pagedjax_rows::sum_exp_below(x, p.V, mx);
+  } else {
+    mx = sum = std::numeric_limits<float>::quiet_NaN();
+  }
+#else
+  mx = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t i = 0; i < p.V; ++i) {
+    nan |= x[i] != x[i];
+    mx = std::max(mx, x[i]);
+  }
+  if (nan) mx = std::numeric_limits<float>::quiet_NaN();  // and the sum below is NaN
+  sum = 0.0;
+  for (int64_t i = 0; i < p.V; ++i) sum += std::exp(double(x[i] - mx));
+#endif
+  const float lse = float(std::log(sum));
+  p.raw_max[m] = mx;
+  p.raw_lse[m] = lse;
   const int32_t t = p.tok[m];
   float shifted = x[t] - mx;
   asm("" : "+x"(shifted));
@@ -426,7 +455,7 @@ void sample_row(const Rows& p, int64_t m, Scratch& s) {
   const float t = p.temp[m];
   const bool plain = !p.output_ids.width && !p.prompt_ids.width && !p.bias_ids.width &&
                      !p.banned_ids.width && !p.bitmask.width;
-  const float* x = p.x + m * p.V;
+  const float* x = raw_row(p, m);
   float* xs = s.xs.data();
   if (!plain) {
     process(p, m, xs, s);
@@ -457,21 +486,28 @@ void row(const Rows& p, int64_t m, Scratch& s) {
   logprob_and_rank(p, m);
 }
 
-ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> temp,
+ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> src,
+                     ffi::Buffer<ffi::F32> temp,
                      ffi::Buffer<ffi::S32> top_k, ffi::Buffer<ffi::F32> top_p,
                      ffi::Buffer<ffi::F32> log_min_p, ffi::Buffer<ffi::U32> keys,
                      ffi::Buffer<ffi::S32> prompt_ids, ffi::Buffer<ffi::S32> output_ids,
                      ffi::Buffer<ffi::F32> presence, ffi::Buffer<ffi::F32> frequency,
                      ffi::Buffer<ffi::F32> repetition, ffi::Buffer<ffi::S32> bias_ids,
                      ffi::Buffer<ffi::F32> bias_values, ffi::Buffer<ffi::S32> banned_ids,
-                     ffi::Buffer<ffi::S32> bitmask, ffi::Buffer<ffi::F32> raw_max,
-                     ffi::Buffer<ffi::F32> raw_lse, float greedy_eps,
+                     ffi::Buffer<ffi::S32> bitmask, float greedy_eps,
                      ffi::Result<ffi::Buffer<ffi::S32>> tok, ffi::Result<ffi::Buffer<ffi::F32>> lp,
-                     ffi::Result<ffi::Buffer<ffi::S32>> rank) {
+                     ffi::Result<ffi::Buffer<ffi::S32>> rank,
+                     ffi::Result<ffi::Buffer<ffi::F32>> raw_max,
+                     ffi::Result<ffi::Buffer<ffi::F32>> raw_lse) {
   auto xd = x.dimensions();
-  if (xd.size() != 2) return ffi::Error::InvalidArgument("expected logits [B, V]");
-  const int64_t B = xd[0], V = xd[1];
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("expected logits [T, V]");
+  const int64_t T = xd[0], V = xd[1];
   if (V < 1) return ffi::Error::InvalidArgument("logits need at least one column");
+  if (src.dimensions().size() != 1) return ffi::Error::InvalidArgument("expected rows [B]");
+  const int64_t B = src.dimensions()[0];
+  for (int64_t m = 0; m < B; ++m)
+    if (src.typed_data()[m] < 0 || src.typed_data()[m] >= T)
+      return ffi::Error::InvalidArgument("rows must lie in [0, T), the logits' rows");
   auto is_rows = [B](auto dims) { return dims.size() == 1 && dims[0] == B; };
   if (!is_rows(temp.dimensions()) || !is_rows(top_k.dimensions()) ||
       !is_rows(top_p.dimensions()) || !is_rows(log_min_p.dimensions()) ||
@@ -480,8 +516,8 @@ ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument(
         "expected temperature, top_k, top_p, log_min_p and tokens [B], keys [B, 2]");
   if (!is_rows(presence.dimensions()) || !is_rows(frequency.dimensions()) ||
-      !is_rows(repetition.dimensions()) || !is_rows(raw_max.dimensions()) ||
-      !is_rows(raw_lse.dimensions()) || !is_rows(lp->dimensions()) ||
+      !is_rows(repetition.dimensions()) || !is_rows(raw_max->dimensions()) ||
+      !is_rows(raw_lse->dimensions()) || !is_rows(lp->dimensions()) ||
       !is_rows(rank->dimensions()))
     return ffi::Error::InvalidArgument("expected penalties, raw max and lse, logprobs and "
                                        "ranks [B]");
@@ -497,13 +533,13 @@ ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return List<std::remove_const_t<std::remove_pointer_t<decltype(b.typed_data())>>>{
         b.typed_data(), b.dimensions()[1]};
   };
-  const Rows p{B, V, x.typed_data(), temp.typed_data(), top_k.typed_data(),
+  const Rows p{B, V, x.typed_data(), src.typed_data(), temp.typed_data(), top_k.typed_data(),
                top_p.typed_data(), log_min_p.typed_data(), keys.typed_data(),
                list(prompt_ids), list(output_ids), list(bias_ids), list(banned_ids),
                list(bitmask), list(bias_values), presence.typed_data(),
-               frequency.typed_data(), repetition.typed_data(), raw_max.typed_data(),
-               raw_lse.typed_data(), greedy_eps, tok->typed_data(), lp->typed_data(),
-               rank->typed_data()};
+               frequency.typed_data(), repetition.typed_data(), greedy_eps, tok->typed_data(),
+               lp->typed_data(), rank->typed_data(), raw_max->typed_data(),
+               raw_lse->typed_data()};
   pagedjax_rows::for_rows(pool, B, kRowsPerItem, kMinRowsForHelpers, [p] {
     auto s = std::make_shared<Scratch>();
     s->xs.resize(p.V);
@@ -518,7 +554,8 @@ ffi::Error SampleRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxSampleRowsCpu, SampleRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // logits [B, V], processed
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // the step's logits [T, V]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows sampled [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // temperature [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // top_k [B]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // top_p [B]
@@ -533,9 +570,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxSampleRowsCpu, SampleRows,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // logit bias values [B, Wb]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // banned ids [B, S]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // allowed bitmask [B, W]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // raw rows' max [B]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // raw rows' lse [B]
                                   .Attr<float>("greedy_eps")
                                   .Ret<ffi::Buffer<ffi::S32>>()   // tokens [B]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // their raw logprobs [B]
-                                  .Ret<ffi::Buffer<ffi::S32>>());  // their ranks [B]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // their ranks [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // raw rows' max [B]
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // raw rows' lse [B]

@@ -48,18 +48,42 @@ def _meta(params: list[SamplingParams], v: int) -> SamplingMetadata:
                                         len(params), v)
 
 
+def _same_logprobs(xla, nat, same: np.ndarray, topk: bool) -> int:
+    """``nat``'s logprobs, ranks and top logprobs against ``xla``'s on the rows ``same``: the
+    values to float rounding of the log-sum-exp, ranks and ids exactly; and where top
+    logprobs were computed (``topk``), a row's chosen logprob is the bits of its entry among
+    them, as both come from the kernel's max and log-sum-exp. Returns how many rows had their
+    token among their top logprobs."""
+    np.testing.assert_allclose(np.asarray(nat.logprobs)[same], np.asarray(xla.logprobs)[same],
+                               rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(nat.ranks)[same], np.asarray(xla.ranks)[same])
+    np.testing.assert_allclose(np.asarray(nat.topk_logprobs)[same],
+                               np.asarray(xla.topk_logprobs)[same], rtol=2e-6, atol=2e-6)
+    np.testing.assert_array_equal(np.asarray(nat.topk_ids)[same],
+                                  np.asarray(xla.topk_ids)[same])
+    if not topk:
+        return 0
+    ids, top = np.asarray(nat.topk_ids), np.asarray(nat.topk_logprobs)
+    tok, lp = np.asarray(nat.token_ids), np.asarray(nat.logprobs)
+    found = 0
+    for r in range(len(tok)):
+        hit = np.nonzero(ids[r] == tok[r])[0]
+        if hit.size:
+            found += 1
+            np.testing.assert_array_equal(top[r, hit[0]], lp[r])
+    return found
+
+
 def _both(x: np.ndarray, params: list[SamplingParams]) -> tuple[np.ndarray, np.ndarray]:
     meta = _meta(params, x.shape[1])
     rows = np.arange(len(params), dtype=np.int32)
     k = min(5, x.shape[1])
     xla = sample(jnp.asarray(x), meta, num_logprobs=k, rows=rows)
     nat = sample(jnp.asarray(x), meta, num_logprobs=k, rows=rows, native=True)
-    # The raw logprob and rank of the same token are the bits of XLA's `log_softmax` (the
-    # kernel is handed its max and log-sum-exp and repeats its two subtractions), and the top
-    # logprobs come from the same XLA code.
+    # The raw logprob of the same token is XLA's `log_softmax` to float rounding (the kernel
+    # sums the exponentials itself, in double), its rank and the top ids are the same.
     same = np.asarray(xla.token_ids) == np.asarray(nat.token_ids)
-    for a, b in zip(xla[1:5], nat[1:5]):
-        np.testing.assert_array_equal(np.asarray(a)[same], np.asarray(b)[same])
+    _same_logprobs(xla, nat, same, bool(meta.want_topk))
     assert nat.raw_logprobs is None  # beams take `raw_logprob_rows`
     return np.asarray(xla.token_ids), np.asarray(nat.token_ids)
 
@@ -77,8 +101,9 @@ def test_logprob_ranks_and_top_logprobs_match_xla_with_many_ties():
     rows = np.arange(len(params), dtype=np.int32)
     xla = sample(jnp.asarray(x), meta, num_logprobs=5, rows=rows)
     nat = sample(jnp.asarray(x), meta, num_logprobs=5, rows=rows, native=True)
-    for a, b in zip(xla[:5], nat[:5]):
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    np.testing.assert_array_equal(np.asarray(nat.token_ids), np.asarray(xla.token_ids))
+    # Greedy rows (8) take the first maximum, which `top_k` puts first among the tied.
+    assert _same_logprobs(xla, nat, np.ones(len(params), bool), topk=True) >= 8
     assert np.asarray(nat.ranks).max() > 1  # sampled rows drew below the maximum
     raw = np.asarray(raw_logprob_rows(jnp.asarray(x), rows))
     np.testing.assert_array_equal(raw, np.asarray(xla.raw_logprobs))
@@ -321,3 +346,87 @@ def test_bad_arguments():
                                    bias_values=jnp.zeros((2, 3)))
     with pytest.raises(ValueError, match="bitmask"):
         cpu_native.sample_rows_cpu(x, z, z, z, z, keys, 1e-5, bitmask=jnp.zeros((2, 1)))
+
+
+def test_rows_are_read_in_place_and_unlisted_rows_never_read():
+    """``rows`` picks (and repeats) rows of the step's logits: the same tokens, logprobs,
+    ranks, max and log-sum-exp as the gathered rows, whatever the unlisted rows hold (NaN
+    here, which would poison any row that read them)."""
+    rng = np.random.default_rng(21)
+    b, v = 7, 1000
+    params = [SamplingParams(**_CONFIGS[i % len(_CONFIGS)], seed=i, presence_penalty=0.3)
+              for i in range(b)]
+    meta = _meta(params, v)
+    good = _logits(rng, 4, v, "peaked")
+    step = np.full((9, v), np.nan, np.float32)  # rows 1, 3, 4, 8 are the listed ones
+    step[[1, 3, 4, 8]] = good
+    rows = np.array([8, 1, 1, 4, 3, 8, 4], np.int32)
+    keys = jax.random.key_data(row_keys(meta))
+    args = (meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys)
+    kw = dict(greedy_eps=_GREEDY_EPS, output_ids=meta.output_token_ids,
+              prompt_ids=meta.prompt_token_ids, presence=meta.presence_penalty)
+    in_place = _native3(jnp.asarray(step), *args, rows=jnp.asarray(rows), **kw)
+    gathered = _native3(jnp.asarray(step[rows]), *args, **kw)
+    for a, g in zip(in_place, gathered, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
+    assert np.isfinite(np.asarray(in_place[1])).all()
+    # `sample` passes its rows through: the same as sampling the gathered rows.
+    nat = sample(jnp.asarray(step), meta, num_logprobs=3, rows=rows, native=True)
+    np.testing.assert_array_equal(np.asarray(nat.token_ids), np.asarray(in_place[0]))
+
+
+def test_log_sum_exp_against_float64():
+    """The raw max is exact and the log-sum-exp within float rounding of float64's, over
+    widths around the kernel's 16- and 64-value blocks and the demo vocabulary; the logprob
+    is (x_t - max) - lse in float."""
+    rng = np.random.default_rng(8)
+    for v in (1, 15, 16, 17, 63, 64, 65, 1000, 49152):
+        b = 4
+        x = (rng.standard_normal((b, v)) * 4).astype(np.float32)
+        params = [SamplingParams(temperature=1.0, seed=i) for i in range(b)]
+        meta = _meta(params, v)
+        tok, lp, rank, mx, lse = (np.asarray(a) for a in _native3(
+            jnp.asarray(x), meta.temperature, meta.top_k, meta.top_p, meta.min_p,
+            jax.random.key_data(row_keys(meta)), greedy_eps=_GREEDY_EPS))
+        x64 = x.astype(np.float64)
+        np.testing.assert_array_equal(mx, x.max(axis=1))
+        ref = np.log(np.exp(x64 - x64.max(axis=1, keepdims=True)).sum(axis=1))
+        np.testing.assert_allclose(lse, ref, rtol=3e-7, atol=1e-7)
+        picked = x[np.arange(b), tok]
+        np.testing.assert_array_equal(lp, (picked - mx) - lse)
+        raw = (x - mx[:, None]) - lse[:, None]
+        np.testing.assert_array_equal(rank, (raw > lp[:, None]).sum(axis=1) + 1)
+
+
+def test_broken_rows_logprobs_are_nan_like_xla():
+    """A NaN row, an all -inf row and a row with +inf: the max and log-sum-exp are those of
+    XLA's formula (NaN log-sum-exp, hence NaN logprob, rank 1)."""
+    v = 40
+    x = np.zeros((3, v), np.float32)
+    x[0, 5] = np.nan
+    x[1] = -np.inf
+    x[2, 9] = np.inf
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
+    meta = _meta(params, v)
+    _, lp, rank, mx, lse = (np.asarray(a) for a in _native3(
+        jnp.asarray(x), meta.temperature, meta.top_k, meta.top_p, meta.min_p,
+        jax.random.key_data(row_keys(meta)), greedy_eps=_GREEDY_EPS))
+    xla = sample(jnp.asarray(x), meta, num_logprobs=0)
+    assert np.isnan(mx[0]) and mx[1] == -np.inf and mx[2] == np.inf
+    assert np.isnan(lse).all() and np.isnan(lp).all()
+    np.testing.assert_array_equal(np.isnan(np.asarray(xla.logprobs)), np.isnan(lp))
+    np.testing.assert_array_equal(rank, np.asarray(xla.ranks))
+
+
+def test_rows_outside_the_logits_are_refused():
+    z = jnp.zeros(2)
+    keys = jnp.zeros((2, 2), jnp.uint32)
+    x = jnp.zeros((3, 64))
+    with pytest.raises(ValueError, match="rows"):
+        cpu_native.sample_rows_cpu(x, z, z, z, z, keys, 1e-5, rows=jnp.zeros((2, 1), jnp.int32))
+    with pytest.raises(ValueError, match="keys"):
+        cpu_native.sample_rows_cpu(x, z, z, z, z, keys, 1e-5, rows=jnp.zeros(3, jnp.int32))
+    for bad in ([0, 3], [-1, 0]):
+        with pytest.raises(Exception, match=r"rows must lie in \[0, T\)"):
+            jax.block_until_ready(_native3(x, z, z, z, z, keys, greedy_eps=1e-5,
+                                           rows=jnp.asarray(bad, jnp.int32)))
