@@ -35,12 +35,13 @@ def _on_the_cpu():
         yield
 
 
-_native3 = jax.jit(cpu_native.sample_rows_cpu, static_argnames=("greedy_eps",))
+_kernel = jax.jit(cpu_native.sample_rows_cpu, static_argnames=("greedy_eps",))
 
 
 def _native(*args, **kw):
-    """The kernel's tokens (its logprobs and ranks are checked through `sample`)."""
-    return _native3(*args, **kw)[0]
+    """The kernel's tokens (its logprobs, ranks, max and log-sum-exp are checked below and
+    through `sample`)."""
+    return _kernel(*args, **kw)[0]
 
 
 def _meta(params: list[SamplingParams], v: int) -> SamplingMetadata:
@@ -365,8 +366,8 @@ def test_rows_are_read_in_place_and_unlisted_rows_never_read():
     args = (meta.temperature, meta.top_k, meta.top_p, meta.min_p, keys)
     kw = dict(greedy_eps=_GREEDY_EPS, output_ids=meta.output_token_ids,
               prompt_ids=meta.prompt_token_ids, presence=meta.presence_penalty)
-    in_place = _native3(jnp.asarray(step), *args, rows=jnp.asarray(rows), **kw)
-    gathered = _native3(jnp.asarray(step[rows]), *args, **kw)
+    in_place = _kernel(jnp.asarray(step), *args, rows=jnp.asarray(rows), **kw)
+    gathered = _kernel(jnp.asarray(step[rows]), *args, **kw)
     for a, g in zip(in_place, gathered, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
     assert np.isfinite(np.asarray(in_place[1])).all()
@@ -385,7 +386,7 @@ def test_log_sum_exp_against_float64():
         x = (rng.standard_normal((b, v)) * 4).astype(np.float32)
         params = [SamplingParams(temperature=1.0, seed=i) for i in range(b)]
         meta = _meta(params, v)
-        tok, lp, rank, mx, lse = (np.asarray(a) for a in _native3(
+        tok, lp, rank, mx, lse = (np.asarray(a) for a in _kernel(
             jnp.asarray(x), meta.temperature, meta.top_k, meta.top_p, meta.min_p,
             jax.random.key_data(row_keys(meta)), greedy_eps=_GREEDY_EPS))
         x64 = x.astype(np.float64)
@@ -408,7 +409,7 @@ def test_broken_rows_logprobs_are_nan_like_xla():
     x[2, 9] = np.inf
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
     meta = _meta(params, v)
-    _, lp, rank, mx, lse = (np.asarray(a) for a in _native3(
+    _, lp, rank, mx, lse = (np.asarray(a) for a in _kernel(
         jnp.asarray(x), meta.temperature, meta.top_k, meta.top_p, meta.min_p,
         jax.random.key_data(row_keys(meta)), greedy_eps=_GREEDY_EPS))
     xla = sample(jnp.asarray(x), meta, num_logprobs=0)
@@ -428,5 +429,5 @@ def test_rows_outside_the_logits_are_refused():
         cpu_native.sample_rows_cpu(x, z, z, z, z, keys, 1e-5, rows=jnp.zeros(3, jnp.int32))
     for bad in ([0, 3], [-1, 0]):
         with pytest.raises(Exception, match=r"rows must lie in \[0, T\)"):
-            jax.block_until_ready(_native3(x, z, z, z, z, keys, greedy_eps=1e-5,
+            jax.block_until_ready(_kernel(x, z, z, z, z, keys, greedy_eps=1e-5,
                                            rows=jnp.asarray(bad, jnp.int32)))
