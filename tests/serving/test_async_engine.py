@@ -369,3 +369,97 @@ def test_idle_unhealthy_engine_keeps_stepping_until_it_recovers():
         assert a.serving and _text(a.add_request("r", "hi", {"max_tokens": 2}))[1] == "length"
     finally:
         a.shutdown()
+
+
+def test_a_step_wakes_each_event_loop_once_and_loses_no_output():
+    """The engine thread hands a step's outputs to their streams, then wakes each event loop
+    once (`wake_streams`), not each stream: every delta still arrives, in order, and the
+    streams end; the loop was woken for outputs at most once per engine step."""
+    from pagedjax.serving import async_engine
+
+    wakes = []
+
+    async def main(a):
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+
+        def counting(fn, *args, **kw):
+            if threading.current_thread().name == "pagedjax-engine":
+                wakes.append(fn)
+            return real(fn, *args, **kw)
+
+        loop.call_soon_threadsafe = counting
+        items = [(f"s{i}", "hi", None) for i in range(24)]
+        streams = await a.add_requests_async(items, {"max_tokens": 6}, delta=True)
+
+        async def read(stream):
+            return [(o.outputs[0].text, o.finished) async for o in stream]
+
+        return await asyncio.gather(*(read(s) for s in streams))
+
+    fake = FakeEngine()
+    a = AsyncEngine(fake).start()
+    try:
+        results = asyncio.run(main(a))
+    finally:
+        a.shutdown()
+    whole = "".join(f"w{i} " for i in range(6))
+    assert all("".join(t for t, _ in r) == whole and r[-1][1] for r in results)
+    stream_wakes = [fn for fn in wakes if fn is async_engine._set_all]
+    # No stream was woken on its own: every wake of a delivered output went through one
+    # per-loop callback, at most one a step (24 streams x 6 tokens = 144 outputs).
+    assert not [fn for fn in wakes if getattr(fn, "__name__", "") == "set"]
+    assert 1 <= len(stream_wakes) <= fake.steps
+
+
+def test_wake_streams_once_per_loop_thread_consumers_and_closed_loops():
+    """`wake_streams` wakes thread consumers by their event and asyncio consumers by one
+    callback per loop, each stream once however often it is listed; a closed loop is skipped
+    without stopping the others. Items put with ``wake=False`` wake nobody until then."""
+    from pagedjax.serving.async_engine import RequestStream, wake_streams
+
+    loops = [asyncio.new_event_loop() for _ in range(3)]
+    threads = [threading.Thread(target=lp.run_forever, daemon=True) for lp in loops[:2]]
+    for t in threads:
+        t.start()
+    loops[2].close()  # its clients are gone
+    calls = {id(lp): 0 for lp in loops}
+    for lp in loops[:2]:
+        real = lp.call_soon_threadsafe
+
+        def counting(fn, *args, _real=real, _lp=lp):
+            calls[id(_lp)] += 1
+            return _real(fn, *args)
+
+        lp.call_soon_threadsafe = counting
+    try:
+        async def make(n):
+            return [RequestStream(f"x{i}", asyncio.get_running_loop()) for i in range(n)]
+
+        on = [asyncio.run_coroutine_threadsafe(make(3), lp).result() for lp in loops[:2]]
+        calls.update({k: 0 for k in calls})  # run_coroutine_threadsafe used the loops too
+        closed = RequestStream("gone", loops[2])
+        threaded = RequestStream("t")
+        every = on[0] + on[1] + [closed, threaded]
+        out = RequestOutput("x", None, [1], [CompletionOutput(0, "a", [5])], False)
+        for s in every:
+            s._put(out, wake=False)
+        time.sleep(0.05)
+        assert not any(s._aready.is_set() for s in on[0] + on[1] + [closed])
+        assert not threaded._tready.is_set() and calls == {id(lp): 0 for lp in loops}
+        wake_streams(every + on[0] + [threaded])  # listed twice: woken once
+        assert threaded._tready.is_set()
+        assert [calls[id(lp)] for lp in loops] == [1, 1, 0]
+        for lp, streams in zip(loops[:2], on):
+            async def events_set(ss=streams):
+                return [s._aready.is_set() for s in ss]
+
+            assert asyncio.run_coroutine_threadsafe(events_set(), lp).result() == [True] * 3
+        assert not closed._aready.is_set()
+    finally:
+        for lp in loops[:2]:
+            lp.call_soon_threadsafe(lp.stop)
+        for t in threads:
+            t.join(5)
+        for lp in loops[:2]:
+            lp.close()
