@@ -128,10 +128,10 @@ def cmd_serve(args) -> int:
     import asyncio
     import logging
 
-    from pagedjax.serving.server import run_server
+    from pagedjax.serving.server import new_event_loop, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(run_server(serve_options(args)))
+    return asyncio.run(run_server(serve_options(args)), loop_factory=new_event_loop)
 
 
 def cmd_client(args) -> int:

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from pagedjax.serving.server import ServerOptions, run_server
+from pagedjax.serving.server import ServerOptions, new_event_loop, run_server
 
 
 class InProcessServer:
@@ -20,7 +20,7 @@ class InProcessServer:
         self.opts = ServerOptions(**{"port": 0, "metrics_port": 0, "grace_s": 2.0, **opts,
                                      "port_file": str(self.port_file)})
         self.engine = engine
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_event_loop()  # uvloop's, as `pagedjax serve` runs
         self.stop = asyncio.Event()
         self.rc: int | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)

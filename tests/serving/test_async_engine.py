@@ -463,3 +463,25 @@ def test_wake_streams_once_per_loop_thread_consumers_and_closed_loops():
             t.join(5)
         for lp in loops[:2]:
             lp.close()
+
+
+def test_servers_run_on_uvloop_unless_turned_off(monkeypatch):
+    """`pagedjax serve` (and the in-process test servers) run on uvloop's loop, as vLLM's
+    server does; PAGEDJAX_UVLOOP=0 gives asyncio's own."""
+    import uvloop
+
+    from pagedjax.serving.server import new_event_loop
+
+    monkeypatch.delenv("PAGEDJAX_UVLOOP", raising=False)
+    loop = new_event_loop()
+    try:
+        assert isinstance(loop, uvloop.Loop)
+        assert loop.run_until_complete(asyncio.sleep(0, result=7)) == 7
+    finally:
+        loop.close()
+    monkeypatch.setenv("PAGEDJAX_UVLOOP", "0")
+    loop = new_event_loop()
+    try:
+        assert isinstance(loop, asyncio.BaseEventLoop) and not isinstance(loop, uvloop.Loop)
+    finally:
+        loop.close()
