@@ -296,8 +296,8 @@ async def _set_health(health: HealthServicer, serving: bool) -> None:
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """The servers' event loop: uvloop's where it is installed (orbax-checkpoint, a dependency,
-    brings it), as `vllm serve` runs, unless ``PAGEDJAX_UVLOOP=0``; else asyncio's. With 256
+    """The servers' event loop: uvloop's (a dependency except on Windows), as `vllm serve`
+    runs, unless ``PAGEDJAX_UVLOOP=0``; else asyncio's. With 256
     SSE clients on a stubbed engine the engine thread, which shares the GIL with the loop,
     waited 0.90 ms between steps against 2.57 (p99 3.2 against 6.4) and the clients finished
     8 % sooner, for about the same CPU (`bench/http_stream.py`)."""
