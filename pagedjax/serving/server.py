@@ -297,10 +297,10 @@ async def _set_health(health: HealthServicer, serving: bool) -> None:
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
     """The servers' event loop: uvloop's (a dependency except on Windows), as `vllm serve`
-    runs, unless ``PAGEDJAX_UVLOOP=0``; else asyncio's. With 256
-    SSE clients on a stubbed engine the engine thread, which shares the GIL with the loop,
-    waited 0.90 ms between steps against 2.57 (p99 3.2 against 6.4) and the clients finished
-    8 % sooner, for about the same CPU (`bench/http_stream.py`)."""
+    runs, unless ``PAGEDJAX_UVLOOP=0``; else asyncio's. With 256 SSE clients on a stubbed
+    engine the engine thread, which shares the GIL with the loop, waited 0.90 ms between
+    steps against 2.57 (p99 3.2 against 6.4) and the clients finished 8 % sooner, for about
+    the same CPU (`bench/http_stream.py`)."""
     if os.environ.get("PAGEDJAX_UVLOOP", "1") != "0":
         try:
             import uvloop
