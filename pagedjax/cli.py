@@ -121,7 +121,8 @@ def serve_options(args):
                          max_waiting_requests=args.max_waiting_requests or None, grace_s=args.grace,
                          max_sequences_per_request=args.max_sequences_per_request or None,
                          port_file=args.port_file, api_key=resolve_api_key(args.api_key),
-                         http_limits=HttpLimits(**limits), engine_kwargs=engine_kwargs)
+                         http_limits=HttpLimits(**limits), engine_kwargs=engine_kwargs,
+                         engine_process=args.own_engine_process)
 
 
 def cmd_serve(args) -> int:
@@ -188,6 +189,10 @@ def add_serving_parsers(sub) -> None:
                    help="sequences (prompts x n/best_of) one request may start; more is refused "
                         "with 400 / INVALID_ARGUMENT; 0: unlimited")
     s.add_argument("--grace", type=float, default=30.0, help="seconds to finish requests on SIGTERM")
+    s.add_argument("--engine-process", dest="own_engine_process",
+                   action=argparse.BooleanOptionalAction, default=False,
+                   help="run the engine in a child process, off the HTTP/gRPC front doors' GIL "
+                        "(as vLLM V1's engine core)")
     s.add_argument("--port-file", default=None, help="write the bound ports as JSON here")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1 HTTP routes and gRPC calls "

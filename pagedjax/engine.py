@@ -589,8 +589,12 @@ class LLMEngine:
     def unpin_prefix(self, handle: PrefixHandle) -> None:
         self.block_manager.unpin(handle)
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Abort between steps: blocks are freed now, an 'abort' output comes from the next step."""
+    def abort_request(self, request_id: str | Iterable[str], withdraw: bool = False) -> None:
+        """Abort between steps: blocks are freed now, an 'abort' output comes from the next step.
+
+        ``withdraw``: no output at all, for a request whose admission the caller undid (a
+        sibling prompt was refused): nobody listens for it, and a new request may already
+        reuse its id before the next step."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
             req = self._requests.pop(rid, None)
@@ -600,7 +604,8 @@ class LLMEngine:
             for seq in req.group.seqs:
                 if not seq.status.is_finished:
                     seq.status = SequenceStatus.FINISHED_ABORTED
-            self._pending.append(self.outputs.make_output(req, final=True))
+            if not withdraw:
+                self._pending.append(self.outputs.make_output(req, final=True))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._inflight is not None

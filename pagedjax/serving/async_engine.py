@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampling_params import SamplingParams
+from pagedjax.serving.engine_process import EngineDied, add_in_order
 from pagedjax.serving.errors import (
     DuplicateRequestError,
     InvalidRequestError,
@@ -606,26 +607,22 @@ class AsyncEngine:
         if not present or not all(started):
             self._refuse_all(batch, RequestFailedError("request withdrawn before admission"))
             return
-        added: list[str] = []
-        err: ServingError | None = None
-        for i, (rid, prompt, ids, live) in enumerate(batch):
-            try:
-                self.engine.add_request(rid, prompt, sp, prompt_token_ids=ids,
-                                        arrival_time=live.metrics.arrival, strict_limits=True,
-                                        output_kind="delta" if live.stream.delta else "cumulative")
-            except ValueError as exc:
+        items = [(rid, prompt, ids, live.metrics.arrival,
+                  "delta" if live.stream.delta else "cumulative")
+                 for rid, prompt, ids, live in batch]
+        # An engine in another process admits the batch in one round trip (`EngineProcess`).
+        add_many = getattr(self.engine, "add_requests", None)
+        failed = (add_many(items, sp, True) if add_many is not None
+                  else add_in_order(self.engine, items, sp, True))
+        if failed is not None:
+            i, exc = failed
+            if isinstance(exc, ValueError):
                 err = from_value_error(exc)
                 if len(batch) > 1:
                     err.message += f" (prompt {i} of {len(batch)})"
-            except Exception as exc:
-                logger.exception("add_request %s failed", rid)
-                err = RequestFailedError(f"internal error: {type(exc).__name__}")
-            if err is not None:
-                break
-            added.append(rid)
-        if err is not None:
-            if added:
-                self.engine.abort_request(added)  # their abort outputs find no listener
+            else:
+                err = RequestFailedError(str(exc) if isinstance(exc, EngineDied) else
+                                         f"internal error: {getattr(exc, 'kind', type(exc).__name__)}")
             self._refuse_all(batch, self._refused(err))
             return
         for *_, live in batch:

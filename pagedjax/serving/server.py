@@ -90,6 +90,8 @@ class ServerOptions:
     # Timeouts, body size and connection caps of the HTTP and metrics ports (http_limits.py).
     http_limits: HttpLimits = dataclasses.field(default_factory=HttpLimits)
     engine_kwargs: dict = dataclasses.field(default_factory=dict)
+    # Run the engine in a child process (`EngineProcess`), off the front doors' GIL.
+    engine_process: bool = False
 
 
 class Undecodable:
@@ -353,7 +355,14 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
         tmp.replace(opts.port_file)
     logger.info("listening on %s (%s); loading %s", opts.host, ports, opts.model)
     try:
-        eng = engine if engine is not None else await loop.run_in_executor(None, load_engine, opts)
+        if engine is not None:
+            eng = engine
+        elif opts.engine_process:
+            from pagedjax.serving.engine_process import EngineProcess
+
+            eng = await loop.run_in_executor(None, EngineProcess, load_engine, opts)
+        else:
+            eng = await loop.run_in_executor(None, load_engine, opts)
     except Exception:
         logger.exception("failed to load the model")
         await server.stop(0)
@@ -387,5 +396,7 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
     if http is not None:
         await http.stop()
     aengine.shutdown()
+    if engine is None and hasattr(eng, "close"):  # the engine process we started
+        await loop.run_in_executor(None, eng.close)
     await metrics.close()
     return 0

@@ -73,11 +73,11 @@ class FakeEngine:
         comp = CompletionOutput(0, text, list(new), finish_reason=reason)
         return RequestOutput(rid, r["prompt"], r["ids"], [comp], finished=finished, error=error)
 
-    def abort_request(self, request_id):
+    def abort_request(self, request_id, withdraw=False):
         self.thread_ids.add(threading.get_ident())
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
             r = self._reqs.pop(rid, None)
-            if r is not None:
+            if r is not None and not withdraw:
                 self._pending.append(self._output(rid, r, True, "abort"))
 
     def has_unfinished_requests(self):
@@ -109,3 +109,17 @@ class FakeEngine:
             num_free_gpu_blocks=32 - used, kv_cache_usage=used / 32, num_preemptions_total=0,
             num_steps=self.steps, prompt_tokens_total=0, generation_tokens_total=0,
             healthy=self.healthy)
+
+
+class FailingStepEngine(FakeEngine):
+    """A step with a request whose prompt is "crash" raises (an engine bug, not a request's)."""
+
+    def step(self):
+        if any(r["prompt"] == "crash" for r in self._reqs.values()):
+            raise RuntimeError("step failed")
+        return super().step()
+
+
+def failing_factory(message: str):
+    """An engine factory that fails, as a model that does not load."""
+    raise RuntimeError(message)

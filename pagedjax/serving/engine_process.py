@@ -1,0 +1,337 @@
+"""The engine in a process of its own, behind the interface `AsyncEngine` drives.
+
+vLLM V1 runs its engine core in a separate process from the API server (thesis §4.2), so that
+the front end's Python (HTTP parsing, one SSE chunk per client per step, tokenizing new
+prompts) does not hold the GIL the engine loop needs between steps. With 256 streaming
+clients a step's SSE work here is ~15 ms of CPU (`bench/http_stream.py`), all of it on the
+engine's GIL when both run in one process.
+
+`EngineProcess` spawns a child that builds the engine (`factory(*args)`: `load_engine` for
+`pagedjax serve --engine-process`, a stub in tests) and then loops on its own: it applies
+the commands the parent sent (admissions, aborts) between steps, steps while it has work,
+and sends each step's outputs and stats back through a pipe. The parent's `step` returns
+whatever outputs arrived since its last call, so the child never waits for the parent to
+deliver them. What the front doors read from an engine besides that (the tokenizer, the
+model's limits, `max_output_tokens`) comes once, in the child's first message.
+
+One client request's prompts are admitted in one message, all or none (`add_requests`,
+the same rule as `AsyncEngine`'s in-process admission), so a request's error still reaches
+its client as a 400 before any stream starts. Kept in the child: detokenization, stop
+strings and the output objects (moving them to the parent is the next step of the split,
+docs/v1-core.md "What is left").
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+import types
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+# An idle child waits this long for a command before looking at its engine's health again.
+_IDLE_POLL_S = 0.05
+
+
+def add_in_order(engine, items: list[tuple], params, strict_limits: bool = True
+                 ) -> tuple[int, BaseException] | None:
+    """Add one client request's sub-requests ``(rid, prompt, ids, arrival, output_kind)`` in
+    order; on the first failure abort those added and return ``(index, exception)``."""
+    added: list[str] = []
+    for i, (rid, prompt, ids, arrival, kind) in enumerate(items):
+        try:
+            engine.add_request(rid, prompt, params, prompt_token_ids=ids, arrival_time=arrival,
+                               strict_limits=strict_limits, output_kind=kind)
+        except Exception as exc:  # ValueError: the client's fault; anything else: ours
+            if not isinstance(exc, ValueError):
+                logger.exception("add_request %s failed", rid)
+            if added:  # no outputs: the client gets the error, and may reuse the ids at once
+                engine.abort_request(added, withdraw=True)
+            return i, exc
+        added.append(rid)
+    return None
+
+
+class EngineError(RuntimeError):
+    """An engine-side failure carried across the pipe; ``kind`` is the original type's name."""
+
+    def __init__(self, kind: str, message: str = ""):
+        super().__init__(kind, message)
+        self.kind = kind
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An exception that survives pickling with its message: ValueErrors stay ValueErrors
+    (the front doors turn them into 400s naming the field), anything else an `EngineError`."""
+    if isinstance(exc, ValueError):
+        return ValueError(str(exc))
+    return EngineError(type(exc).__name__, str(exc))
+
+
+def _front_info(engine) -> dict:
+    """What the front doors read from an engine other than its outputs (sent once)."""
+    runner = getattr(engine, "runner", None)
+    dtype = getattr(engine, "dtype", "float32")
+    return {
+        "model_name": engine.model_name,
+        "dtype": getattr(dtype, "name", None) or getattr(dtype, "__name__", None) or str(dtype),
+        "max_model_len": engine.max_model_len,
+        "model_config": engine.model_config,
+        "engine_config": engine.engine_config,
+        "num_gpu_blocks": getattr(runner, "num_gpu_blocks", 0),
+        "tokenizer": engine.tokenizer,
+        "default_sampling": dict(getattr(engine, "default_sampling", None) or {}),
+        # The engine's own input checks (`InputProcessor`, pure Python): prompt text limits and
+        # `max_output_tokens` then need no round trip. A snapshot: servers pin no prefixes.
+        "inputs": getattr(engine, "inputs", None),
+        "stats": engine.get_stats(),
+    }
+
+
+def _child_main(conn, factory: Callable, args: tuple) -> None:
+    """The engine process: build the engine, then apply commands and step until told to stop
+    or the parent goes away."""
+    try:
+        engine = factory(*args)
+        conn.send(("ready", _front_info(engine)))
+    except BaseException as exc:
+        logger.exception("engine process failed to start")
+        try:
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        return
+    applied = 0  # the last command applied: the parent's `has_unfinished_requests` needs it
+    try:
+        while True:
+            busy = engine.has_unfinished_requests() or not getattr(engine, "healthy", True)
+            if conn.poll(0 if busy else _IDLE_POLL_S):
+                while True:  # every command that has arrived, then one step
+                    cmd = conn.recv()
+                    if cmd[0] == "stop":
+                        return
+                    applied = cmd[1]
+                    if cmd[0] == "abort":
+                        engine.abort_request(cmd[2], withdraw=cmd[3])
+                    elif cmd[0] == "add":
+                        failed = add_in_order(engine, cmd[2], cmd[3], cmd[4])
+                        conn.send(("added", cmd[1], None if failed is None
+                                   else (failed[0], _portable(failed[1]))))
+                    if not conn.poll(0):
+                        break
+                busy = engine.has_unfinished_requests() or not getattr(engine, "healthy", True)
+                if not busy:  # e.g. an abort of a finished request: say it was applied
+                    conn.send(("step", [], engine.get_stats(), applied, False))
+            if not busy:
+                continue
+            try:
+                outs = engine.step()
+            except Exception as exc:
+                logger.exception("engine step raised")
+                conn.send(("step_failed", f"{type(exc).__name__}: {exc}", applied))
+                continue
+            conn.send(("step", outs, engine.get_stats(), applied,
+                       engine.has_unfinished_requests()))
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        return  # the parent is gone: so is every client
+
+
+class EngineDied(RuntimeError):
+    """The engine process exited; every request in it is lost."""
+
+
+class EngineProcess:
+    """An engine in a spawned child process, with the methods and attributes `AsyncEngine`
+    and the front doors use. ``factory(*args)`` runs in the child and returns the engine; it
+    and its arguments must pickle (a module-level function, a class)."""
+
+    def __init__(self, factory: Callable, *args, start_timeout_s: float = 1800.0,
+                 step_wait_s: float = 0.05):
+        ctx = mp.get_context("spawn")  # the child builds JAX's state from scratch, never forked
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(child, factory, args),
+                                 name="pagedjax-engine-core", daemon=True)
+        self._proc.start()
+        child.close()
+        self._step_wait_s = step_wait_s
+        if not self._conn.poll(start_timeout_s):
+            self._proc.kill()
+            raise EngineDied(f"the engine process did not start in {start_timeout_s:.0f} s")
+        try:
+            kind, info = self._conn.recv()
+        except EOFError:
+            self._proc.join(5.0)
+            raise EngineDied(f"the engine process exited while starting (exit code "
+                             f"{self._proc.exitcode})") from None
+        if kind != "ready":
+            self._proc.join(5.0)
+            raise EngineDied(f"the engine process failed to start: {info}")
+        logger.info("engine process %d ready", self._proc.pid)
+        self.model_name: str = info["model_name"]
+        self.dtype: str = info["dtype"]
+        self.max_model_len: int = info["max_model_len"]
+        self.model_config = info["model_config"]
+        self.engine_config = info["engine_config"]
+        self.runner = types.SimpleNamespace(num_gpu_blocks=info["num_gpu_blocks"])
+        self.tokenizer = info["tokenizer"]
+        self.default_sampling: dict = info["default_sampling"]
+        self.inputs = info["inputs"]
+        self.structured = None  # grammars compile in the child (a bad one: a 400 from there)
+        self._stats = info["stats"]
+        self._send_lock = threading.Lock()
+        self._cmd_ids = itertools.count(1)
+        self._sent = 0  # the last command sent
+        self._applied = 0  # the last command the child had applied at its latest step
+        self._child_busy = False  # whether the child had work after its latest step
+        self._outs: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: dict[int, tuple[threading.Event, list]] = {}
+        self._dead: str | None = None
+        self._reader = threading.Thread(target=self._read, name="pagedjax-engine-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    # ---- the child's messages (reader thread) --------------------------------
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._conn.recv()
+                if msg[0] == "added":
+                    ev, box = self._replies.pop(msg[1])
+                    box.append(msg[2])
+                    ev.set()
+                else:
+                    self._outs.put(msg)
+        except (EOFError, OSError):
+            pass
+        self._proc.join(5.0)
+        self._dead = f"the engine process exited (exit code {self._proc.exitcode})"
+        self._outs.put(("died",))
+        for ev, _box in list(self._replies.values()):
+            ev.set()  # an empty box: the admission fails with `EngineDied`
+
+    def _send(self, msg_kind: str, *payload, reply: tuple | None = None) -> int:
+        """Send one command; ``reply`` (an event and a list) is registered for its answer
+        before the child can see the command."""
+        if self._dead is not None:
+            raise EngineDied(self._dead)
+        with self._send_lock:
+            cid = next(self._cmd_ids)
+            if reply is not None:
+                self._replies[cid] = reply
+            try:
+                self._conn.send((msg_kind, cid, *payload))
+            except (BrokenPipeError, OSError) as exc:
+                self._replies.pop(cid, None)
+                raise EngineDied(f"the engine process is gone: {exc}") from None
+            self._sent = cid
+        return cid
+
+    # ---- what AsyncEngine calls ----------------------------------------------
+    def add_requests(self, items: list[tuple], params, strict_limits: bool = True
+                     ) -> tuple[int, BaseException] | None:
+        """`add_in_order` in the child, one round trip for the whole client request."""
+        ev, box = threading.Event(), []
+        try:
+            self._send("add", items, params, strict_limits, reply=(ev, box))
+        except EngineDied as exc:
+            return 0, exc
+        ev.wait()
+        if not box:
+            return 0, EngineDied(self._dead or "the engine process is gone")
+        return box[0]
+
+    def add_request(self, request_id: str, prompt, params=None, prompt_token_ids=None,
+                    arrival_time: float | None = None, output_kind: str = "cumulative",
+                    strict_limits: bool = False) -> None:
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        failed = self.add_requests([(request_id, prompt, prompt_token_ids, arrival, output_kind)],
+                                   params, strict_limits)
+        if failed is not None:
+            raise failed[1]
+
+    def abort_request(self, request_id, withdraw: bool = False) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if ids and self._dead is None:
+            try:
+                self._send("abort", ids, withdraw)
+            except EngineDied:
+                pass
+
+    def has_unfinished_requests(self) -> bool:
+        if self._dead is not None:
+            return not self._outs.empty()
+        return self._child_busy or self._sent > self._applied or not self._outs.empty()
+
+    def step(self) -> list:
+        """The outputs of every step the child finished since the last call (waiting up to
+        `step_wait_s` for one)."""
+        try:
+            msgs = [self._outs.get(timeout=self._step_wait_s)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                msgs.append(self._outs.get_nowait())
+            except queue.Empty:
+                break
+        outs: list = []
+        for msg in msgs:
+            if msg[0] == "step":
+                outs += msg[1]
+                self._stats, self._applied, self._child_busy = msg[2], msg[3], msg[4]
+            elif msg[0] == "step_failed":
+                self._applied = msg[2]
+                raise RuntimeError(msg[1])
+            elif msg[0] == "died":
+                self._child_busy = False
+                raise EngineDied(self._dead or "the engine process exited")
+        return outs
+
+    def get_stats(self):
+        if self._dead is not None and hasattr(self._stats, "healthy"):
+            try:
+                self._stats.healthy = False
+            except AttributeError:
+                pass
+        return self._stats
+
+    @property
+    def healthy(self) -> bool:
+        return self._dead is None and bool(getattr(self._stats, "healthy", True))
+
+    # ---- checks the front doors run before queueing ---------------------------
+    def check_prompt_text(self, prompt, field: str = "prompt") -> None:
+        if self.inputs is not None:
+            self.inputs.check_prompt_text(prompt, field)
+        elif not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{field}: expected a non-empty prompt")
+
+    def max_output_tokens(self, prompt_len: int, samples: int = 1) -> int:
+        if self.inputs is not None:
+            return self.inputs.max_output_tokens(prompt_len, samples)
+        return max(0, self.max_model_len - prompt_len)
+
+    # ---- lifecycle ------------------------------------------------------------
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def close(self, timeout_s: float = 10.0) -> int | None:
+        """Stop the child (it drops whatever it still runs) and wait for it."""
+        if self._dead is None:
+            try:
+                self._send("stop")
+            except EngineDied:
+                pass
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            logger.warning("engine process did not stop in %.0f s: killing it", timeout_s)
+            self._proc.kill()
+            self._proc.join(5.0)
+        self._conn.close()
+        return self._proc.exitcode

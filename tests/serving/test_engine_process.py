@@ -1,0 +1,149 @@
+"""`EngineProcess`: the engine in a spawned child behind `AsyncEngine`, with the serving tests'
+JAX-free engine in the child (`tests/serving/fake_engine.py`); a real `pagedjax serve
+--engine-process` is in test_lifecycle.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from pagedjax.serving.async_engine import AsyncEngine
+from pagedjax.serving.engine_process import EngineDied, EngineProcess
+from pagedjax.serving.errors import InvalidRequestError, NotReadyError, RequestFailedError
+from tests.serving.fake_engine import FailingStepEngine, FakeEngine, failing_factory
+
+
+@pytest.fixture(scope="module")
+def proc():
+    p = EngineProcess(FakeEngine, 0.002)
+    yield p
+    assert p.close() == 0  # stopped by its command, not killed
+
+
+@pytest.fixture
+def aeng(proc):
+    a = AsyncEngine(proc).start()
+    yield a
+    a.shutdown()
+    # Nothing left running in the child after every test.
+    deadline = time.monotonic() + 5
+    while proc.has_unfinished_requests() and time.monotonic() < deadline:
+        proc.step()
+    assert not proc.has_unfinished_requests()
+    assert proc.get_stats().num_running == 0
+
+
+def _streams(aeng, n: int, kind: str, max_tokens) -> dict[str, list]:
+    async def main():
+        async def one(i):
+            stream = await aeng.add_request_async(f"{kind}{i}", "hi",
+                                                  {"max_tokens": max_tokens(i)},
+                                                  delta=kind == "delta")
+            return [o async for o in stream]
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return dict(zip((f"{kind}{i}" for i in range(n)), asyncio.run(main())))
+
+
+def test_front_info_comes_from_the_child(proc):
+    assert proc.pid != os.getpid()
+    assert (proc.model_name, proc.max_model_len, proc.runner.num_gpu_blocks) == ("fake", 64, 32)
+    assert proc.engine_config.block_size == 16 and proc.model_config.vocab_size == 100
+    assert proc.tokenizer("abc").input_ids == [1, 2, 3]
+    assert proc.max_output_tokens(10) == 54
+    with pytest.raises(ValueError, match="^prompt"):
+        proc.check_prompt_text("")
+
+
+@pytest.mark.parametrize("kind", ["delta", "cumulative"])
+def test_every_token_arrives_in_order_through_the_pipe(aeng, kind):
+    outs = _streams(aeng, 24, kind, lambda i: 3 + i % 7)
+    for i, (rid, got) in enumerate(outs.items()):
+        want = [f"w{t} " for t in range(3 + i % 7)]
+        comps = [o.outputs[0] for o in got]
+        if kind == "delta":
+            assert "".join(c.text for c in comps) == "".join(want), rid
+            assert [t for c in comps for t in c.token_ids] == list(range(3 + i % 7))
+        else:  # latest wins while the client lags: the last output holds everything
+            assert comps[-1].text == "".join(want) and comps[-1].token_ids == list(range(3 + i % 7))
+        assert comps[-1].finish_reason == "length" and got[-1].finished
+    assert aeng.num_in_flight() == 0
+
+
+def test_admission_errors_name_the_field_and_admit_all_or_none(aeng, proc):
+    with pytest.raises(InvalidRequestError, match="prompt_token_ids") as err:
+        aeng.submit_many([("ok0", None, [5, 6]), ("bad1", None, [5, 999])],
+                         {"max_tokens": 50}).__getitem__(1).result(10)
+    assert "prompt 1 of 2" in err.value.message
+    # The first prompt was added in the child, then withdrawn with its sibling: no tokens
+    # for it, and the child is idle again.
+    deadline = time.monotonic() + 5
+    while proc.get_stats().num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.get_stats().num_running == 0 and aeng.num_in_flight() == 0
+    # The same ids are free again, in the child too.
+    texts = [list(s)[-1].outputs[0].text for s in (aeng.add_request("ok0", None, {"max_tokens": 2},
+                                                                     [5, 6]),)]
+    assert texts == ["w0 w1 "]
+
+
+def test_abort_reaches_the_child_and_ends_the_stream(aeng, proc):
+    stream = aeng.add_request("long", "hi", {"max_tokens": 10_000})
+    first = next(iter(stream))
+    assert first.outputs[0].token_ids
+    assert aeng.abort("long")
+    rest = list(stream)
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+    assert len(rest[-1].outputs[0].token_ids) < 10_000
+
+
+def test_an_error_in_one_request_stays_in_it(aeng):
+    bad = aeng.add_request("b", "boom", {"max_tokens": 3})
+    good = aeng.add_request("g", "hi", {"max_tokens": 3})
+    with pytest.raises(RequestFailedError, match="boom"):
+        list(bad)
+    assert list(good)[-1].outputs[0].text == "w0 w1 w2 "
+
+
+def test_a_failed_step_fails_the_requests_and_the_engine_serves_on():
+    p = EngineProcess(FailingStepEngine, 0.002)
+    a = AsyncEngine(p).start()
+    try:
+        with pytest.raises(RequestFailedError, match="internal error"):
+            list(a.add_request("x", "crash", {"max_tokens": 3}))
+        assert list(a.add_request("y", "hi", {"max_tokens": 2}))[-1].outputs[0].text == "w0 w1 "
+    finally:
+        a.shutdown()
+        assert p.close() == 0
+
+
+def test_a_killed_engine_process_fails_its_streams_and_stops_serving():
+    p = EngineProcess(FakeEngine, 0.002)
+    a = AsyncEngine(p).start()
+    try:
+        stream = a.add_request("s", "hi", {"max_tokens": 100_000})
+        next(iter(stream))
+        os.kill(p.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(RequestFailedError, match="engine process exited"):
+            list(stream)
+        assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 5
+        while a.serving and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not a.serving and not p.healthy
+        with pytest.raises(NotReadyError):
+            a.add_request("t", "hi", {"max_tokens": 2})
+    finally:
+        a.shutdown()
+        assert p.close() == -signal.SIGKILL
+
+
+def test_an_engine_that_fails_to_build_raises_with_its_error():
+    with pytest.raises(EngineDied, match="no weights here"):
+        EngineProcess(failing_factory, "no weights here")

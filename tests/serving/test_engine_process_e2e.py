@@ -1,0 +1,94 @@
+"""`pagedjax serve --engine-process` over the demo model: the engine in a child process gives
+the offline engine's outputs, frees its blocks for cancelled and refused requests, and stops
+with the server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+import grpc
+import pytest
+
+from pagedjax.sampling_params import SamplingParams
+from pagedjax.serving.client import AsyncClient
+from tests.serving.conftest import ServerProcess
+from tests.serving.test_grpc_e2e import LONG, PROMPTS, _mixed_params, wait_blocks_free
+
+
+@pytest.fixture(scope="module")
+def core_server(offline, demo_gguf, tmp_path_factory):
+    # After `offline` (the shared server launched first, then the reference engine loaded).
+    srv = ServerProcess(demo_gguf, tmp_path_factory.mktemp("core"), "--engine-process")
+    srv.client  # noqa: B018 - waits until SERVING
+    yield srv
+    if srv.proc.poll() is None:
+        srv.terminate()
+
+
+def _engine_pid(srv: ServerProcess) -> int:
+    m = re.search(r"engine process (\d+) ready", srv.log())
+    assert m, srv.log()
+    return int(m.group(1))
+
+
+def test_streams_match_offline_from_the_engine_process(core_server, offline):
+    pid = _engine_pid(core_server)
+    assert pid != core_server.proc.pid and os.path.exists(f"/proc/{pid}")
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+    params = [_mixed_params(i) for i in range(24)]
+
+    async def run():
+        async with AsyncClient(core_server.target, timeout=300) as ac:
+            return await asyncio.gather(*(ac.generate(p, sp, request_id=f"p{i}", stream=True)
+                                          for i, (p, sp) in enumerate(zip(prompts, params))))
+
+    streamed = asyncio.run(run())
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    for i, (got, want) in enumerate(zip(streamed, expected)):
+        assert got.prompt_tokens == len(want.prompt_token_ids)
+        assert [(g.text, g.token_ids, g.finish_reason) for g in got.outputs] == \
+            [(w.text, w.token_ids, w.finish_reason) for w in want.outputs], i
+    assert max(r.num_messages for r in streamed) > 2
+    wait_blocks_free(core_server.client)
+
+
+def test_cancel_and_refusals_free_the_child_blocks(core_server):
+    client = core_server.client
+    call = client.generate_stream(PROMPTS[1], LONG, request_id="cancel-core")
+    next(call)
+    assert client.stats().num_free_gpu_blocks < client.stats().num_gpu_blocks
+    call.cancel()
+    with pytest.raises(grpc.RpcError):
+        list(call)
+    wait_blocks_free(client)
+    with pytest.raises(grpc.RpcError) as err:  # checked in the child: strict limits
+        client.generate(PROMPTS[0], {"max_tokens": 10_000})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in err.value.details()
+    wait_blocks_free(client)
+
+
+def test_http_completion_from_the_engine_process(core_server, offline):
+    import openai
+
+    base = f"http://127.0.0.1:{core_server.ports['http_port']}/v1"
+    with openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=300) as oai:
+        chunks = list(oai.completions.create(model=oai.models.list().data[0].id,
+                                             prompt=PROMPTS[3], max_tokens=12, temperature=0.0,
+                                             stream=True))
+    want = offline.generate([PROMPTS[3]], SamplingParams(max_tokens=12, temperature=0.0),
+                            use_tqdm=False)[0].outputs[0]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+
+
+def test_sigterm_stops_the_engine_process_too(core_server):
+    pid = _engine_pid(core_server)
+    stream = core_server.client.generate_stream(PROMPTS[0], LONG, request_id="in-flight")
+    next(stream)
+    assert core_server.terminate() == 0, core_server.log()
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    log = core_server.log_path.read_text()
+    # `terminate` closes the client first, which cancels the stream: aborted in the child.
+    assert "drained; " in log and "finished=abort" in log
