@@ -126,3 +126,27 @@ def test_replaced_kv_manager_and_scheduler_reach_admission_and_beams(tiny):
         outs = eng.step()
     assert outs[-1].finished and outs[-1].error is None and len(outs[-1].outputs[0].token_ids) == 4
     assert eng.block_manager.get_num_free_gpu_blocks() == BLOCKS
+
+
+def test_a_withdrawn_request_leaves_no_output_and_frees_its_blocks(tiny):
+    """`abort_request(withdraw=True)`: what the servers do with the prompts already added of a
+    request whose later prompt was refused. No abort output follows, so a new request under
+    the same id (the client may retry at once) never receives the old one's end."""
+    eng = _llm(tiny).engine
+    free = eng.block_manager.get_num_free_gpu_blocks()
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+    eng.add_request("a", None, sp, prompt_token_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9])
+    eng.add_request("b", None, sp, prompt_token_ids=[4, 5, 6])
+    eng.step()
+    eng.abort_request("a", withdraw=True)
+    eng.add_request("a", None, sp, prompt_token_ids=[7, 8])  # the id, reused before a step
+    outs = []
+    while eng.has_unfinished_requests():
+        outs += eng.step()
+    finals = {o.request_id: o for o in outs if o.finished}
+    assert sorted(finals) == ["a", "b"] and len([o for o in outs if o.request_id == "a"
+                                                 and o.finished]) == 1
+    assert finals["a"].prompt_token_ids == [7, 8]
+    assert finals["a"].outputs[0].finish_reason == "length"
+    assert len(finals["a"].outputs[0].token_ids) == 6
+    assert eng.block_manager.get_num_free_gpu_blocks() == free
