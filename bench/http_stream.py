@@ -55,50 +55,88 @@ def client(port: int, streams: int, tokens: int) -> None:
     asyncio.run(main())
 
 
-def child(streams: int, tokens: int, step_ms: float) -> dict:
+class _GapLog:
+    """The engine thread's time from the end of one step to the start of the next while every
+    stream is open, and the process's CPU then; written to ``path`` (one line a step) when the
+    engine runs in another process."""
+
+    def __init__(self, fake, streams: int, path: str | None = None):
+        self.fake, self.streams = fake, streams
+        self.gaps: list[float] = []
+        self.left: float | None = None
+        self.file = open(path, "a", buffering=1) if path else None
+        self.step = fake.step
+        fake.step = self.timed_step
+
+    def timed_step(self):
+        t = time.perf_counter()
+        if self.left is not None and len(self.fake._reqs) == self.streams:
+            self.gaps.append(t - self.left)
+            if self.file is not None:
+                self.file.write(f"{t - self.left} {time.process_time()}\n")
+        out = self.step()
+        self.left = time.perf_counter()
+        return out
+
+
+def timed_fake(streams: int, tokens: int, step_ms: float, path: str | None = None):
+    """The stubbed engine, its steps timed (`EngineProcess` builds it in its child)."""
     sys.path.insert(0, str(ROOT))
-    from pagedjax.serving.server import new_event_loop
     from tests.serving.fake_engine import FakeEngine
-    from tests.serving.inproc import InProcessServer
 
     fake = FakeEngine(step_s=step_ms / 1e3)
     fake.max_model_len = tokens + 64
-    gaps: list[float] = []
-    left: list[float | None] = [None]
-    step = fake.step
+    fake.gap_log = _GapLog(fake, streams, path)
+    return fake
 
-    def timed_step():
-        t = time.perf_counter()
-        if left[0] is not None and len(fake._reqs) == streams:
-            gaps.append(t - left[0])
-        out = step()
-        left[0] = time.perf_counter()
-        return out
 
-    fake.step = timed_step
+def child(streams: int, tokens: int, step_ms: float, engine_process: bool = False) -> dict:
+    sys.path.insert(0, str(ROOT))
+    from bench.http_stream import timed_fake as factory  # by module: the child imports it
+    from pagedjax.serving.engine_process import EngineProcess
+    from pagedjax.serving.server import new_event_loop
+    from tests.serving.inproc import InProcessServer
+
     probe = new_event_loop()  # the kind `run_server`'s loop is
     loop_kind = type(probe).__module__.split(".")[0]
     probe.close()
     with tempfile.TemporaryDirectory() as tmp:
-        srv = InProcessServer(fake, Path(tmp), port=None, metrics_port=None, http_port=0,
+        log_path = str(Path(tmp) / "gaps.txt")
+        if engine_process:
+            engine = EngineProcess(factory, streams, tokens, step_ms, log_path)
+        else:
+            engine = factory(streams, tokens, step_ms)
+        srv = InProcessServer(engine, Path(tmp), port=None, metrics_port=None, http_port=0,
                               max_waiting_requests=None, max_sequences_per_request=None).start()
         try:
-            cpu0, steps0 = time.process_time(), fake.steps
+            cpu0, steps0 = time.process_time(), engine.get_stats().num_steps
             proc = subprocess.run([sys.executable, __file__, "--client",
                                    str(srv.ports["http_port"]), "--streams", str(streams),
                                    "--tokens", str(tokens)], check=True, capture_output=True,
                                   text=True)
-            cpu, steps = time.process_time() - cpu0, fake.steps - steps0
+            cpu, steps = time.process_time() - cpu0, engine.get_stats().num_steps - steps0
         finally:
             srv.close()
+            if engine_process:
+                engine.close()
+        if engine_process:
+            rows = [tuple(map(float, line.split())) for line in open(log_path)]
+            gaps, core_cpu = [r[0] for r in rows], [r[1] for r in rows]
+        else:
+            gaps, core_cpu = engine.gap_log.gaps, []
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     # A stream whose client has not read its last chunk yet takes the next one merged in.
     assert res["chunks"] <= streams * tokens and steps >= tokens, (res, steps)
     g = sorted(gaps)
-    return {"loop": loop_kind, "steps": steps, "server_cpu_ms_per_step": 1e3 * cpu / steps,
-            "engine_gap_ms_median": 1e3 * statistics.median(g),
-            "engine_gap_ms_p99": 1e3 * g[min(len(g) - 1, int(0.99 * len(g)))],
-            "steps_with_every_stream_open": len(g), **res}
+    out = {"loop": loop_kind, "engine": "process" if engine_process else "thread",
+           "steps": steps, "server_cpu_ms_per_step": 1e3 * cpu / steps,
+           "engine_gap_ms_median": 1e3 * statistics.median(g),
+           "engine_gap_ms_p99": 1e3 * g[min(len(g) - 1, int(0.99 * len(g)))],
+           "steps_with_every_stream_open": len(g), **res}
+    if core_cpu:  # the engine process's own CPU a step, over the steps with every stream open
+        out["engine_process_cpu_ms_per_step"] = 1e3 * (core_cpu[-1] - core_cpu[0]) / max(
+            1, len(core_cpu) - 1)
+    return out
 
 
 def main() -> None:
@@ -109,32 +147,43 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--child", action="store_true", help="one server run, as JSON")
     ap.add_argument("--client", type=int, metavar="PORT", help="the clients, against PORT")
+    ap.add_argument("--compare", choices=("loop", "engine-process"), default="loop",
+                    help="uvloop against asyncio, or the engine on the server's thread against "
+                         "the engine in its own process (`--engine-process`), both on uvloop")
+    ap.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/http_stream.json"))
     args = ap.parse_args()
     if args.client:
         client(args.client, args.streams, args.tokens)
         return
     if args.child:
-        print(json.dumps(child(args.streams, args.tokens, args.step_ms)))
+        print(json.dumps(child(args.streams, args.tokens, args.step_ms, args.engine_process)))
         return
+    # (label, PAGEDJAX_UVLOOP, child arguments)
+    variants = ([("uvloop", "1", []), ("asyncio", "0", [])] if args.compare == "loop" else
+                [("engine thread", "1", []), ("engine process", "1", ["--engine-process"])])
     runs = []
     for rep in range(args.reps):
-        for uv in (("1", "0") if rep % 2 == 0 else ("0", "1")):
+        for label, uv, extra in (variants if rep % 2 == 0 else variants[::-1]):
             load = os.getloadavg()[0]
             proc = subprocess.run([sys.executable, __file__, "--child", "--streams",
                                    str(args.streams), "--tokens", str(args.tokens), "--step-ms",
-                                   str(args.step_ms)], env={**os.environ, "PAGEDJAX_UVLOOP": uv},
+                                   str(args.step_ms), *extra],
+                                  env={**os.environ, "PAGEDJAX_UVLOOP": uv},
                                   check=True, capture_output=True, text=True, cwd=ROOT)
             r = json.loads(proc.stdout.strip().splitlines()[-1])
-            runs.append({"rep": rep, "load_avg_1m_before": load, **r})
-            print(f"rep {rep} {r['loop']:8s} (load {load:.2f}): server CPU "
-                  f"{r['server_cpu_ms_per_step']:.2f} ms a step, engine thread between steps "
-                  f"{r['engine_gap_ms_median']:.2f} / p99 {r['engine_gap_ms_p99']:.2f} ms, "
-                  f"client wall {r['client_wall_s']:.2f} s", flush=True)
+            runs.append({"rep": rep, "variant": label, "load_avg_1m_before": load, **r})
+            core = r.get("engine_process_cpu_ms_per_step")
+            print(f"rep {rep} {label:14s} (load {load:.2f}): server CPU "
+                  f"{r['server_cpu_ms_per_step']:.2f} ms a step"
+                  + (f" (+ engine process {core:.2f})" if core is not None else "")
+                  + f", engine between steps {r['engine_gap_ms_median']:.2f} / p99 "
+                  f"{r['engine_gap_ms_p99']:.2f} ms, client wall {r['client_wall_s']:.2f} s",
+                  flush=True)
     keys = ("server_cpu_ms_per_step", "engine_gap_ms_median", "engine_gap_ms_p99",
             "client_wall_s")
-    med = {lp: {k: statistics.median(x[k] for x in runs if x["loop"] == lp) for k in keys}
-           for lp in ("uvloop", "asyncio")}
+    med = {lp: {k: statistics.median(x[k] for x in runs if x["variant"] == lp) for k in keys}
+           for lp, _, _ in variants}
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     import httpx
@@ -143,7 +192,8 @@ def main() -> None:
 
     res = {"what": "OpenAI HTTP front end, stubbed engine, SSE clients in another process: "
                    "server CPU ms a step and the engine thread's ms between steps, median over "
-                   "reps of per-run figures, uvloop against asyncio, alternating",
+                   "reps of per-run figures, " + " against ".join(v[0] for v in variants)
+                   + ", alternating",
            "command": "python bench/http_stream.py " + " ".join(sys.argv[1:]),
            "commit": head, "streams": args.streams, "tokens": args.tokens,
            "step_ms": args.step_ms,
@@ -170,7 +220,7 @@ def plot(res: dict, path: Path) -> None:
             ("engine_gap_ms_median", "engine thread\nbetween steps, median"),
             ("engine_gap_ms_p99", "engine thread\nbetween steps, p99"))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, lp in enumerate(("asyncio", "uvloop")):
+    for i, lp in enumerate(sorted(res["median"])):
         ax.bar([j + (i - 0.5) * 0.4 for j in range(len(keys))],
                [res["median"][lp][k] for k, _ in keys], 0.4, label=lp)
     ax.set_xticks(range(len(keys)), [label for _, label in keys], fontsize=8)

@@ -588,33 +588,53 @@ class AsyncEngine:
         self._fail_all("server stopped")
 
     def _apply_commands(self) -> None:
+        cmds = []
         while True:
             try:
-                cmd = self._cmds.get_nowait()
+                cmds.append(self._cmds.get_nowait())
             except queue.Empty:
-                return
-            if cmd[0] == "abort":
-                self.engine.abort_request(cmd[1])
+                break
+        i = 0
+        while i < len(cmds):  # in order; a run of admissions goes to the engine at once
+            if cmds[i][0] == "abort":
+                self.engine.abort_request(cmds[i][1])
+                i += 1
                 continue
-            self._admit(cmd[1], cmd[2])
+            j = i
+            while j < len(cmds) and cmds[j][0] == "add":
+                j += 1
+            self._admit([(c[1], c[2]) for c in cmds[i:j]])
+            i = j
 
-    def _admit(self, batch: list[tuple], sp: SamplingParams) -> None:
-        """Add one client request's sub-requests to the engine, all or none."""
-        with self._lock:
-            present = all(self._live.get(rid) is live for rid, _, _, live in batch)
-        # A submitter that gave up (or an abort that came first) withdraws the whole batch.
-        started = [_start(live.accepted) for *_, live in batch]
-        if not present or not all(started):
-            self._refuse_all(batch, RequestFailedError("request withdrawn before admission"))
+    def _admit(self, requests: list[tuple[list[tuple], SamplingParams]]) -> None:
+        """Add client requests' sub-requests to the engine, each client request all or none.
+        An engine in another process takes them all in one round trip (`EngineProcess`), so a
+        burst of clients is admitted between two of its steps, not one client a step."""
+        todo = []
+        for batch, sp in requests:
+            with self._lock:
+                present = all(self._live.get(rid) is live for rid, _, _, live in batch)
+            # A submitter that gave up (or an abort that came first) withdraws the whole batch.
+            started = [_start(live.accepted) for *_, live in batch]
+            if not present or not all(started):
+                self._refuse_all(batch, RequestFailedError("request withdrawn before admission"))
+                continue
+            items = [(rid, prompt, ids, live.metrics.arrival,
+                      "delta" if live.stream.delta else "cumulative")
+                     for rid, prompt, ids, live in batch]
+            todo.append((batch, items, sp))
+        if not todo:
             return
-        items = [(rid, prompt, ids, live.metrics.arrival,
-                  "delta" if live.stream.delta else "cumulative")
-                 for rid, prompt, ids, live in batch]
-        # An engine in another process admits the batch in one round trip (`EngineProcess`).
-        add_many = getattr(self.engine, "add_requests", None)
-        failed = (add_many(items, sp, True) if add_many is not None
-                  else add_in_order(self.engine, items, sp, True))
-        if failed is not None:
+        add_many = getattr(self.engine, "add_request_batches", None)
+        if add_many is not None:
+            results = add_many([(items, sp) for _, items, sp in todo], True)
+        else:
+            results = [add_in_order(self.engine, items, sp, True) for _, items, sp in todo]
+        for (batch, _, _), failed in zip(todo, results):
+            if failed is None:
+                for *_, live in batch:
+                    live.accepted.set_result(live.stream)
+                continue
             i, exc = failed
             if isinstance(exc, ValueError):
                 err = from_value_error(exc)
@@ -624,9 +644,6 @@ class AsyncEngine:
                 err = RequestFailedError(str(exc) if isinstance(exc, EngineDied) else
                                          f"internal error: {getattr(exc, 'kind', type(exc).__name__)}")
             self._refuse_all(batch, self._refused(err))
-            return
-        for *_, live in batch:
-            live.accepted.set_result(live.stream)
 
     def _refuse_all(self, batch: list[tuple], err: ServingError) -> None:
         for rid, _, _, live in batch:

@@ -14,9 +14,10 @@ whatever outputs arrived since its last call, so the child never waits for the p
 deliver them. What the front doors read from an engine besides that (the tokenizer, the
 model's limits, `max_output_tokens`) comes once, in the child's first message.
 
-One client request's prompts are admitted in one message, all or none (`add_requests`,
-the same rule as `AsyncEngine`'s in-process admission), so a request's error still reaches
-its client as a 400 before any stream starts. Kept in the child: detokenization, stop
+The client requests that arrived since the child's last step are admitted in one message,
+each all or none (`add_request_batches`, the rule of `AsyncEngine`'s in-process admission),
+so a request's error still reaches its client as a 400 before any stream starts, and a burst
+of clients waits one step, not one step each. Kept in the child: detokenization, stop
 strings and the output objects (moving them to the parent is the next step of the split,
 docs/v1-core.md "What is left").
 """
@@ -119,9 +120,10 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
                     if cmd[0] == "abort":
                         engine.abort_request(cmd[2], withdraw=cmd[3])
                     elif cmd[0] == "add":
-                        failed = add_in_order(engine, cmd[2], cmd[3], cmd[4])
-                        conn.send(("added", cmd[1], None if failed is None
-                                   else (failed[0], _portable(failed[1]))))
+                        results = [add_in_order(engine, items, params, cmd[3])
+                                   for items, params in cmd[2]]
+                        conn.send(("added", cmd[1], [None if r is None else
+                                                     (r[0], _portable(r[1])) for r in results]))
                     if not conn.poll(0):
                         break
                 busy = engine.has_unfinished_requests() or not getattr(engine, "healthy", True)
@@ -232,25 +234,29 @@ class EngineProcess:
         return cid
 
     # ---- what AsyncEngine calls ----------------------------------------------
-    def add_requests(self, items: list[tuple], params, strict_limits: bool = True
-                     ) -> tuple[int, BaseException] | None:
-        """`add_in_order` in the child, one round trip for the whole client request."""
+    def add_request_batches(self, batches: list[tuple[list[tuple], object]],
+                            strict_limits: bool = True
+                            ) -> list[tuple[int, BaseException] | None]:
+        """`add_in_order` in the child for each ``(items, params)``: every client request
+        queued since the last step, in one round trip."""
         ev, box = threading.Event(), []
         try:
-            self._send("add", items, params, strict_limits, reply=(ev, box))
+            self._send("add", batches, strict_limits, reply=(ev, box))
         except EngineDied as exc:
-            return 0, exc
+            return [(0, exc)] * len(batches)
         ev.wait()
         if not box:
-            return 0, EngineDied(self._dead or "the engine process is gone")
+            exc = EngineDied(self._dead or "the engine process is gone")
+            return [(0, exc)] * len(batches)
         return box[0]
 
     def add_request(self, request_id: str, prompt, params=None, prompt_token_ids=None,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
                     strict_limits: bool = False) -> None:
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        failed = self.add_requests([(request_id, prompt, prompt_token_ids, arrival, output_kind)],
-                                   params, strict_limits)
+        failed = self.add_request_batches(
+            [([(request_id, prompt, prompt_token_ids, arrival, output_kind)], params)],
+            strict_limits)[0]
         if failed is not None:
             raise failed[1]
 

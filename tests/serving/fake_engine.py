@@ -123,3 +123,13 @@ class FailingStepEngine(FakeEngine):
 def failing_factory(message: str):
     """An engine factory that fails, as a model that does not load."""
     raise RuntimeError(message)
+
+
+class StepStampEngine(FakeEngine):
+    """Reports, as each output's `num_cached_tokens`, the step count when its request was
+    admitted: tests then see from outside a process how admissions fell between steps."""
+
+    def _output(self, rid, r, finished, reason=None, error=None):
+        out = super()._output(rid, r, finished, reason, error)
+        out.num_cached_tokens = self.added_at.get(rid, -1)
+        return out

@@ -14,7 +14,12 @@ import pytest
 from pagedjax.serving.async_engine import AsyncEngine
 from pagedjax.serving.engine_process import EngineDied, EngineProcess
 from pagedjax.serving.errors import InvalidRequestError, NotReadyError, RequestFailedError
-from tests.serving.fake_engine import FailingStepEngine, FakeEngine, failing_factory
+from tests.serving.fake_engine import (
+    FailingStepEngine,
+    FakeEngine,
+    StepStampEngine,
+    failing_factory,
+)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +152,22 @@ def test_a_killed_engine_process_fails_its_streams_and_stops_serving():
 def test_an_engine_that_fails_to_build_raises_with_its_error():
     with pytest.raises(EngineDied, match="no weights here"):
         EngineProcess(failing_factory, "no weights here")
+
+
+def test_a_burst_of_clients_is_admitted_between_two_steps_not_one_a_step():
+    p = EngineProcess(StepStampEngine, 0.05)  # slow steps: the burst arrives mid-step
+    a = AsyncEngine(p).start()
+    try:
+        first = a.add_request("first", "hi", {"max_tokens": 50})
+        next(iter(first))  # the child is stepping now
+        futs = [a.submit(f"b{i}", "hi", {"max_tokens": 2}) for i in range(20)]
+        outs = [list(f.result(30))[-1] for f in futs]
+        stamps = {o.num_cached_tokens for o in outs}
+        # One round trip for all that were queued: one or two admission steps (the burst may
+        # straddle one), not 20.
+        assert len(stamps) <= 2, stamps
+        a.abort("first")
+        list(first)
+    finally:
+        a.shutdown()
+        assert p.close() == 0
