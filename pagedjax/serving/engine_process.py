@@ -33,6 +33,8 @@ import time
 import types
 from collections.abc import Callable
 
+from pagedjax.outputs import CompletionOutput, RequestOutput
+
 logger = logging.getLogger(__name__)
 
 # An idle child waits this long for a command before looking at its engine's health again.
@@ -74,6 +76,39 @@ def _portable(exc: BaseException) -> BaseException:
     return EngineError(type(exc).__name__, str(exc))
 
 
+def encode_outputs(outs: list, sent_prompts: set[str]) -> list[tuple]:
+    """A step's `RequestOutput`s as plain tuples, which pickle ~6x faster than the slotted
+    dataclasses (256 one-token outputs: 0.2 against 1.35 ms on the engine's side of the
+    pipe). A request's prompt text and ids travel with its first output only."""
+    rows = []
+    for o in outs:
+        rid = o.request_id
+        prompt = None
+        if rid not in sent_prompts:
+            prompt = (o.prompt, o.prompt_token_ids)
+            sent_prompts.add(rid)
+        if o.finished:
+            sent_prompts.discard(rid)
+        rows.append((rid, prompt, [(c.index, c.text, c.token_ids, c.cumulative_logprob,
+                                    c.logprobs, c.finish_reason, c.stop_reason)
+                                   for c in o.outputs],
+                     o.finished, o.prompt_logprobs, o.num_cached_tokens, o.error,
+                     o.first_scheduled_time))
+    return rows
+
+
+def decode_outputs(rows: list[tuple], prompts: dict[str, tuple]) -> list[RequestOutput]:
+    """`encode_outputs`' inverse; ``prompts`` keeps each running request's prompt."""
+    outs = []
+    for rid, prompt, comps, finished, prompt_lp, cached, error, scheduled in rows:
+        if prompt is not None:
+            prompts[rid] = prompt
+        text, ids = prompts.pop(rid) if finished else prompts[rid]
+        outs.append(RequestOutput(rid, text, ids, [CompletionOutput(*c) for c in comps],
+                                  finished, prompt_lp, cached, error, scheduled))
+    return outs
+
+
 def _front_info(engine) -> dict:
     """What the front doors read from an engine other than its outputs (sent once)."""
     runner = getattr(engine, "runner", None)
@@ -108,6 +143,7 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
             pass
         return
     applied = 0  # the last command applied: the parent's `has_unfinished_requests` needs it
+    sent_prompts: set[str] = set()  # running requests whose prompt the parent has
     try:
         while True:
             busy = engine.has_unfinished_requests() or not getattr(engine, "healthy", True)
@@ -135,9 +171,13 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
                 outs = engine.step()
             except Exception as exc:
                 logger.exception("engine step raised")
-                conn.send(("step_failed", f"{type(exc).__name__}: {exc}", applied))
+                conn.send(("step_failed", f"{type(exc).__name__} in the engine process: {exc}",
+                           applied))
+                # As in one process: the front end fails and aborts its requests before the
+                # next step, so wait for its word instead of failing again meanwhile.
+                conn.poll(None)
                 continue
-            conn.send(("step", outs, engine.get_stats(), applied,
+            conn.send(("step", encode_outputs(outs, sent_prompts), engine.get_stats(), applied,
                        engine.has_unfinished_requests()))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the parent is gone: so is every client
@@ -191,6 +231,9 @@ class EngineProcess:
         self._applied = 0  # the last command the child had applied at its latest step
         self._child_busy = False  # whether the child had work after its latest step
         self._outs: queue.SimpleQueue = queue.SimpleQueue()
+        self._prompts: dict[str, tuple] = {}  # `decode_outputs`' prompts of running requests
+        self._deferred: list = []  # messages after a failure `step` raised, for its next call
+        self._join_lock = threading.Lock()  # the reader and `close` both wait for the child
         self._replies: dict[int, tuple[threading.Event, list]] = {}
         self._dead: str | None = None
         self._reader = threading.Thread(target=self._read, name="pagedjax-engine-reader",
@@ -210,7 +253,8 @@ class EngineProcess:
                     self._outs.put(msg)
         except (EOFError, OSError):
             pass
-        self._proc.join(5.0)
+        with self._join_lock:
+            self._proc.join(5.0)
         self._dead = f"the engine process exited (exit code {self._proc.exitcode})"
         self._outs.put(("died",))
         for ev, _box in list(self._replies.values()):
@@ -269,33 +313,40 @@ class EngineProcess:
                 pass
 
     def has_unfinished_requests(self) -> bool:
+        queued = bool(self._deferred) or not self._outs.empty()
         if self._dead is not None:
-            return not self._outs.empty()
-        return self._child_busy or self._sent > self._applied or not self._outs.empty()
+            return queued
+        return queued or self._child_busy or self._sent > self._applied
 
     def step(self) -> list:
         """The outputs of every step the child finished since the last call (waiting up to
         `step_wait_s` for one)."""
-        try:
-            msgs = [self._outs.get(timeout=self._step_wait_s)]
-        except queue.Empty:
-            return []
+        msgs, self._deferred = self._deferred, []
+        if not msgs:
+            try:
+                msgs = [self._outs.get(timeout=self._step_wait_s)]
+            except queue.Empty:
+                return []
         while True:
             try:
                 msgs.append(self._outs.get_nowait())
             except queue.Empty:
                 break
         outs: list = []
-        for msg in msgs:
+        for i, msg in enumerate(msgs):
             if msg[0] == "step":
-                outs += msg[1]
+                outs += decode_outputs(msg[1], self._prompts)
                 self._stats, self._applied, self._child_busy = msg[2], msg[3], msg[4]
-            elif msg[0] == "step_failed":
-                self._applied = msg[2]
+                continue
+            if outs:  # deliver what came before the failure first; it is raised next call
+                self._deferred = msgs[i:]
+                return outs
+            if msg[0] == "step_failed":
+                self._applied, self._child_busy = msg[2], False  # the child waits for us
+                self._deferred = msgs[i + 1:]
                 raise RuntimeError(msg[1])
-            elif msg[0] == "died":
-                self._child_busy = False
-                raise EngineDied(self._dead or "the engine process exited")
+            self._child_busy = False  # "died"
+            raise EngineDied(self._dead or "the engine process exited")
         return outs
 
     def get_stats(self):
@@ -334,10 +385,11 @@ class EngineProcess:
                 self._send("stop")
             except EngineDied:
                 pass
-        self._proc.join(timeout_s)
-        if self._proc.is_alive():
-            logger.warning("engine process did not stop in %.0f s: killing it", timeout_s)
-            self._proc.kill()
-            self._proc.join(5.0)
+        with self._join_lock:
+            self._proc.join(timeout_s)
+            if self._proc.is_alive():
+                logger.warning("engine process did not stop in %.0f s: killing it", timeout_s)
+                self._proc.kill()
+                self._proc.join(5.0)
         self._conn.close()
         return self._proc.exitcode
