@@ -64,18 +64,19 @@ class _GapLog:
         self.fake, self.streams = fake, streams
         self.gaps: list[float] = []
         self.left: float | None = None
+        self.left_cpu = 0.0
         self.file = open(path, "a", buffering=1) if path else None
         self.step = fake.step
         fake.step = self.timed_step
 
     def timed_step(self):
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.process_time()
         if self.left is not None and len(self.fake._reqs) == self.streams:
             self.gaps.append(t - self.left)
-            if self.file is not None:
-                self.file.write(f"{t - self.left} {time.process_time()}\n")
+            if self.file is not None:  # the gap, the CPU then, and the CPU the gap took
+                self.file.write(f"{t - self.left} {cpu} {cpu - self.left_cpu}\n")
         out = self.step()
-        self.left = time.perf_counter()
+        self.left, self.left_cpu = time.perf_counter(), time.process_time()
         return out
 
 
@@ -122,6 +123,7 @@ def child(streams: int, tokens: int, step_ms: float, engine_process: bool = Fals
         if engine_process:
             rows = [tuple(map(float, line.split())) for line in open(log_path)]
             gaps, core_cpu = [r[0] for r in rows], [r[1] for r in rows]
+            gap_cpu = sorted(r[2] for r in rows)
         else:
             gaps, core_cpu = engine.gap_log.gaps, []
     res = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -136,6 +138,8 @@ def child(streams: int, tokens: int, step_ms: float, engine_process: bool = Fals
     if core_cpu:  # the engine process's own CPU a step, over the steps with every stream open
         out["engine_process_cpu_ms_per_step"] = 1e3 * (core_cpu[-1] - core_cpu[0]) / max(
             1, len(core_cpu) - 1)
+        # Of which between steps (sending the outputs, taking commands), median.
+        out["engine_process_cpu_ms_between_steps"] = 1e3 * statistics.median(gap_cpu)
     return out
 
 
