@@ -56,7 +56,7 @@ from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.policies import make_kv_manager, make_scheduler
 from pagedjax.core.scheduler import PENDING_TOKEN
 from pagedjax.core.sequence import SequenceStatus
-from pagedjax.input_processor import InputProcessor
+from pagedjax.input_processor import OUTPUT_KINDS, InputProcessor
 from pagedjax.output_processor import OutputProcessor, RequestState
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampler import (
@@ -205,6 +205,7 @@ class _InFlight:
 
 class LLMEngine:
     CACHE_RETRY_S = 0.5  # pause between attempts to rebuild a lost KV cache
+    output_kinds = OUTPUT_KINDS  # what `add_request` takes ("delta_ids": text-free deltas)
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer,
                  engine_config: EngineConfig | None = None,
@@ -499,7 +500,9 @@ class LLMEngine:
         such step, only what is new since its last output (tokens, text, logprobs: per step
         work that does not grow with the output; with stop strings the text's last
         `len(longest stop) - 1` characters wait, since a stop string may still cut them);
-        "final_only" returns one output when it finishes (offline batches).
+        "final_only" returns one output when it finishes (offline batches); "delta_ids" is
+        "delta" without text, never detokenized here (a front end in another process decodes
+        the ids, `EngineProcess`), for requests without stop strings, beams or best_of > n.
 
         `strict_limits` (the servers pass True): refuse a request whose prompt + `max_tokens`
         exceeds `max_model_len` (as vLLM's OpenAI server does) or whose samples, all grown to
@@ -526,7 +529,8 @@ class LLMEngine:
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,
                            final_only=output_kind == "final_only",
-                           delta=output_kind == "delta", grammar=grammar,
+                           delta=output_kind in ("delta", "delta_ids"),
+                           text_free=output_kind == "delta_ids", grammar=grammar,
                            allowed_mask=allowed, bad_words=bad_words)
         req.register(seq, 0)
         self._requests[request_id] = req

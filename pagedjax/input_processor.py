@@ -17,7 +17,7 @@ from pagedjax.sampling_params import SamplingParams
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CHARS_PER_TOKEN = 64
-OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+OUTPUT_KINDS = ("cumulative", "delta", "final_only", "delta_ids")
 
 
 @dataclasses.dataclass
@@ -26,6 +26,14 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     num_samples: int  # n, or best_of (beams: the beam width)
+
+
+def text_free_ok(params: SamplingParams) -> bool:
+    """Whether a request may stream outputs without text (output_kind "delta_ids"): nothing
+    in the engine then reads its text (no stop strings), and each step's output holds that
+    step's tokens (no beams, no best_of > n, whose outputs come at the end)."""
+    return not (params.has_stop_strings or params.use_beam_search
+                or (params.best_of is not None and params.best_of > params.n))
 
 
 class InputProcessor:
@@ -42,8 +50,8 @@ class InputProcessor:
                 strict_limits: bool) -> ProcessedRequest:
         """Validate and tokenize one request (see `LLMEngine.add_request`)."""
         if output_kind not in OUTPUT_KINDS:
-            raise ValueError(f"output_kind: must be 'cumulative', 'delta' or 'final_only'; got "
-                             f"{output_kind!r}")
+            raise ValueError(f"output_kind: must be 'cumulative', 'delta', 'final_only' or "
+                             f"'delta_ids'; got {output_kind!r}")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id: must be a non-empty string")
         if len(request_id) > MAX_REQUEST_ID_CHARS or not request_id.isprintable():
@@ -58,6 +66,9 @@ class InputProcessor:
             params = SamplingParams.from_dict(params)
         elif not isinstance(params, SamplingParams):
             raise ValueError("sampling_params: expected SamplingParams or dict")
+        if output_kind == "delta_ids" and not text_free_ok(params):
+            raise ValueError("output_kind: 'delta_ids' (outputs without text) needs a request "
+                             "without stop strings, beam search or best_of > n")
         ids = self.validate_prompt(prompt, prompt_token_ids)
         if params.prompt_logprobs is not None and self.enable_prefix_caching:
             # Cached prefix tokens are never computed, so they would have no logprobs.

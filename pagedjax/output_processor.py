@@ -52,6 +52,8 @@ class RequestState:
     first_token_time: float | None = None
     final_only: bool = False  # output_kind "final_only": no per-step outputs
     delta: bool = False  # output_kind "delta": each output holds only what is new
+    # output_kind "delta_ids": deltas without text; the text is decoded in the front end.
+    text_free: bool = False
     # output_kind "delta": per sequence, (tokens, characters) already in an output.
     sent: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
     # Beam search: finished hypotheses (score, seq) and logits rows of beams whose siblings
@@ -76,7 +78,8 @@ class RequestState:
         # Nothing reads its text before its final output (no per-step output, no stop
         # string to find): each sequence is decoded once, when it finishes or the output is
         # made, not a token at a time, which takes detokenization off every step's host time.
-        self.lazy_text = self.final_only and not self.has_stop_strings and not self.is_beam
+        self.lazy_text = ((self.final_only or self.text_free) and not self.has_stop_strings
+                          and not self.is_beam)
         # Its rows need nothing but the argmax (`sample_greedy`), once past `min_tokens`:
         # a batch of such rows skips building sampling metadata (`LLMEngine._plain_greedy`).
         self.plain_greedy = (p.is_greedy and not p.uses_penalties and not p.logit_bias
@@ -172,7 +175,7 @@ class OutputProcessor:
                     stopped.append((req, seq))
                     status, reason = SequenceStatus.FINISHED_STOPPED, hit
             if status.is_finished:
-                if not isinstance(reason, str):
+                if not isinstance(reason, str) and not req.text_free:
                     self.detokenizer.flush(get, total, state, skip)
                 req.stop_reason[seq.seq_id] = reason
         return stopped
@@ -244,7 +247,7 @@ class OutputProcessor:
         return comps
 
     def make_output(self, req: RequestState, final: bool) -> RequestOutput:
-        if req.lazy_text:  # an abort or failure before it finished: decode what it has
+        if req.lazy_text and not req.text_free:  # an abort or failure before it finished
             for seq in req.group.seqs:
                 st = req.detok.get(seq.seq_id)
                 if st is not None and st.read_offset < seq.num_total_tokens:
@@ -300,7 +303,7 @@ class OutputProcessor:
                     or not seq.status.is_finished:
                 seq.status = SequenceStatus.FINISHED_LENGTH
                 st = req.detok.get(seq.seq_id)
-                if st is not None:
+                if st is not None and not req.text_free:
                     self.detokenizer.flush(seq.get_token_slice, seq.num_total_tokens, st,
                                            req.params.skip_special_tokens)
         logger.warning("request %s outgrew the KV cache: finished with 'length' after %d tokens",

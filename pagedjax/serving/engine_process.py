@@ -33,7 +33,10 @@ import time
 import types
 from collections.abc import Callable
 
+from pagedjax.detokenizer import Detokenizer, DetokState
+from pagedjax.input_processor import text_free_ok
 from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +128,8 @@ def _front_info(engine) -> dict:
         # The engine's own input checks (`InputProcessor`, pure Python): prompt text limits and
         # `max_output_tokens` then need no round trip. A snapshot: servers pin no prefixes.
         "inputs": getattr(engine, "inputs", None),
+        # Whether the engine streams text-free deltas, for the parent to decode.
+        "text_free": "delta_ids" in getattr(engine, "output_kinds", ()),
         "stats": engine.get_stats(),
     }
 
@@ -193,7 +198,7 @@ class EngineProcess:
     and its arguments must pickle (a module-level function, a class)."""
 
     def __init__(self, factory: Callable, *args, start_timeout_s: float = 1800.0,
-                 step_wait_s: float = 0.05):
+                 step_wait_s: float = 0.05, decode_in_front: bool = True):
         ctx = mp.get_context("spawn")  # the child builds JAX's state from scratch, never forked
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, args=(child, factory, args),
@@ -224,6 +229,11 @@ class EngineProcess:
         self.default_sampling: dict = info["default_sampling"]
         self.inputs = info["inputs"]
         self.structured = None  # grammars compile in the child (a bad one: a 400 from there)
+        # Deltas without stop strings stream as token ids ("delta_ids") and are decoded here,
+        # off the engine's process: rid -> (skip_special_tokens, {index: (ids, state)}).
+        self._decode_here = bool(info.get("text_free")) and decode_in_front
+        self._detok = Detokenizer(self.tokenizer) if self._decode_here else None
+        self._texts: dict[str, tuple[bool, dict[int, tuple[list[int], DetokState]]]] = {}
         self._stats = info["stats"]
         self._send_lock = threading.Lock()
         self._cmd_ids = itertools.count(1)
@@ -283,6 +293,8 @@ class EngineProcess:
                             ) -> list[tuple[int, BaseException] | None]:
         """`add_in_order` in the child for each ``(items, params)``: every client request
         queued since the last step, in one round trip."""
+        if self._decode_here:
+            batches = [(self._text_free(items, params), params) for items, params in batches]
         ev, box = threading.Event(), []
         try:
             self._send("add", batches, strict_limits, reply=(ev, box))
@@ -292,7 +304,60 @@ class EngineProcess:
         if not box:
             exc = EngineDied(self._dead or "the engine process is gone")
             return [(0, exc)] * len(batches)
+        for (items, _), failed in zip(batches, box[0]):
+            if failed is not None:  # none of them runs
+                for item in items:
+                    self._texts.pop(item[0], None)
         return box[0]
+
+    def _text_free(self, items: list[tuple], params) -> list[tuple]:
+        """Delta requests that may stream without text go as "delta_ids" and are decoded
+        here (`_decode`)."""
+        if not isinstance(params, SamplingParams) or not text_free_ok(params):
+            return items
+        out = []
+        for rid, prompt, ids, arrival, kind in items:
+            if kind == "delta":
+                kind = "delta_ids"
+                self._texts[rid] = (params.skip_special_tokens, {})
+            out.append((rid, prompt, ids, arrival, kind))
+        return out
+
+    def _decode(self, outs: list[RequestOutput]) -> None:
+        """The text of text-free deltas, decoded incrementally as the engine would have: one
+        batched `Detokenizer.step` over every sequence that got tokens, then what is left of
+        each finished sequence."""
+        items, comps, ends = [], [], []
+        for o in outs:
+            entry = self._texts.get(o.request_id)
+            if entry is None:
+                continue
+            skip, seqs = entry
+            for c in o.outputs:
+                seq = seqs.get(c.index)
+                if seq is None:
+                    n = len(o.prompt_token_ids)
+                    seq = seqs[c.index] = (list(o.prompt_token_ids),
+                                           DetokState(prefix_offset=max(0, n - 5), read_offset=n))
+                ids, state = seq
+                ids.extend(c.token_ids)
+                get = ids.__getitem__
+
+                def window(a: int, b: int, get=get) -> list[int]:
+                    return get(slice(a, b))
+
+                if c.token_ids:
+                    items.append((window, len(ids), state, skip))
+                    comps.append(c)
+                if c.finish_reason not in (None, "abort"):  # as the engine: aborts keep
+                    ends.append((c, window, ids, state, skip))  # a partial character back
+            if o.finished:
+                del self._texts[o.request_id]
+        if items:
+            for c, text in zip(comps, self._detok.step(items)):
+                c.text = text
+        for c, window, ids, state, skip in ends:
+            c.text += self._detok.flush(window, len(ids), state, skip)
 
     def add_request(self, request_id: str, prompt, params=None, prompt_token_ids=None,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
@@ -335,7 +400,10 @@ class EngineProcess:
         outs: list = []
         for i, msg in enumerate(msgs):
             if msg[0] == "step":
-                outs += decode_outputs(msg[1], self._prompts)
+                got = decode_outputs(msg[1], self._prompts)
+                if self._texts:
+                    self._decode(got)
+                outs += got
                 self._stats, self._applied, self._child_busy = msg[2], msg[3], msg[4]
                 continue
             if outs:  # deliver what came before the failure first; it is raised next call

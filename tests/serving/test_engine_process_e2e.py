@@ -92,3 +92,67 @@ def test_sigterm_stops_the_engine_process_too(core_server):
     log = core_server.log_path.read_text()
     # `terminate` closes the client first, which cancels the stream: aborted in the child.
     assert "drained; " in log and "finished=abort" in log
+
+
+TEXT_PARAMS = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+               SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=30),
+               SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=20),
+               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
+                              skip_special_tokens=False),
+               SamplingParams(temperature=0.0, max_tokens=16, stop=["."])]  # text in the child
+
+
+def test_delta_ids_carry_the_delta_tokens_without_text(offline):
+    eng = offline.engine
+    with pytest.raises(ValueError, match="^output_kind: 'delta_ids'"):
+        eng.add_request("s", PROMPTS[0], TEXT_PARAMS[4], output_kind="delta_ids")
+    got: dict[str, list] = {}
+    for kind in ("delta", "delta_ids"):
+        eng.add_request(kind, PROMPTS[2], TEXT_PARAMS[0], output_kind=kind)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            got.setdefault(o.request_id, []).append(o.outputs[0])
+    ids = {k: [t for c in v for t in c.token_ids] for k, v in got.items()}
+    assert ids["delta"] == ids["delta_ids"] and len(ids["delta"]) == 40
+    assert "".join(c.text for c in got["delta"]) and not any(c.text for c in got["delta_ids"])
+
+
+def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, offline):
+    """The parent decodes "delta_ids" streams with the engine's incremental detokenizer:
+    the clients' texts equal the offline engine's, stop strings (decoded in the child) too."""
+    import functools
+
+    from pagedjax.engine import LLMEngine
+    from pagedjax.serving.async_engine import AsyncEngine
+    from pagedjax.serving.engine_process import EngineProcess
+    from tests.serving.conftest import engine_kwargs
+
+    proc = EngineProcess(functools.partial(LLMEngine.from_model, str(demo_gguf),
+                                           **engine_kwargs()))
+    decoded: list[int] = []
+    decode = proc._decode
+    proc._decode = lambda outs: (decoded.append(len(outs)), decode(outs))
+    aeng = AsyncEngine(proc).start()
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(10)]
+    params = [TEXT_PARAMS[i % len(TEXT_PARAMS)] for i in range(10)]
+    try:
+        async def run():
+            async def one(i):
+                stream = await aeng.add_request_async(f"t{i}", prompts[i], params[i],
+                                                      delta=True)
+                texts: dict[int, str] = {}
+                async for o in stream:
+                    for c in o.outputs:
+                        texts[c.index] = texts.get(c.index, "") + c.text
+                return texts
+
+            return await asyncio.gather(*(one(i) for i in range(10)))
+
+        streamed = asyncio.run(run())
+    finally:
+        aeng.shutdown()
+        assert proc.close() == 0
+    expected = offline.generate(prompts, params, use_tqdm=False)
+    for i, (got, want) in enumerate(zip(streamed, expected)):
+        assert [got[c.index] for c in want.outputs] == [c.text for c in want.outputs], i
+    assert sum(decoded) > 0 and not proc._texts  # decoded here, and nothing left behind
