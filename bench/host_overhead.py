@@ -18,7 +18,9 @@ decode steps are reported (with 200, p99 is the second slowest), for each sampli
 `mixed`: half the requests with top-p, penalties and logprobs) and output kind (`cumulative`:
 an output per request per step, as a library caller streaming; `delta`: an output per request
 per step holding only what is new, as the HTTP and gRPC servers ask; `final_only`: as
-`LLM.generate`; `--kinds` picks).
+`LLM.generate`; `engine_process`: the servers' deltas as `pagedjax serve --engine-process`
+asks for them, text-free (`delta_ids`) where no stop string needs the text, plus turning each
+step's outputs into the pipe's message; `--kinds` picks).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -171,8 +174,10 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
 
     import pagedjax.engine as eng_mod
     from pagedjax.config import EngineConfig
+    from pagedjax.input_processor import text_free_ok
     from pagedjax.sampler import SamplerOutput
     from pagedjax.sampling_params import SamplingParams
+    from pagedjax.serving.engine_process import encode_outputs
 
     rng = np.random.default_rng(0)
     vocab_ids = rng.integers(200, 20000, 1 << 16).astype(np.int32)  # ordinary text tokens
@@ -218,7 +223,10 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                                     ignore_eos=True, stop=["\n\n\n\n"])
             else:
                 sp = SamplingParams(temperature=0, max_tokens=steps + 200, ignore_eos=True)
-            engine.add_request(f"r{i}", None, sp, output_kind=output_kind,
+            kind = output_kind
+            if output_kind == "engine_process":  # as `EngineProcess` asks for a server's deltas
+                kind = "delta_ids" if text_free_ok(sp) else "delta"
+            engine.add_request(f"r{i}", None, sp, output_kind=kind,
                                prompt_token_ids=[int(t) for t in vocab_ids[i : i + 128]])
         while engine.scheduler.waiting or any(  # prefill everything first
                 s.num_computed_tokens < s.num_prompt_tokens
@@ -238,9 +246,15 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         times = []
         if phases is not None:
             phases.on = True
+        ipc = output_kind == "engine_process"
+        sent: set[str] = set()
+        engine._memory = {}  # fixed for a real engine's life, computed once; the stub has none
         for _ in range(steps):
             t0 = time.perf_counter()
-            engine.step()
+            outs = engine.step()
+            if ipc:  # what the engine process adds: its outputs made ready for the pipe
+                pickle.dumps(("step", encode_outputs(outs, sent), engine.get_stats(), 0, True),
+                             protocol=pickle.HIGHEST_PROTOCOL)
             times.append(time.perf_counter() - t0)
         if phases is not None:
             phases.on = False

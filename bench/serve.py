@@ -205,10 +205,11 @@ def engine_kwargs(args) -> dict:
             "max_num_seqs": args.max_num_seqs, "block_size": args.block_size}
 
 
-def start_server(args, tmp: Path) -> tuple[subprocess.Popen, dict]:
+def start_server(args, tmp: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
+    tmp.mkdir(parents=True, exist_ok=True)
     port_file = tmp / "ports.json"
     cmd = [sys.executable, "-m", "pagedjax", "serve", args.model, "--port", "0",
-           "--grpc-port", "0", "--port-file", str(port_file)]
+           "--grpc-port", "0", "--port-file", str(port_file), *extra]
     for k, v in engine_kwargs(args).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     log = open(tmp / "server.log", "w")
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--protocols", default="grpc,inprocess",
                     help="any of grpc, http, inprocess, aiperf (NVIDIA's aiperf over HTTP, from "
-                         ".venv-aiperf: `make aiperf-venv`)")
+                         ".venv-aiperf: `make aiperf-venv`), grpc-engine-process (a second "
+                         "server, `pagedjax serve --engine-process`)")
     ap.add_argument("--reps", type=int, default=1,
                     help="repeat each rate's protocols this many times, rotating their order "
                          "(A,B,A,B): every rep is kept in the JSON")
@@ -298,12 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     vocab = eng.model_config.vocab_size
     aeng = AsyncEngine(eng).start() if "inprocess" in protocols else None
     tmp = Path(tempfile.mkdtemp(prefix="pagedjax-bench-"))
-    remote = {"grpc", "http", "aiperf"} & set(protocols)
-    proc, ports = start_server(args, tmp) if remote else (None, {})
+    remote = {"grpc", "http", "aiperf", "grpc-engine-process"} & set(protocols)
+    proc, ports = start_server(args, tmp) if remote - {"grpc-engine-process"} else (None, {})
+    # The same server with its engine in a child process (`pagedjax serve --engine-process`).
+    proc2, ports2 = (start_server(args, tmp / "engine-process", "--engine-process")
+                     if "grpc-engine-process" in protocols else (None, {}))
     runners = {"grpc": lambda reqs: run_grpc(f"127.0.0.1:{ports['port']}", reqs),
+               "grpc-engine-process": lambda reqs: run_grpc(f"127.0.0.1:{ports2['port']}", reqs),
                "http": lambda reqs: run_http(f"http://127.0.0.1:{ports.get('http_port')}", reqs),
                "inprocess": lambda reqs: run_inprocess(aeng, reqs)}
     compiles = {"grpc": lambda: _remote_compiles(ports), "http": lambda: _remote_compiles(ports),
+                "grpc-engine-process": lambda: _remote_compiles(ports2),
                 "aiperf": lambda: _remote_compiles(ports),
                 "inprocess": lambda: eng.get_stats().num_compiles}
     tok_dir = tmp / "tokenizer"
@@ -365,9 +372,10 @@ def main(argv: list[str] | None = None) -> int:
                     for r in point["reps"] if r["http"]["throughput_tok_s_span"]]
             points.append(point)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
+        for p in (proc, proc2):
+            if p is not None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(120)
         if aeng is not None:
             aeng.shutdown()
     result = {"workload": args.workload, "workload_source": WORKLOADS[args.workload].source,

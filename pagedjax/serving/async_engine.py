@@ -502,8 +502,9 @@ class AsyncEngine:
                 if not self.accepting:
                     raise NotReadyError("server is draining or stopped")
                 if not self._healthy:
-                    raise NotReadyError("the engine is rebuilding its KV cache after a device "
-                                        "failure; retry shortly")
+                    raise NotReadyError(getattr(self.engine, "unhealthy_reason", None)
+                                        or "the engine is rebuilding its KV cache after a "
+                                           "device failure; retry shortly")
                 for rid, _, _ in items:
                     if rid in self._live:
                         raise DuplicateRequestError(f"request_id: {rid!r} is already in flight",

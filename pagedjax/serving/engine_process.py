@@ -17,9 +17,11 @@ model's limits, `max_output_tokens`) comes once, in the child's first message.
 The client requests that arrived since the child's last step are admitted in one message,
 each all or none (`add_request_batches`, the rule of `AsyncEngine`'s in-process admission),
 so a request's error still reaches its client as a 400 before any stream starts, and a burst
-of clients waits one step, not one step each. Kept in the child: detokenization, stop
-strings and the output objects (moving them to the parent is the next step of the split,
-docs/v1-core.md "What is left").
+of clients waits one step, not one step each. Streams without stop strings, beams or
+best_of > n go to the engine as output kind "delta_ids": the engine never detokenizes them
+and the parent decodes their ids (`_decode`). Stop strings need the text where the stop is
+decided, so their requests are still decoded in the child (moving stop strings to the front
+end, with aborts back, is the split's next step: docs/v1-core.md "What is left").
 """
 
 from __future__ import annotations
@@ -424,6 +426,11 @@ class EngineProcess:
             except AttributeError:
                 pass
         return self._stats
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        """Why new requests are refused, once the child is gone (else None)."""
+        return None if self._dead is None else f"{self._dead}; the server must be restarted"
 
     @property
     def healthy(self) -> bool:

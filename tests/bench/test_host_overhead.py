@@ -11,10 +11,11 @@ from models.loader import read_config
 def test_measure_runs_the_real_engine_over_the_stub(demo_gguf, demo_tokenizer):
     config = read_config(str(demo_gguf))
     for mix in ("greedy", "mixed"):
-        row = measure(4, 3, mix, demo_tokenizer, config, output_kind="cumulative",
-                      freeze_gc=False)
-        assert row["num_seqs"] == 4 and row["steps"] == 3 and row["mix"] == mix
-        assert 0 < row["median_ms"] <= row["p99_ms"] <= row["max_ms"]
+        for kind in ("cumulative", "engine_process"):  # the latter: text-free + the pipe's message
+            row = measure(4, 3, mix, demo_tokenizer, config, output_kind=kind,
+                          freeze_gc=False)
+            assert row["num_seqs"] == 4 and row["steps"] == 3 and row["mix"] == mix
+            assert 0 < row["median_ms"] <= row["p99_ms"] <= row["max_ms"]
 
 
 def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_tokenizer):

@@ -142,7 +142,7 @@ def test_a_killed_engine_process_fails_its_streams_and_stops_serving():
         while a.serving and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not a.serving and not p.healthy
-        with pytest.raises(NotReadyError):
+        with pytest.raises(NotReadyError, match="engine process exited .* restarted"):
             a.add_request("t", "hi", {"max_tokens": 2})
     finally:
         a.shutdown()
