@@ -14,11 +14,18 @@ from tests.serving.fake_engine import FakeEngine
 from tests.serving.inproc import InProcessServer
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    s = InProcessServer(FakeEngine(step_s=0.01), tmp_path_factory.mktemp("iso"), http_port=0).start()
+@pytest.fixture(scope="module", params=["engine thread", "engine process"])
+def srv(request, tmp_path_factory):
+    """The same server with the engine on its thread and in a child (`--engine-process`)."""
+    from pagedjax.serving.engine_process import EngineProcess
+
+    child = request.param == "engine process"
+    engine = EngineProcess(FakeEngine, 0.01) if child else FakeEngine(step_s=0.01)
+    s = InProcessServer(engine, tmp_path_factory.mktemp("iso"), http_port=0).start()
     yield s
     assert s.close() == 0
+    if child:
+        assert engine.close() == 0
 
 
 def test_same_label_on_two_connections_is_two_requests(srv):
