@@ -19,8 +19,8 @@ decode steps are reported (with 200, p99 is the second slowest), for each sampli
 an output per request per step, as a library caller streaming; `delta`: an output per request
 per step holding only what is new, as the HTTP and gRPC servers ask; `final_only`: as
 `LLM.generate`; `engine_process`: the servers' deltas as `pagedjax serve --engine-process`
-asks for them, text-free (`delta_ids`) where no stop string needs the text, plus turning each
-step's outputs into the pipe's message; `--kinds` picks).
+asks for them, text-free (`delta_ids`, a single sequence's stop strings left to the front
+end), plus turning each step's outputs into the pipe's message; `--kinds` picks).
 """
 
 from __future__ import annotations
@@ -174,10 +174,9 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
 
     import pagedjax.engine as eng_mod
     from pagedjax.config import EngineConfig
-    from pagedjax.input_processor import text_free_ok
     from pagedjax.sampler import SamplerOutput
     from pagedjax.sampling_params import SamplingParams
-    from pagedjax.serving.engine_process import encode_outputs
+    from pagedjax.serving.engine_process import encode_outputs, front_end_split
 
     rng = np.random.default_rng(0)
     vocab_ids = rng.integers(200, 20000, 1 << 16).astype(np.int32)  # ordinary text tokens
@@ -225,7 +224,8 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 sp = SamplingParams(temperature=0, max_tokens=steps + 200, ignore_eos=True)
             kind = output_kind
             if output_kind == "engine_process":  # as `EngineProcess` asks for a server's deltas
-                kind = "delta_ids" if text_free_ok(sp) else "delta"
+                split = front_end_split(sp)
+                kind, sp = ("delta", sp) if split is None else ("delta_ids", split[0])
             engine.add_request(f"r{i}", None, sp, output_kind=kind,
                                prompt_token_ids=[int(t) for t in vocab_ids[i : i + 128]])
         while engine.scheduler.waiting or any(  # prefill everything first

@@ -26,6 +26,7 @@ end, with aborts back, is the split's next step: docs/v1-core.md "What is left")
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
@@ -37,6 +38,7 @@ from collections.abc import Callable
 
 from pagedjax.detokenizer import Detokenizer, DetokState
 from pagedjax.input_processor import text_free_ok
+from pagedjax.output_processor import OutputProcessor
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
 
@@ -190,6 +192,49 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
         return  # the parent is gone: so is every client
 
 
+def front_end_split(params) -> tuple[SamplingParams, SamplingParams | None] | None:
+    """How a streamed request runs text-free (output kind "delta_ids"): the params the engine
+    gets, and the params whose stop strings the front end looks for (None: no stop strings).
+    A single sequence's stop strings move to the front end (the engine then needs no text);
+    n > 1 with stop strings, beams and best_of > n keep their text in the engine (None)."""
+    if not isinstance(params, SamplingParams):
+        return None
+    stops = None
+    if (params.has_stop_strings and params.n == 1 and not params.use_beam_search
+            and params.best_of in (None, 1)):
+        stops = params
+        params = dataclasses.replace(params, stop=None, include_stop_str_in_output=False)
+    return (params, stops) if text_free_ok(params) else None
+
+
+class _FrontSeq:
+    """One text-free sequence as the front end decodes it."""
+
+    __slots__ = ("ids", "num_prompt", "state", "chars_sent")
+
+    def __init__(self, prompt_ids: list[int]):
+        n = len(prompt_ids)
+        self.ids, self.num_prompt = list(prompt_ids), n
+        self.state = DetokState(prefix_offset=max(0, n - 5), read_offset=n)
+        self.chars_sent = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.ids) - self.num_prompt
+
+    def window(self, a: int, b: int) -> list[int]:
+        return self.ids[a:b]
+
+
+@dataclasses.dataclass
+class _FrontText:
+    """A text-free request: how to decode it and, for one sequence, its stop strings."""
+
+    skip: bool
+    stops: SamplingParams | None
+    seqs: dict[int, _FrontSeq] = dataclasses.field(default_factory=dict)
+
+
 class EngineDied(RuntimeError):
     """The engine process exited; every request in it is lost."""
 
@@ -235,7 +280,9 @@ class EngineProcess:
         # off the engine's process: rid -> (skip_special_tokens, {index: (ids, state)}).
         self._decode_here = bool(info.get("text_free")) and decode_in_front
         self._detok = Detokenizer(self.tokenizer) if self._decode_here else None
-        self._texts: dict[str, tuple[bool, dict[int, tuple[list[int], DetokState]]]] = {}
+        self._texts: dict[str, _FrontText] = {}
+        self._dropping: set[str] = set()  # stopped here, the child's abort output not seen yet
+        self.num_front_stops = 0  # streams a stop string ended here, before the child's end
         self._stats = info["stats"]
         self._send_lock = threading.Lock()
         self._cmd_ids = itertools.count(1)
@@ -296,7 +343,7 @@ class EngineProcess:
         """`add_in_order` in the child for each ``(items, params)``: every client request
         queued since the last step, in one round trip."""
         if self._decode_here:
-            batches = [(self._text_free(items, params), params) for items, params in batches]
+            batches = [self._text_free(items, params) for items, params in batches]
         ev, box = threading.Event(), []
         try:
             self._send("add", batches, strict_limits, reply=(ev, box))
@@ -312,54 +359,74 @@ class EngineProcess:
                     self._texts.pop(item[0], None)
         return box[0]
 
-    def _text_free(self, items: list[tuple], params) -> list[tuple]:
+    def _text_free(self, items: list[tuple], params) -> tuple[list[tuple], object]:
         """Delta requests that may stream without text go as "delta_ids" and are decoded
-        here (`_decode`)."""
-        if not isinstance(params, SamplingParams) or not text_free_ok(params):
-            return items
-        out = []
-        for rid, prompt, ids, arrival, kind in items:
-            if kind == "delta":
-                kind = "delta_ids"
-                self._texts[rid] = (params.skip_special_tokens, {})
-            out.append((rid, prompt, ids, arrival, kind))
-        return out
+        here (`_decode`). A single sequence's stop strings are looked for here too: the child
+        gets the request without them."""
+        split = front_end_split(params)
+        if split is None or any(kind != "delta" for *_, kind in items):
+            return items, params
+        child, stops = split
+        for rid, *_ in items:
+            self._texts[rid] = _FrontText(child.skip_special_tokens, stops)
+        return [(rid, prompt, ids, arrival, "delta_ids")
+                for rid, prompt, ids, arrival, _ in items], child
 
-    def _decode(self, outs: list[RequestOutput]) -> None:
+    def _decode(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """The text of text-free deltas, decoded incrementally as the engine would have: one
-        batched `Detokenizer.step` over every sequence that got tokens, then what is left of
-        each finished sequence."""
-        items, comps, ends = [], [], []
+        batched `Detokenizer.step` over every sequence that got tokens, then stop strings,
+        then what is left of each finished sequence; each output's text is what became
+        visible since the last (`OutputProcessor._delta`'s rule: while a sequence runs with
+        stop strings, the last ``longest_stop - 1`` characters wait). A stop string found
+        here ends the stream and aborts the request in the child, whose later outputs for it
+        are dropped up to its abort output."""
+        kept, items, seqs_out = [], [], []
         for o in outs:
-            entry = self._texts.get(o.request_id)
-            if entry is None:
+            rid = o.request_id
+            if rid in self._dropping:  # stopped here already: the child's tokens past the stop
+                if o.finished:
+                    self._dropping.discard(rid)
                 continue
-            skip, seqs = entry
+            kept.append(o)
+            front = self._texts.get(rid)
+            if front is None:
+                continue
             for c in o.outputs:
-                seq = seqs.get(c.index)
+                seq = front.seqs.get(c.index)
                 if seq is None:
-                    n = len(o.prompt_token_ids)
-                    seq = seqs[c.index] = (list(o.prompt_token_ids),
-                                           DetokState(prefix_offset=max(0, n - 5), read_offset=n))
-                ids, state = seq
-                ids.extend(c.token_ids)
-                get = ids.__getitem__
-
-                def window(a: int, b: int, get=get) -> list[int]:
-                    return get(slice(a, b))
-
+                    seq = front.seqs[c.index] = _FrontSeq(o.prompt_token_ids)
+                seq.ids.extend(c.token_ids)
                 if c.token_ids:
-                    items.append((window, len(ids), state, skip))
-                    comps.append(c)
-                if c.finish_reason not in (None, "abort"):  # as the engine: aborts keep
-                    ends.append((c, window, ids, state, skip))  # a partial character back
+                    items.append((seq.window, len(seq.ids), seq.state, front.skip))
+                seqs_out.append((o, c, front, seq, seq.state.length))
             if o.finished:
-                del self._texts[o.request_id]
+                del self._texts[rid]
         if items:
-            for c, text in zip(comps, self._detok.step(items)):
-                c.text = text
-        for c, window, ids, state, skip in ends:
-            c.text += self._detok.flush(window, len(ids), state, skip)
+            self._detok.step(items)
+        for o, c, front, seq, old in seqs_out:
+            p, state = front.stops, seq.state
+            hit = None
+            if p is not None and seq.num_output >= p.min_tokens and c.finish_reason in (
+                    None, "length"):  # a stop string wins over a length limit (vLLM's order)
+                hit = OutputProcessor.find_stop(state, p, old)
+                if hit is not None:
+                    c.finish_reason, c.stop_reason = "stop", hit
+                    if not o.finished:
+                        self.num_front_stops += 1
+                        o.finished = True
+                        self._texts.pop(o.request_id, None)
+                        self._dropping.add(o.request_id)
+                        self.abort_request(o.request_id)
+            if hit is None and c.finish_reason not in (None, "abort"):  # as the engine: an
+                self._detok.flush(seq.window, len(seq.ids), state, front.skip)  # abort keeps
+                # a partial character back
+            visible = state.length
+            text = state.tail(seq.chars_sent)
+            if p is not None and c.finish_reason is None:
+                visible = max(seq.chars_sent, visible - p.longest_stop + 1)
+                text = text[:visible - seq.chars_sent]
+            c.text, seq.chars_sent = text, visible
+        return kept
 
     def add_request(self, request_id: str, prompt, params=None, prompt_token_ids=None,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
@@ -403,8 +470,8 @@ class EngineProcess:
         for i, msg in enumerate(msgs):
             if msg[0] == "step":
                 got = decode_outputs(msg[1], self._prompts)
-                if self._texts:
-                    self._decode(got)
+                if self._texts or self._dropping:
+                    got = self._decode(got)
                 outs += got
                 self._stats, self._applied, self._child_busy = msg[2], msg[3], msg[4]
                 continue

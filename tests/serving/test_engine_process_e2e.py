@@ -99,7 +99,8 @@ TEXT_PARAMS = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=20),
                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                               skip_special_tokens=False),
-               SamplingParams(temperature=0.0, max_tokens=16, stop=["."])]  # text in the child
+               SamplingParams(temperature=0.0, max_tokens=16, stop=[".", ","]),  # found in front
+               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, stop=[" the"])]
 
 
 def test_delta_ids_carry_the_delta_tokens_without_text(offline):
@@ -118,8 +119,9 @@ def test_delta_ids_carry_the_delta_tokens_without_text(offline):
 
 
 def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, offline):
-    """The parent decodes "delta_ids" streams with the engine's incremental detokenizer:
-    the clients' texts equal the offline engine's, stop strings (decoded in the child) too."""
+    """The parent decodes "delta_ids" streams with the engine's incremental detokenizer and
+    looks for a single sequence's stop strings itself: the clients' texts equal the offline
+    engine's."""
     import functools
 
     from pagedjax.engine import LLMEngine
@@ -131,22 +133,28 @@ def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, o
                                            **engine_kwargs()))
     decoded: list[int] = []
     decode = proc._decode
-    proc._decode = lambda outs: (decoded.append(len(outs)), decode(outs))
+    proc._decode = lambda outs: (decoded.append(len(outs)), decode(outs))[1]
     aeng = AsyncEngine(proc).start()
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(10)]
-    params = [TEXT_PARAMS[i % len(TEXT_PARAMS)] for i in range(10)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
+    params = [TEXT_PARAMS[i % len(TEXT_PARAMS)] for i in range(12)]
     try:
         async def run():
             async def one(i):
-                stream = await aeng.add_request_async(f"t{i}", prompts[i], params[i],
-                                                      delta=True)
-                texts: dict[int, str] = {}
-                async for o in stream:
-                    for c in o.outputs:
-                        texts[c.index] = texts.get(c.index, "") + c.text
-                return texts
+                runs = []
+                # A stop-string request runs twice under one id, the second at once: the
+                # child's outputs past the first one's stop must not reach the second.
+                for _ in range(2 if params[i].has_stop_strings else 1):
+                    stream = await aeng.add_request_async(f"t{i}", prompts[i], params[i],
+                                                          delta=True)
+                    texts: dict[int, str] = {}
+                    async for o in stream:
+                        for c in o.outputs:
+                            texts[c.index] = texts.get(c.index, "") + c.text
+                    runs.append(texts)
+                assert all(r == runs[0] for r in runs), runs
+                return runs[0]
 
-            return await asyncio.gather(*(one(i) for i in range(10)))
+            return await asyncio.gather(*(one(i) for i in range(12)))
 
         streamed = asyncio.run(run())
     finally:
@@ -155,4 +163,5 @@ def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, o
     expected = offline.generate(prompts, params, use_tqdm=False)
     for i, (got, want) in enumerate(zip(streamed, expected)):
         assert [got[c.index] for c in want.outputs] == [c.text for c in want.outputs], i
-    assert sum(decoded) > 0 and not proc._texts  # decoded here, and nothing left behind
+    assert sum(decoded) > 0 and not proc._texts and not proc._dropping  # nothing left behind
+    assert proc.num_front_stops >= 2  # stop strings found in the front end, mid-stream
