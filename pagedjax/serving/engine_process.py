@@ -17,11 +17,11 @@ model's limits, `max_output_tokens`) comes once, in the child's first message.
 The client requests that arrived since the child's last step are admitted in one message,
 each all or none (`add_request_batches`, the rule of `AsyncEngine`'s in-process admission),
 so a request's error still reaches its client as a 400 before any stream starts, and a burst
-of clients waits one step, not one step each. Streams without stop strings, beams or
-best_of > n go to the engine as output kind "delta_ids": the engine never detokenizes them
-and the parent decodes their ids (`_decode`). Stop strings need the text where the stop is
-decided, so their requests are still decoded in the child (moving stop strings to the front
-end, with aborts back, is the split's next step: docs/v1-core.md "What is left").
+of clients waits one step, not one step each. Streams without beams or best_of > n go to
+the engine as output kind "delta_ids": the engine never detokenizes them and the parent
+decodes their ids (`_decode`). A single sequence's stop strings are found here as well, and
+the stopped request aborted in the child (`front_end_split`); n > 1 with stop strings keeps
+its text in the child (docs/v1-core.md "What is left").
 """
 
 from __future__ import annotations
