@@ -276,8 +276,8 @@ class EngineProcess:
         self.default_sampling: dict = info["default_sampling"]
         self.inputs = info["inputs"]
         self.structured = None  # grammars compile in the child (a bad one: a 400 from there)
-        # Deltas without stop strings stream as token ids ("delta_ids") and are decoded here,
-        # off the engine's process: rid -> (skip_special_tokens, {index: (ids, state)}).
+        # Text-free streams ("delta_ids", `front_end_split`) are decoded here, off the
+        # engine's process, with a single sequence's stop strings: rid -> `_FrontText`.
         self._decode_here = bool(info.get("text_free")) and decode_in_front
         self._detok = Detokenizer(self.tokenizer) if self._decode_here else None
         self._texts: dict[str, _FrontText] = {}
