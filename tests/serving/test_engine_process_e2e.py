@@ -12,9 +12,14 @@ import grpc
 import pytest
 
 from pagedjax.sampling_params import SamplingParams
-from pagedjax.serving.client import AsyncClient
 from tests.serving.conftest import ServerProcess
-from tests.serving.test_grpc_e2e import LONG, PROMPTS, _mixed_params, wait_blocks_free
+from tests.serving.test_grpc_e2e import (
+    LONG,
+    PROMPTS,
+    _mixed_params,
+    stream_all,
+    wait_blocks_free,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +43,7 @@ def test_streams_match_offline_from_the_engine_process(core_server, offline):
     assert pid != core_server.proc.pid and os.path.exists(f"/proc/{pid}")
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
     params = [_mixed_params(i) for i in range(24)]
-
-    async def run():
-        async with AsyncClient(core_server.target, timeout=300) as ac:
-            return await asyncio.gather(*(ac.generate(p, sp, request_id=f"p{i}", stream=True)
-                                          for i, (p, sp) in enumerate(zip(prompts, params))))
-
-    streamed = asyncio.run(run())
+    streamed = stream_all(core_server.target, prompts, params, "p")
     expected = offline.generate(prompts, params, use_tqdm=False)
     for i, (got, want) in enumerate(zip(streamed, expected)):
         assert got.prompt_tokens == len(want.prompt_token_ids)

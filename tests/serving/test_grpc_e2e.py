@@ -39,17 +39,22 @@ def _mixed_params(i: int) -> SamplingParams:
     return SamplingParams(n=2, temperature=1.0, top_k=20, seed=7 * i, max_tokens=8)
 
 
+def stream_all(target: str, prompts: list[str], params: list[SamplingParams], prefix: str):
+    """Every prompt streamed at once over gRPC, request ids ``prefix0``, ``prefix1``, ..."""
+    async def run():
+        async with AsyncClient(target, timeout=300) as ac:
+            return await asyncio.gather(*(ac.generate(p, sp, request_id=f"{prefix}{i}",
+                                                      stream=True)
+                                          for i, (p, sp) in enumerate(zip(prompts, params))))
+
+    return asyncio.run(run())
+
+
 def test_32_concurrent_streams_match_offline(server, offline):
     client = server.client
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
     params = [_mixed_params(i) for i in range(32)]
-
-    async def run():
-        async with AsyncClient(server.target, timeout=300) as ac:
-            return await asyncio.gather(*(ac.generate(p, sp, request_id=f"c{i}", stream=True)
-                                          for i, (p, sp) in enumerate(zip(prompts, params))))
-
-    streamed = asyncio.run(run())
+    streamed = stream_all(server.target, prompts, params, "c")
     expected = offline.generate(prompts, params, use_tqdm=False)
     for i, (got, want) in enumerate(zip(streamed, expected)):
         assert got.request_id == f"c{i}" and got.prompt_tokens == len(want.prompt_token_ids)
