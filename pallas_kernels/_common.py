@@ -15,6 +15,18 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def own_buffer(x: jax.Array, pad: int = 1) -> jax.Array:
+    """``x`` with ``pad`` (>= 1) zeros appended on its last axis: an op XLA keeps, so the
+    result has an allocation of its own. Why: Mosaic GPU's custom call rejects an operand that
+    is not 256-byte aligned, and XLA may hand a custom call a view into a larger buffer instead
+    (the runner slices a step's block tables and lengths out of one packed int array; on the
+    H200 the whole-model step failed with "Input buffer 2 is not 256-byte aligned"). XLA's own
+    allocations are aligned."""
+    if pad < 1:
+        raise ValueError(f"own_buffer: pad must be >= 1, got {pad}")
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

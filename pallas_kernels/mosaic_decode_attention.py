@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import as_5d, cdiv, window_span
+from pallas_kernels._common import as_5d, cdiv, own_buffer, window_span
 from pallas_kernels.kv_quant import is_quantized
 
 ROWS = 64  # wgmma's M: the GQA group is padded to it
@@ -392,8 +392,8 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     parts = col_parts(d)  # programs per split, one per V_COLS output columns
     dv = d // parts
     pages = splits * per_split * (chunk // block_size)  # every index a chunk can form
-    tables = jnp.pad(block_tables.astype(jnp.int32),
-                     ((0, 0), (0, max(0, pages - block_tables.shape[1]))))
+    # Tables and lengths get buffers of their own (`own_buffer`: Mosaic needs aligned inputs).
+    tables = own_buffer(block_tables.astype(jnp.int32), max(1, pages - block_tables.shape[1]))
     qg = q.reshape(num_seqs, hkv, group, d)
     if kv_scale is not None:
         qg = scale_channels(qg, kv_scale[0]).astype(q.dtype)
@@ -413,7 +413,7 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
         grid=(num_seqs, hkv, splits * parts), grid_names=("seq", "head", "split"),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(jnp.stack([jnp.reshape(layer, ()), window_span(window)]).astype(jnp.int32),
-      context_lens.astype(jnp.int32), tables, qg,
+      own_buffer(context_lens.astype(jnp.int32)), tables, qg,
       k5.reshape(flat), v5.reshape(flat))
     # Column programs: their tiles side by side; their statistics are equal, take the first.
     acc = jnp.moveaxis(acc.reshape(splits, parts, num_seqs, hkv, ROWS, dv), 1, -2).reshape(

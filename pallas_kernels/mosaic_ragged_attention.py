@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, next_pow2, window_span
+from pallas_kernels._common import MASK_VALUE, as_5d, cdiv, next_pow2, own_buffer, window_span
 from pallas_kernels.mosaic_decode_attention import (
     ROWS,
     attend_chunks,
@@ -124,8 +124,8 @@ def mosaic_ragged_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array
     # Every page index a chunk of the longest item can form.
     pages = max(block_tables.shape[1], cdiv(cdiv(block_tables.shape[1] * block_size, chunk)
                                             * chunk, block_size))
-    tables = jnp.pad(block_tables.astype(jnp.int32),
-                     ((0, 0), (0, pages - block_tables.shape[1])))
+    # A buffer of its own (`own_buffer`: Mosaic needs aligned inputs; the runner's are views).
+    tables = own_buffer(block_tables.astype(jnp.int32), max(1, pages - block_tables.shape[1]))
     flat = (num_layers * hkv * num_blocks, block_size, d)
     parts = col_parts(d)
     dv = d // parts

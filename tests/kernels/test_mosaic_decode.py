@@ -4,6 +4,7 @@ float64 numpy reference, with poisoned unused blocks and page tails; its selecti
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,6 +64,37 @@ def test_mosaic_decode_matches_reference_and_ignores_poison(idx):
     np.testing.assert_allclose(clean, expect, atol=TOL[dtype], rtol=0)
     # NaN / huge values in unowned blocks, in page tails and junk table ids change nothing.
     np.testing.assert_array_equal(poisoned, clean)
+
+
+def test_inputs_sliced_from_one_packed_array():
+    """The runner slices a step's lengths and block tables out of one packed int array inside
+    its jit, at offsets XLA may pass on as views; Mosaic's custom call rejects an input that
+    is not 256-byte aligned (H200, stop 52). On a GPU this fails without `own_buffer`; here
+    it checks that the kernel's own copies change nothing."""
+    lens, group, d, bs, dtype, hkv, splits = CASES[2]
+    rng = np.random.default_rng(77)
+    pc = make_paged(rng, ctx_lens=lens, num_layers=2, num_kv_heads=hkv, block_size=bs,
+                    head_dim=d, dtype=dtype)
+    q = np.asarray(jnp.asarray(rng.standard_normal((len(lens), hkv * group, d)),
+                               DTYPES[dtype]))
+    direct = _call((pc.k_poison, pc.v_poison, pc.block_tables, pc.ctx_lens), q, 1,
+                   scale=0.1, num_splits=splits)
+    lens32, tab32 = np.asarray(pc.ctx_lens, np.int32), np.asarray(pc.block_tables, np.int32)
+    packed = np.concatenate([np.arange(5, dtype=np.int32), lens32, tab32.ravel()])
+
+    @jax.jit
+    def step(packed, q, k, v):
+        n = lens32.size
+        ctx = packed[5:5 + n]  # 20 bytes in: never 256-byte aligned
+        tables = packed[5 + n:].reshape(tab32.shape)
+        return mdec.mosaic_paged_decode(q, k, v, tables, ctx, jnp.int32(1), scale=0.1,
+                                        num_splits=splits, interpret=interpret_mode())
+
+    if not interpret_mode() and not mdec.hopper_target():
+        pytest.skip("the Mosaic decode kernel issues wgmma: Hopper (sm_90) only")
+    out = step(jnp.asarray(packed), jnp.asarray(q), jnp.asarray(pc.k_poison),
+               jnp.asarray(pc.v_poison))
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), direct)
 
 
 def test_padding_rows_are_zero():

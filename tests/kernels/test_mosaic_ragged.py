@@ -5,6 +5,7 @@ slots; its selection behind ``ragged_paged_attention`` (PAGEDJAX_PALLAS_LOWERING
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -75,6 +76,31 @@ def test_mosaic_ragged_matches_reference_and_ignores_poison(idx):
     np.testing.assert_allclose(clean, expect, atol=TOL[dtype], rtol=0)
     np.testing.assert_array_equal(poisoned, clean)
     np.testing.assert_array_equal(poisoned[-PAD_TOKENS:], 0.0)
+
+
+def test_inputs_sliced_from_one_packed_array():
+    """As the runner passes them: lengths, tables and query starts sliced out of one packed
+    int array inside the jit (views XLA may hand on unaligned; Mosaic rejects those: H200,
+    stop 52). The kernel's own copies (`own_buffer`) change nothing."""
+    _skip_off_hopper()
+    seqs, d, dtype, pc, q, cu, kv_lens, tables = _build(1)
+    direct = _call(q, pc.k_poison, pc.v_poison, kv_lens, tables, cu, len(seqs), 0.1, 1)
+    parts = [np.arange(3, dtype=np.int32), kv_lens, tables.ravel(), cu]
+    packed = np.concatenate(parts).astype(np.int32)
+    at = np.cumsum([0] + [p.size for p in parts])
+
+    @jax.jit
+    def step(packed, q, k, v):
+        lens_ = packed[at[1]:at[2]]
+        tables_ = packed[at[2]:at[3]].reshape(tables.shape)
+        cu_ = packed[at[3]:at[4]]
+        return mrag.mosaic_ragged_attention(q, k, v, lens_, tables_, cu_, jnp.int32(len(seqs)),
+                                            jnp.int32(1), scale=0.1,
+                                            interpret=interpret_mode())
+
+    out = step(jnp.asarray(packed), jnp.asarray(q), jnp.asarray(pc.k_poison),
+               jnp.asarray(pc.v_poison))
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), direct)
 
 
 def test_no_live_sequences_gives_zeros():
