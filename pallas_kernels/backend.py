@@ -27,12 +27,16 @@ BACKENDS: tuple[str, ...] = ("pallas", "xla", "cpu")
 ENV_BACKEND = "PAGEDJAX_ATTENTION_BACKEND"
 ENV_INTERPRET = "PAGEDJAX_PALLAS_INTERPRET"
 # Which Pallas GPU lowering runs the attention kernels. Triton is the portable path (Ampere
-# and up; deprecated upstream since jax 0.11 but shipped through 0.12) and the default;
-# "mosaic" runs the Mosaic GPU kernels (Hopper: TMA, wgmma; `pallas_kernels.mosaic_decode_
-# attention`, `mosaic_ragged_attention`) where they cover the call, Triton elsewhere. It is
-# opt-in until a GPU session has timed it against Triton.
+# and up; deprecated upstream since jax 0.11 but shipped through 0.12); "mosaic" runs the
+# Mosaic GPU kernels (Hopper: TMA, wgmma; `pallas_kernels.mosaic_decode_attention`,
+# `mosaic_ragged_attention`) where they cover the call, Triton elsewhere. "auto", the
+# default, is Mosaic on a GPU that says it is a Hopper (compute capability 9.x) and Triton
+# everywhere else. Why Mosaic there: on the H200 (stop 52) the whole Llama-3-8B decode step
+# took 0.97x Triton's time at batch 64 x 1024 and 0.89x at 32 x 4096, and every golden passed
+# under it (docs/gpu.md). A deviceless compile target (the AOT tier) does not say, so it keeps
+# Triton unless asked.
 ENV_LOWERING = "PAGEDJAX_PALLAS_LOWERING"
-LOWERINGS: tuple[str, ...] = ("triton", "mosaic")
+LOWERINGS: tuple[str, ...] = ("auto", "triton", "mosaic")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
@@ -102,11 +106,46 @@ def interpret_mode() -> bool:
 
 
 def pallas_lowering() -> str:
-    """The Pallas GPU lowering to use: ``PAGEDJAX_PALLAS_LOWERING`` or Triton."""
-    choice = (os.environ.get(ENV_LOWERING) or "triton").lower()
+    """The Pallas GPU lowering to use, ``"triton"`` or ``"mosaic"``: ``PAGEDJAX_PALLAS_LOWERING``,
+    else ``"auto"`` (`auto_lowering`)."""
+    choice = (os.environ.get(ENV_LOWERING) or "auto").lower()
     if choice not in LOWERINGS:
         raise ValueError(f"{ENV_LOWERING}={choice!r}; expected one of {LOWERINGS}")
-    return choice
+    if choice != "auto":
+        return choice
+    if not is_gpu_target() or interpret_mode():
+        return "triton"  # the interpreted Mosaic kernels are far slower than Triton's
+    from pallas_kernels.mosaic_decode_attention import mosaic_available
+
+    return auto_lowering(target_compute_capability(), mosaic_available())
+
+
+def auto_lowering(compute_capability: str | None, mosaic_ok: bool) -> str:
+    """Mosaic on a GPU known to be a Hopper (9.x) with a jax that has the kernels' API;
+    Triton on anything else, an unknown target included."""
+    if mosaic_ok and compute_capability is not None and str(compute_capability).startswith("9"):
+        return "mosaic"
+    return "triton"
+
+
+def target_compute_capability() -> str | None:
+    """The compute capability of this process's GPU the trace targets; None for a CPU and
+    for a compile-only target (the AOT tier's deviceless H100 reports 9.0 but is no device of
+    this process: its default stays Triton, what its reports and tests pin)."""
+    dev = jax.config.jax_default_device
+    if dev is None or isinstance(dev, str):
+        try:
+            dev = jax.devices()[0]
+        except RuntimeError:
+            return None
+    else:
+        try:
+            if dev not in jax.local_devices(backend=dev.platform):
+                return None
+        except RuntimeError:  # no such backend here: a compile-only device
+            return None
+    cc = getattr(dev, "compute_capability", None)
+    return None if cc is None else str(cc)
 
 
 def triton_params(num_warps: int = 4, num_stages: int = 2):

@@ -313,6 +313,10 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
     # point is the one to compare between layer loops ($PAGEDJAX_LAYER_LOOP, docs/gpu.md).
     points = [(4, 64), (1, 32)] if dry_run else [(64, 1024), (1, 1024), (16, 1024), (128, 1024), (32, 4096)]
     perf["layer_loop"] = "scan" if eng.runner.scan_layers else "unrolled"
+    from pallas_kernels.backend import pallas_lowering, target_compute_capability
+
+    # The attention lowering the main engine traced with ("auto": Mosaic on a Hopper).
+    perf["lowering"], perf["compute_capability"] = pallas_lowering(), target_compute_capability()
 
     def other_layer_loop() -> None:
         """The first point under the other layer loop, on the same warm device, right after the
@@ -340,21 +344,21 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
                       f"{ms:.2f} vs {base:.2f} ms ({ms / base:.2f}x)", "info")
 
     def other_lowering() -> None:
-        """Decode steps of the whole model with the Mosaic GPU kernels
-        (``PAGEDJAX_PALLAS_LOWERING=mosaic``, read when the step is traced) against Triton's,
-        on the same warm device: the kernel bench measured Mosaic's decode at 0.83x Triton's
-        time (H200, fourth run), fastest at long contexts; this says what that is worth in a
-        step that also reads 15 GB of weights. Points: the first and the KV-heavy one."""
+        """Decode steps of the whole model with the attention lowering the default did not
+        pick (``PAGEDJAX_PALLAS_LOWERING``, read when the step is traced): Triton's kernels
+        where the default is Mosaic (a Hopper, since stop 52), Mosaic's elsewhere, on the same
+        warm device. Points: the first and the KV-heavy one."""
         from pallas_kernels.backend import ENV_LOWERING
 
+        other = "triton" if perf["lowering"] == "mosaic" else "mosaic"
         if not budget.allows(60 if not dry_run else 1):
-            rec.summarize(f"{spec.name} decode: mosaic lowering", "not run: out of time",
+            rec.summarize(f"{spec.name} decode: {other} lowering", "not run: out of time",
                           "skipped")
             return
         pts = [points[0], points[-1]]
         b_max = max(b for b, _ in pts)
         old = os.environ.get(ENV_LOWERING)
-        os.environ[ENV_LOWERING] = "mosaic"
+        os.environ[ENV_LOWERING] = other
         rows, alt = [], None
         try:
             # The CPU dry run interprets both kernels (its main engine runs XLA attention).
@@ -364,18 +368,17 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
                                   max_num_seqs=b_max,
                                   max_num_batched_tokens=512 if dry_run else 2048,
                                   max_model_len=mml, warmup=False)  # as the main engine
-            rows = []
             for b, c in pts:
                 if rows and not budget.allows(20 if not dry_run else 0):
                     break
                 ms = _decode_step_ms(alt.engine.runner, b, c, 3 if dry_run else 10) * 1e3
-                rows.append({"batch": b, "context": c, "mosaic_step_ms": ms})
+                rows.append({"batch": b, "context": c, f"{other}_step_ms": ms})
         except Exception as e:  # noqa: BLE001 -- recorded; the rest of the stage still runs
             # The fifth run (H200) failed here ("Input buffer 2 is not 256-byte aligned") and
             # took every later part of the stage with it.
-            perf["mosaic_lowering_error"] = f"{type(e).__name__}: {e}"[:2000]
-            rec.summarize(f"{spec.name} decode: mosaic lowering", perf["mosaic_lowering_error"]
-                          [:200], "FAIL")
+            perf["other_lowering_error"] = f"{type(e).__name__}: {e}"[:2000]
+            rec.summarize(f"{spec.name} decode: {other} lowering",
+                          perf["other_lowering_error"][:200], "FAIL")
         finally:
             if old is None:
                 os.environ.pop(ENV_LOWERING, None)
@@ -383,7 +386,7 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
                 os.environ[ENV_LOWERING] = old
         del alt
         gc.collect()
-        perf["mosaic_lowering"] = rows
+        perf["mosaic_lowering"] = rows  # the name of the fifth run's files
         rec.save()
 
     perf["decode_vs_roofline"] = []
@@ -399,13 +402,13 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
             other_layer_loop()
     if perf["decode_vs_roofline"]:
         other_lowering()
-        triton = {(r["batch"], r["context"]): r["step_ms"] for r in perf["decode_vs_roofline"]}
+        default = {(r["batch"], r["context"]): r["step_ms"] for r in perf["decode_vs_roofline"]}
         for r in perf.get("mosaic_lowering", []):
-            t = triton.get((r["batch"], r["context"]))
-            r["triton_step_ms"] = t
+            r[f"{perf['lowering']}_step_ms"] = default.get((r["batch"], r["context"]))
+            mo, tr = r.get("mosaic_step_ms"), r.get("triton_step_ms")
             rec.summarize(f"{spec.name} decode b{r['batch']} ctx{r['context']}: mosaic / triton",
-                          f"{r['mosaic_step_ms']:.2f} vs {t:.2f} ms ({r['mosaic_step_ms'] / t:.2f}x)"
-                          if t else f"{r['mosaic_step_ms']:.2f} ms (Triton not timed)", "info")
+                          f"{mo:.2f} vs {tr:.2f} ms ({mo / tr:.2f}x)" if mo and tr
+                          else f"mosaic {mo} ms, triton {tr} ms", "info")
         rec.save()
     for r in perf["decode_vs_roofline"]:
         rec.summarize(f"{spec.name} decode b{r['batch']} ctx{r['context']} ({perf['layer_loop']})",

@@ -569,7 +569,12 @@ class AsyncEngine:
     def _run(self) -> None:
         eng = self.engine
         while not self._stopping:
-            self._apply_commands()
+            try:
+                self._apply_commands()
+            except Exception as exc:  # a last resort: this thread must outlive any bug
+                logger.exception("applying client commands raised")
+                self._fail_all(f"internal error: {type(exc).__name__}")
+                continue
             # An unhealthy engine steps even when idle: `step` is where it retries rebuilding
             # its KV cache, and it refuses new requests until then.
             if not eng.has_unfinished_requests() and self._healthy:
@@ -665,10 +670,35 @@ class AsyncEngine:
         woken: list[RequestStream] = []
         try:
             for out, live in zip(outs, lives):
-                if live is not None:
+                if live is None:
+                    continue
+                try:
                     self._deliver(out, live, now, woken)
+                except Exception as exc:  # a bug with one request's output: that one only
+                    logger.exception("delivering request %s's output raised", out.request_id)
+                    self._fail_one(out.request_id, live, now, exc, woken)
         finally:  # a failing listener must not leave delivered items unseen
             wake_streams(woken)
+
+    def _fail_one(self, rid: str, live: _Live, now: float, exc: Exception,
+                  woken: list[RequestStream]) -> None:
+        """End one stream whose delivery failed, with an internal error, and withdraw its
+        request from the engine (no abort output: a client may reuse the id at once). The
+        step's other streams and the engine thread go on."""
+        try:
+            self.engine.abort_request(rid, withdraw=True)
+        except Exception:
+            logger.exception("withdrawing request %s after its delivery failed raised", rid)
+        err = RequestFailedError(f"internal error: {type(exc).__name__}")
+        try:
+            self._finish(rid, live, now, "error", err, woken)
+        except Exception:
+            logger.exception("ending request %s after its delivery failed raised", rid)
+            with self._lock:
+                if self._live.get(rid) is live:
+                    del self._live[rid]
+            live.stream._put(err, wake=False)
+            woken.append(live.stream)
 
     def _deliver(self, out: RequestOutput, live: _Live, now: float,
                  woken: list[RequestStream]) -> None:
@@ -742,7 +772,11 @@ class AsyncEngine:
                 self._finish(rid, live, now, "error", err)
 
     def _publish_stats(self) -> None:
-        self._stats = self.engine.get_stats()
+        try:
+            self._stats = self.engine.get_stats()
+        except Exception:  # stats are not worth the engine thread: keep the last ones
+            logger.exception("engine stats raised")
+            return
         healthy = bool(getattr(self._stats, "healthy", True))
         if healthy != self._healthy:
             self._healthy = healthy

@@ -160,10 +160,40 @@ def test_pallas_lowering_env(monkeypatch):
     from pallas_kernels.backend import ENV_LOWERING, pallas_lowering
 
     monkeypatch.delenv(ENV_LOWERING, raising=False)
-    assert pallas_lowering() == "triton"
+    assert pallas_lowering() == "triton"  # "auto" on a CPU: Triton (interpreted)
+    for forced in ("triton", "mosaic", "MOSAIC"):
+        monkeypatch.setenv(ENV_LOWERING, forced)
+        assert pallas_lowering() == forced.lower()
     monkeypatch.setenv(ENV_LOWERING, "cutlass")
     with pytest.raises(ValueError, match=ENV_LOWERING):
         pallas_lowering()
+
+
+def test_auto_lowering_is_mosaic_only_on_a_known_hopper(monkeypatch):
+    """The default: Mosaic where the GPU says it is a Hopper and jax has the kernels' API;
+    Triton on Ampere / Ada / Blackwell, on a target that does not say (deviceless AOT), and
+    whenever the kernels interpret."""
+    from pallas_kernels import backend
+    from pallas_kernels.backend import ENV_INTERPRET, ENV_LOWERING, auto_lowering
+
+    assert auto_lowering("9.0", True) == "mosaic"
+    for cc in ("8.0", "8.9", "10.0", "12.0", None):
+        assert auto_lowering(cc, True) == "triton", cc
+    assert auto_lowering("9.0", False) == "triton"
+    # Through pallas_lowering: a GPU target that says 9.0, compiled, picks Mosaic ...
+    monkeypatch.delenv(ENV_LOWERING, raising=False)
+    monkeypatch.setattr(backend, "is_gpu_target", lambda: True)
+    monkeypatch.setattr(backend, "target_compute_capability", lambda: "9.0")
+    monkeypatch.setenv(ENV_INTERPRET, "0")
+    from pallas_kernels.mosaic_decode_attention import mosaic_available
+
+    assert backend.pallas_lowering() == ("mosaic" if mosaic_available() else "triton")
+    # ... the env still wins, and interpreting keeps Triton.
+    monkeypatch.setenv(ENV_LOWERING, "triton")
+    assert backend.pallas_lowering() == "triton"
+    monkeypatch.delenv(ENV_LOWERING)
+    monkeypatch.setenv(ENV_INTERPRET, "1")
+    assert backend.pallas_lowering() == "triton"
 
 
 def test_tuning_table_lookup():

@@ -69,8 +69,10 @@ def test_mosaic_decode_matches_reference_and_ignores_poison(idx):
 def test_inputs_sliced_from_one_packed_array():
     """The runner slices a step's lengths and block tables out of one packed int array inside
     its jit, at offsets XLA may pass on as views; Mosaic's custom call rejects an input that
-    is not 256-byte aligned (H200, stop 52). On a GPU this fails without `own_buffer`; here
-    it checks that the kernel's own copies change nothing."""
+    is not 256-byte aligned. On the H200 (stop 52) the whole-model step failed so and passes
+    with `own_buffer`; this small jit passed there with it disabled too (XLA gave these slices
+    buffers of their own), so it guards the results, and `test_index_inputs_are_own_buffers`
+    the structure."""
     lens, group, d, bs, dtype, hkv, splits = CASES[2]
     rng = np.random.default_rng(77)
     pc = make_paged(rng, ctx_lens=lens, num_layers=2, num_kv_heads=hkv, block_size=bs,
@@ -95,6 +97,37 @@ def test_inputs_sliced_from_one_packed_array():
     out = step(jnp.asarray(packed), jnp.asarray(q), jnp.asarray(pc.k_poison),
                jnp.asarray(pc.v_poison))
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), direct)
+
+
+def test_index_inputs_are_own_buffers():
+    """Both Mosaic kernels take their lengths / block tables from a `pad` (`own_buffer`), never
+    straight from the caller's array, which may be a view into a packed buffer."""
+    from pallas_kernels import mosaic_ragged_attention as mrag
+
+    if not mdec.mosaic_available():
+        pytest.skip("this jax lacks the Mosaic GPU API the kernels use (jax >= 0.11.2)")
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    kc = jnp.zeros((1, 1, 8, 16, 64), jnp.bfloat16)
+    tables, lens = jnp.zeros((2, 4), jnp.int32), jnp.array([5, 9], jnp.int32)
+    cu = jnp.array([0, 1, 2], jnp.int32)
+    calls = {
+        "decode": (lambda t, n: mdec.mosaic_paged_decode(q, kc, kc, t, n, jnp.int32(0),
+                                                         scale=0.1, interpret=True), (1, 2)),
+        "ragged": (lambda t, n: mrag.mosaic_ragged_attention(q, kc, kc, n, t, cu, jnp.int32(2),
+                                                             jnp.int32(0), scale=0.1,
+                                                             interpret=True), (2,)),
+    }
+    kernel_prims = ("pallas_call", "custom_vmap_call", "mpmd_map")
+    for name, (fn, checked) in calls.items():
+        (outer,) = jax.make_jaxpr(fn)(tables, lens).jaxpr.eqns  # the jitted wrapper
+        eqns = outer.params["jaxpr"].jaxpr.eqns
+        kernel = [e for e in eqns if e.primitive.name in kernel_prims]
+        assert len(kernel) == 1, (name, [e.primitive.name for e in eqns])
+        made_by = {id(v): (e.primitive.name if e.primitive.name != "jit"
+                           else e.params.get("name")) for e in eqns for v in e.outvars}
+        for i in checked:
+            assert made_by.get(id(kernel[0].invars[i])) in ("pad", "_pad"), (
+                name, i, made_by.get(id(kernel[0].invars[i])))
 
 
 def test_padding_rows_are_zero():

@@ -80,8 +80,9 @@ def test_mosaic_ragged_matches_reference_and_ignores_poison(idx):
 
 def test_inputs_sliced_from_one_packed_array():
     """As the runner passes them: lengths, tables and query starts sliced out of one packed
-    int array inside the jit (views XLA may hand on unaligned; Mosaic rejects those: H200,
-    stop 52). The kernel's own copies (`own_buffer`) change nothing."""
+    int array inside the jit (views XLA may hand on unaligned, which Mosaic rejects: the
+    whole-model step on the H200, stop 52). The kernel's own copies (`own_buffer`) change
+    nothing; test_mosaic_decode's `test_index_inputs_are_own_buffers` checks they exist."""
     _skip_off_hopper()
     seqs, d, dtype, pc, q, cu, kv_lens, tables = _build(1)
     direct = _call(q, pc.k_poison, pc.v_poison, kv_lens, tables, cu, len(seqs), 0.1, 1)

@@ -485,3 +485,63 @@ def test_servers_run_on_uvloop_unless_turned_off(monkeypatch):
         assert isinstance(loop, asyncio.BaseEventLoop) and not isinstance(loop, uvloop.Loop)
     finally:
         loop.close()
+
+
+class _BadOutputEngine(FakeEngine):
+    """Request "bad"'s outputs break delivery (no prompt ids: an engine bug), its neighbours'
+    are fine; ``stats_fail`` makes `get_stats` raise too."""
+
+    stats_fail = False
+
+    def _output(self, rid, r, finished, reason=None, error=None):
+        out = super()._output(rid, r, finished, reason, error)
+        if rid == "bad" and r["prompt"] == "poison":
+            out.prompt_token_ids = None
+        return out
+
+    def get_stats(self):
+        if self.stats_fail:
+            raise RuntimeError("stats broke")
+        return super().get_stats()
+
+
+def test_a_failing_delivery_ends_that_stream_only_and_the_thread_lives():
+    fake = _BadOutputEngine()
+    aeng = AsyncEngine(fake).start()
+    fake.stats_fail = True  # from here on, every step's stats raise too
+    try:
+        bad = aeng.add_request("bad", "poison", {"max_tokens": 50})
+        good = aeng.add_request("good", "hi", {"max_tokens": 6})
+        with pytest.raises(RequestFailedError, match="internal error: TypeError"):
+            list(bad)
+        assert _text(good) == ("w0 w1 w2 w3 w4 w5 ", "length")
+        assert "bad" not in fake._reqs  # withdrawn from the engine, no abort output queued
+        assert not any(o.request_id == "bad" for o in fake._pending)
+        # The id is free at once, and the engine thread still serves.
+        again = aeng.add_request("bad", "fine", {"max_tokens": 3})
+        assert _text(again) == ("w0 w1 w2 ", "length")
+        assert aeng.num_in_flight() == 0
+    finally:
+        aeng.shutdown()
+
+
+def test_a_failing_command_fails_in_flight_streams_but_not_the_thread(fake):
+    aeng = AsyncEngine(fake).start()
+    real_abort = fake.abort_request
+    try:
+        fake.gate.clear()  # hold progress so "slow" is in flight when the abort breaks
+        slow = aeng.add_request("slow", "hi", {"max_tokens": 5})
+
+        def broken(*a, **k):
+            raise RuntimeError("abort broke")
+
+        fake.abort_request = broken
+        aeng.abort("slow")
+        with pytest.raises(RequestFailedError, match="internal error"):
+            list(slow)
+        fake.abort_request = real_abort
+        fake.gate.set()
+        assert _text(aeng.add_request("next", "hi", {"max_tokens": 2})) == ("w0 w1 ", "length")
+    finally:
+        fake.abort_request = real_abort
+        aeng.shutdown()
