@@ -157,10 +157,12 @@ def test_cpu_backend_on_a_gpu_target_is_refused_by_name():
 
 
 def test_pallas_lowering_env(monkeypatch):
-    from pallas_kernels.backend import ENV_LOWERING, pallas_lowering
+    from pallas_kernels.backend import ENV_INTERPRET, ENV_LOWERING, pallas_lowering
 
     monkeypatch.delenv(ENV_LOWERING, raising=False)
-    assert pallas_lowering() == "triton"  # "auto" on a CPU: Triton (interpreted)
+    monkeypatch.setenv(ENV_INTERPRET, "1")
+    assert pallas_lowering() == "triton"  # "auto" when kernels interpret: Triton
+    monkeypatch.delenv(ENV_INTERPRET)
     for forced in ("triton", "mosaic", "MOSAIC"):
         monkeypatch.setenv(ENV_LOWERING, forced)
         assert pallas_lowering() == forced.lower()
