@@ -58,9 +58,9 @@ class _StubEngine:
     def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, **kw):
         self.reqs[request_id] = [0, params.max_tokens]
 
-    def abort_request(self, request_id):
+    def abort_request(self, request_id, withdraw: bool = False):
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            if self.reqs.pop(rid, None) is not None:
+            if self.reqs.pop(rid, None) is not None and not withdraw:
                 self._pending.append(self._out(rid, None, [1], [self._comp(0, "", [], None, None,
                                                                              "abort")], True))
 
