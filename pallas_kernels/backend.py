@@ -33,8 +33,8 @@ ENV_INTERPRET = "PAGEDJAX_PALLAS_INTERPRET"
 # default, is Mosaic on a GPU that says it is a Hopper (compute capability 9.x) and Triton
 # everywhere else. Why Mosaic there: on the H200 (stop 52) the whole Llama-3-8B decode step
 # took 0.97x Triton's time at batch 64 x 1024 and 0.89x at 32 x 4096, and every golden passed
-# under it (docs/gpu.md). A deviceless compile target (the AOT tier) does not say, so it keeps
-# Triton unless asked.
+# under it (docs/gpu.md). A deviceless compile target (the AOT tier's H100) is no device of
+# this process, so it keeps Triton unless asked (`target_compute_capability`).
 ENV_LOWERING = "PAGEDJAX_PALLAS_LOWERING"
 LOWERINGS: tuple[str, ...] = ("auto", "triton", "mosaic")
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
