@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import textwrap
 import time
@@ -228,6 +229,11 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    # "paged" / "contiguous" time Triton's kernels (a Hopper's default is Mosaic since stop
+    # 52); "mosaic" calls the Mosaic kernel directly.
+    from pallas_kernels.backend import ENV_LOWERING
+
+    os.environ.setdefault(ENV_LOWERING, "triton")
 
     tag = device_tag()
     smoke = args.quick or tag == "cpu"

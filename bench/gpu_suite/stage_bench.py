@@ -19,6 +19,7 @@ Every measured row is appended to ``bench.json`` at once.
 from __future__ import annotations
 
 import inspect
+import os
 import statistics
 import types
 from collections.abc import Callable
@@ -182,6 +183,23 @@ def tune(rec: Recorder, budget: Budget, dry_run: bool, iters: int, out_dir: Path
 
 
 def run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
+    """The stage, with the public kernels pinned to Triton: its "paged", "contiguous" and
+    ragged rows are Triton's kernels (on a Hopper the default lowering is Mosaic since stop
+    52), and its Mosaic rows call the Mosaic kernels directly."""
+    from pallas_kernels.backend import ENV_LOWERING
+
+    old = os.environ.get(ENV_LOWERING)
+    os.environ[ENV_LOWERING] = "triton"
+    try:
+        return _run(out_dir, budget, dry_run, meta)
+    finally:
+        if old is None:
+            os.environ.pop(ENV_LOWERING, None)
+        else:
+            os.environ[ENV_LOWERING] = old
+
+
+def _run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
     import jax.numpy as jnp
 
     from bench import kernels as kb
