@@ -128,17 +128,26 @@ def auto_lowering(compute_capability: str | None, mosaic_ok: bool) -> str:
     return "triton"
 
 
+def target_device():
+    """The device a trace targets: a ``jax.default_device`` context's, else the default
+    backend's first; None where there is none."""
+    dev = jax.config.jax_default_device
+    if dev is None or isinstance(dev, str):
+        try:
+            return jax.devices()[0]
+        except RuntimeError:
+            return None
+    return dev
+
+
 def target_compute_capability() -> str | None:
     """The compute capability of this process's GPU the trace targets; None for a CPU and
     for a compile-only target (the AOT tier's deviceless H100 reports 9.0 but is no device of
     this process: its default stays Triton, what its reports and tests pin)."""
-    dev = jax.config.jax_default_device
-    if dev is None or isinstance(dev, str):
-        try:
-            dev = jax.devices()[0]
-        except RuntimeError:
-            return None
-    else:
+    dev = target_device()
+    if dev is None:
+        return None
+    if dev is jax.config.jax_default_device:  # set by a context: maybe compile-only
         try:
             if dev not in jax.local_devices(backend=dev.platform):
                 return None

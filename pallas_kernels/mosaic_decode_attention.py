@@ -85,12 +85,11 @@ def hopper_target() -> bool:
     """Whether the GPU the trace targets is a Hopper (sm_90): wgmma exists nowhere else. A
     device that does not say (a deviceless compile target) is taken at its word: its compile
     fails if it is not."""
-    dev = jax.config.jax_default_device
-    if dev is None or isinstance(dev, str):
-        try:
-            dev = jax.devices()[0]
-        except RuntimeError:
-            return False
+    from pallas_kernels.backend import target_device
+
+    dev = target_device()
+    if dev is None:
+        return False
     cc = getattr(dev, "compute_capability", None)
     return cc is None or str(cc).startswith("9")
 
