@@ -65,6 +65,7 @@ class _Runner:
         self.feed_tokens = False  # no device: every step's tokens are applied at once
         self.native_greedy = False  # the stub samplers below stand in for all three
         self.native_sampler = False
+        self.chunked_top_k = False
         # As a CPU runner of an unrolled fp32 model: greedy rows without logprobs take the
         # screened head (`sample_greedy_hidden`, stubbed below) from `execute_hidden`.
         self.head_outside = True

@@ -466,10 +466,12 @@ class LLMEngine:
                                                for k in ("output_token_ids",
                                                          "prompt_token_ids")})
                         yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
-                                   native=self.runner.native_sampler)
+                                   native=self.runner.native_sampler,
+                                   chunked=self.runner.chunked_top_k)
                         continue
                     yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
-                               native=self.runner.native_sampler)
+                               native=self.runner.native_sampler,
+                               chunked=self.runner.chunked_top_k)
                     if p is full and self.runner.feed_tokens:
                         # Async scheduling writes pending tokens into the histories on the
                         # device (`merge_pending_history`): a committed array is another
@@ -477,10 +479,12 @@ class LLMEngine:
                         meta = meta.replace(output_token_ids=jax.device_put(
                             meta.output_token_ids, dev))
                         yield call(b, sample, meta, num_logprobs=MAX_LOGPROBS, rows=rows,
-                                   native=self.runner.native_sampler)
+                                   native=self.runner.native_sampler,
+                                   chunked=self.runner.chunked_top_k)
             if r > s:
                 rows = np.zeros(r, np.int32)
-                yield call(r, prompt_logprobs, rows, MAX_LOGPROBS, rows=rows)
+                yield call(r, prompt_logprobs, rows, MAX_LOGPROBS, rows=rows,
+                           chunked=self.runner.chunked_top_k)
         # Beam selection per (batch, groups, width) bucket, beam widths up to 8 (wider beams
         # compile on first use): every shape `BeamSearcher.candidates` can give.
         for b, g, w in warm_selection_shapes(plan.seq_buckets, MAX_WARM_BEAM_WIDTH,
@@ -868,7 +872,8 @@ class LLMEngine:
         for i, (req, pos) in enumerate(plan):
             next_ids[i] = req.prompt_token_ids[pos + 1]
             rows[i] = first_row + i
-        return prompt_logprobs(logits, next_ids, MAX_LOGPROBS, rows=rows)
+        return prompt_logprobs(logits, next_ids, MAX_LOGPROBS, rows=rows,
+                               chunked=self.runner.chunked_top_k)
 
     def _sample_batch(self, num_rows: int, seq_pad: int) -> int:
         """Padded sampler batch: the step's sequence bucket when the sampled rows fit it (one
@@ -982,7 +987,8 @@ class LLMEngine:
         else:
             x, picked = self._sampler_rows(logits, src)
             out = sample(x, meta, num_logprobs=MAX_LOGPROBS, rows=picked,
-                         native=self.runner.native_sampler)
+                         native=self.runner.native_sampler,
+                         chunked=self.runner.chunked_top_k)
             if out.raw_logprobs is None and any(info[0].is_beam for info in row_info):
                 # The native sampler leaves out the [B, V] log-softmax; beams rank from it.
                 out = out._replace(raw_logprobs=raw_logprob_rows(x, picked))

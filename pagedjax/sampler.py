@@ -45,6 +45,7 @@ import numpy as np
 from flax import struct
 from jax.extend.random import threefry2x32_p
 
+from pagedjax.chunked_top_k import chunked_top_k, exact_top_k
 from pagedjax.sampling_params import _GREEDY_EPS, SamplingParams
 
 _NEG_INF = float("-inf")
@@ -441,10 +442,13 @@ def _smallest_key(pred, rows: int) -> jax.Array:
     return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
 
 
-def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array
-                           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                           chunked: bool = False
+                           ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Per-row logit threshold of top-k then top-p, without sorting the vocabulary; also
-    returns the candidates (values [B, kc] descending, and their token ids).
+    returns the candidates (values [B, kc] descending, and their token ids) and the value
+    above which they are exact (``hidden``: -inf for `jax.lax.top_k`'s candidates; with
+    ``chunked``, `chunked_top_k`'s, for GPUs, where they may miss values up to it).
 
     Sorting [rows, vocab] costs XLA:CPU 250 ms at 64 x 49152 (`bench/sampler.py`). The
     thresholds are values of the row: the k-th largest logit, and the smallest logit whose
@@ -459,6 +463,8 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array
     XLA:CPU turns `lax.top_k` back into a full sort when more than one slice of its result
     feeds whole-row operations, so whole-row work here reads only `x`, its row maximum and
     the candidates reduced to one threshold (`tests/sampling` checks the compiled HLO).
+    Chunked candidates decide a row only where what they need lies above ``hidden``: the
+    k-th value and, for top-p, enough of the mass.
     """
     b, v = x.shape
     kc = min(TOP_CANDIDATES, v)
@@ -466,15 +472,22 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array
     all_k = k >= v
     need_p = top_p < 1.0
     row_max = jnp.max(x, axis=-1)
-    cand, cand_ids = jax.lax.top_k(x, kc)  # [B, kc], descending
+    if chunked:
+        cand, cand_ids, hidden = chunked_top_k(x, kc)
+    else:
+        cand, cand_ids = jax.lax.top_k(x, kc)  # [B, kc], descending
+        hidden = jnp.full((b,), -jnp.inf, x.dtype)
     slot = jax.lax.broadcasted_iota(jnp.int32, cand.shape, 1)
 
     def pick(i):  # cand[row, i[row]] without a slice or gather of the top_k result
         return jnp.max(jnp.where(slot == i[:, None], cand, -jnp.inf), axis=-1)
 
     kth = jnp.where(all_k, -jnp.inf, pick(jnp.minimum(k, kc) - 1))
-    # Ties of the k-th value past the candidates would hold top-k mass the candidates miss.
-    k_known = all_k | ((k <= kc) & ((kc == v) | (pick(jnp.full_like(k, kc - 1)) > kth)))
+    # The candidates give the k-th value when every value at or above it is among them:
+    # above the last candidate (a tie past it would hold top-k mass they miss) and, for
+    # chunked candidates, above `hidden`.
+    last = jnp.maximum(pick(jnp.full_like(k, kc - 1)), hidden)
+    k_known = all_k | ((k <= kc) & ((kc == v) | (kth > last)))
     # Top-k mass: the whole row when top-k is off (one pass, only if some row has top_p < 1);
     # else the candidates hold all of it.
     full = jax.lax.cond(need_p.any(),
@@ -486,7 +499,9 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array
     n_keep = jnp.maximum(jnp.sum((cand >= kth[:, None]) & (before < top_p[:, None] * total[:, None]),
                                  axis=-1), 1)
     thr_c = jnp.where(need_p, pick(n_keep - 1), kth)
-    p_known = ~need_p | (jnp.sum(pc, axis=-1) >= top_p * total)
+    # The cut lies among the exact candidates when those above `hidden` hold the mass.
+    p_known = ~need_p | (jnp.sum(jnp.where(cand > hidden[:, None], pc, 0.0), axis=-1)
+                         >= top_p * total)
     known = k_known & p_known
 
     def search():  # exact for every row, from `x` alone
@@ -502,7 +517,7 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array
         return jnp.where(need_p, thr, kth_s)  # thr >= kth_s: lower keys hold all the mass
 
     thr = jnp.where(known, thr_c, jax.lax.cond((~known).any(), search, lambda: thr_c))
-    return thr, cand, cand_ids.astype(jnp.int32)
+    return thr, cand, cand_ids.astype(jnp.int32), hidden
 
 
 def filter_threshold(
@@ -513,26 +528,28 @@ def filter_threshold(
     *,
     do_top_k_top_p: bool | jax.Array = True,
     do_min_p: bool | jax.Array = True,
+    chunked: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The per-row logit threshold of `filter_logits` (keep ``logits >= threshold``), with
     the `TOP_CANDIDATES` largest logits, their token ids, and whether every kept token is
     among them (the threshold above the last candidate), which lets the sampler draw from
-    the candidates alone."""
+    the candidates alone. ``chunked`` (static): candidates from `chunked_top_k`, which GPUs
+    compute without sorting the rows."""
     b, v = logits.shape
     kc = min(TOP_CANDIDATES, v)
 
     def none(x):
         return (jnp.full((b,), _NEG_INF, x.dtype), jnp.zeros((b, kc), x.dtype),
-                jnp.zeros((b, kc), jnp.int32))
+                jnp.zeros((b, kc), jnp.int32), jnp.full((b,), _NEG_INF, x.dtype))
 
-    threshold, cand, cand_ids = jax.lax.cond(
-        do_top_k_top_p, lambda x: _top_k_top_p_threshold(x, top_k, top_p), none, logits)
+    threshold, cand, cand_ids, hidden = jax.lax.cond(
+        do_top_k_top_p, lambda x: _top_k_top_p_threshold(x, top_k, top_p, chunked), none, logits)
     row_max = jnp.max(logits, axis=-1)
     min_p_thr = jnp.where(min_p > 0, row_max + jnp.log(min_p), _NEG_INF)
     threshold = jnp.where(do_min_p, jnp.maximum(threshold, min_p_thr), threshold)
     slot = jax.lax.broadcasted_iota(jnp.int32, cand.shape, 1)
     last = jnp.max(jnp.where(slot == kc - 1, cand, _NEG_INF), axis=-1)  # not a slice: see above
-    contained = do_top_k_top_p & ((kc == v) | (threshold > last))
+    contained = do_top_k_top_p & ((kc == v) | (threshold > jnp.maximum(last, hidden)))
     return threshold, cand, cand_ids, contained
 
 
@@ -544,6 +561,7 @@ def filter_logits(
     *,
     do_top_k_top_p: bool | jax.Array = True,
     do_min_p: bool | jax.Array = True,
+    chunked: bool = False,
 ) -> jax.Array:
     """Mask (to -inf) tokens outside top-k, then top-p (nucleus), then min-p.
 
@@ -556,7 +574,7 @@ def filter_logits(
     which, being a ratio, is unaffected by the renormalisation of earlier filters.
     """
     threshold = filter_threshold(logits, top_k, top_p, min_p, do_top_k_top_p=do_top_k_top_p,
-                                 do_min_p=do_min_p)[0]
+                                 do_min_p=do_min_p, chunked=chunked)[0]
     return jnp.where(logits >= threshold[:, None], logits, _NEG_INF)
 
 
@@ -623,12 +641,15 @@ def row_keys(meta: SamplingMetadata) -> jax.Array:
 
 def _logprob_info(
     raw_logprobs: jax.Array, token_ids: jax.Array, k: int, want_topk: jax.Array | bool = True,
+    chunked: bool = False,
 ) -> tuple[jax.Array, ...]:
     """The chosen tokens' raw logprobs and ranks, and the top-``k`` logprobs and ids where
-    ``want_topk``."""
+    ``want_topk`` (``chunked``: by `exact_top_k`, for GPUs)."""
     n = raw_logprobs.shape[0]
 
     def top(x):
+        if chunked:
+            return exact_top_k(x, k)
         top_lp, top_ids = jax.lax.top_k(x, k)
         return top_lp, top_ids.astype(jnp.int32)
 
@@ -641,9 +662,10 @@ def _logprob_info(
     return lp, rank, top_lp, top_ids
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "native"))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "native", "chunked"))
 def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
-           rows: jax.Array | None = None, native: bool = False) -> SamplerOutput:
+           rows: jax.Array | None = None, native: bool = False,
+           chunked: bool = False) -> SamplerOutput:
     """Sample one token per row of ``logits [B, V]`` (or of ``logits[rows]``).
 
     ``num_logprobs`` (static) is how many top logprobs to return per row; the engine always
@@ -655,7 +677,9 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     cost that row alone, instead of the batch-wide branches below (the same tokens but where
     a cut or draw is decided within float rounding), reading ``logits[rows]`` in place; the
     logprobs are its own log-sum-exp's (float rounding from XLA's), and no raw ``[B, V]``
-    rows come back (`raw_logprob_rows` gives them to beams).
+    rows come back (`raw_logprob_rows` gives them to beams). ``chunked`` (static; GPUs, the
+    runner's `chunked_top_k`): candidates and top logprobs from `chunked_top_k`, the same
+    tokens and values without sorting the rows on XLA's GPU backend.
     """
     if native:  # the processing below, the cut, the draw and the logprob, row by row
         from pallas_kernels.cpu_native import sample_rows_cpu
@@ -717,7 +741,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
 
     def thresholds(x):
         return filter_threshold(scaled(x), meta.top_k, meta.top_p, meta.min_p,
-                                do_top_k_top_p=meta.do_top_k_top_p, do_min_p=meta.do_min_p)
+                                do_top_k_top_p=meta.do_top_k_top_p, do_min_p=meta.do_min_p,
+                                chunked=chunked)
 
     def no_thresholds(x):
         return (jnp.full((b,), _NEG_INF, x.dtype), jnp.zeros((b, kc), x.dtype),
@@ -745,12 +770,13 @@ def sample(logits: jax.Array, meta: SamplingMetadata, num_logprobs: int = 0,
     sampled = jax.lax.switch(branch, [lambda x: greedy_tokens, among_candidates,
                                       over_vocabulary], x)
     tokens = jnp.where(greedy, greedy_tokens, sampled)
-    return _sampler_output(raw_logprobs, tokens, num_logprobs, meta.want_topk)
+    return _sampler_output(raw_logprobs, tokens, num_logprobs, meta.want_topk, chunked)
 
 
 def _sampler_output(raw_logprobs: jax.Array, tokens: jax.Array, num_logprobs: int,
-                    want_topk: jax.Array) -> SamplerOutput:
-    lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs, want_topk)
+                    want_topk: jax.Array, chunked: bool = False) -> SamplerOutput:
+    lp, rank, top_lp, top_ids = _logprob_info(raw_logprobs, tokens, num_logprobs, want_topk,
+                                              chunked)
     return SamplerOutput(tokens, lp, rank, top_lp, top_ids, raw_logprobs)
 
 
@@ -840,14 +866,15 @@ def sample_greedy_hidden(hidden: jax.Array, rows: jax.Array, screen: dict, panel
     return SamplerOutput(tok, *_greedy_constants(rows.shape[0], num_logprobs))
 
 
-@functools.partial(jax.jit, static_argnames=("k",))
+@functools.partial(jax.jit, static_argnames=("k", "chunked"))
 def prompt_logprobs(logits: jax.Array, next_token_ids: jax.Array, k: int = 0,
-                    rows: jax.Array | None = None) -> PromptLogprobs:
+                    rows: jax.Array | None = None, chunked: bool = False) -> PromptLogprobs:
     """Raw logprobs of prompt tokens: row ``t`` of ``logits [T, V]`` (or of ``logits[rows]``)
     is scored against ``next_token_ids[t]`` (i.e. prompt token ``t + 1``), plus its rank
-    and the row's top-``k``.
+    and the row's top-``k`` (``chunked``: as `sample`'s).
     """
     if rows is not None:
         logits = logits[rows]
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return PromptLogprobs(*_logprob_info(raw, next_token_ids.astype(jnp.int32), k))
+    return PromptLogprobs(*_logprob_info(raw, next_token_ids.astype(jnp.int32), k,
+                                         chunked=chunked))

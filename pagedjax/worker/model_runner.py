@@ -311,6 +311,12 @@ class ModelRunner:
         self.native_sampler = (self.tp == 1 and platform == "cpu"
                                and os.environ.get("PAGEDJAX_NATIVE_SAMPLER", "1")
                                not in ("0", "false") and _native_cpu())
+        # GPUs take the sampler's candidates and top logprobs from a two-stage top-k
+        # (`pagedjax.chunked_top_k`): XLA's GPU top-k sorts the rows for k > 16.
+        # ``PAGEDJAX_CHUNKED_TOPK=0`` keeps one `lax.top_k` (for comparisons).
+        self.chunked_top_k = (platform == "gpu"
+                              and os.environ.get("PAGEDJAX_CHUNKED_TOPK", "1")
+                              not in ("0", "false"))
         # Set from the params in `__init__`: the step returns hidden states and the runner
         # applies the LM head (`execute`), so greedy rows can take the screened head instead
         # (`execute_hidden`, `head_screen`).

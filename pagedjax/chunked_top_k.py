@@ -1,0 +1,70 @@
+"""Top-k over a large vocabulary in two stages, for GPUs (`chunked_top_k`).
+
+XLA's GPU backend has a dedicated top-k kernel for k <= 16 only; for a larger k it sorts
+every row. The sampler's candidates (`sampler.TOP_CANDIDATES` = 128) and top logprobs
+(`MAX_LOGPROBS` = 20) both ask for more than 16, so on an H200 a 256-row step sorted
+256 x 128256 logits: 3.8 ms of a sampled step, against 0.3 ms for a row max and log-softmax
+(`bench/results/nvidia_h200/gpu_suite/sampler_gpu_2026-11-28.json`, docs/v1-core.md).
+
+Here each row is cut into chunks of `TOPK_CHUNK` logits and the 16 largest of each chunk are
+taken on that kernel; the k largest of those few thousand per row come from a small sort.
+That is the row's exact top-k unless one chunk holds more than 16 of them, so the function
+also returns, per row, ``hidden``: the 16th value of the chunk where it is largest. A value
+left out of the first stage is at most its chunk's 16th value, so every element greater than
+``hidden`` is among the results, in order: result ``j`` is the row's exact j-th largest
+wherever it is greater than ``hidden``. Callers use that to decide when the candidates
+suffice (the sampler's ``known`` test) or fall back to `jax.lax.top_k` (top logprobs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+# Logits per chunk. 1024 cuts Llama 3's 128256 into 126 chunks, 2016 first-stage values
+# per row; the GPU suite's sampler bench times other sizes (`bench/sampler.py --topk-chunk`).
+TOPK_CHUNK = int(os.environ.get("PAGEDJAX_TOPK_CHUNK", "1024"))
+# The largest k XLA's GPU top-k kernel takes without sorting the rows.
+PER_CHUNK = 16
+
+
+def chunked_top_k(x: jax.Array, k: int, chunk: int | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``values [B, k]`` (descending), ``ids [B, k]`` int32 and ``hidden [B]`` (see the
+    module docstring) for ``x [B, V]``, ``k <= V``. Where one stage does (k within the
+    kernel's 16, or fewer than k values from the full chunks) the results are
+    `jax.lax.top_k`'s with ``hidden = -inf``."""
+    chunk = TOPK_CHUNK if chunk is None else chunk
+    b, v = x.shape
+    c = -(-v // chunk)
+    if k <= PER_CHUNK or chunk <= PER_CHUNK or (c - 1) * PER_CHUNK < k:
+        vals, ids = jax.lax.top_k(x, min(k, v))
+        return vals, ids.astype(jnp.int32), jnp.full((b,), -jnp.inf, x.dtype)
+    # Padding is -inf at the end of the last chunk. The full chunks before it give the second
+    # stage at least k real values, and ties go to the lower position, so it is never chosen;
+    # its ids are clamped into the vocabulary all the same, should a GPU break ties otherwise.
+    xp = jnp.pad(x, ((0, 0), (0, c * chunk - v)), constant_values=-jnp.inf)
+    vals, idx = jax.lax.top_k(xp.reshape(b * c, chunk), PER_CHUNK)
+    vals = vals.reshape(b, c, PER_CHUNK)
+    idx = idx.reshape(b, c, PER_CHUNK) + (jnp.arange(c, dtype=idx.dtype) * chunk)[None, :, None]
+    hidden = jnp.max(vals[:, :, PER_CHUNK - 1], axis=-1)
+    top, pos = jax.lax.top_k(vals.reshape(b, c * PER_CHUNK), k)
+    ids = jnp.take_along_axis(idx.reshape(b, c * PER_CHUNK), pos, axis=-1)
+    return top, jnp.minimum(ids, v - 1).astype(jnp.int32), hidden
+
+
+def exact_top_k(x: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k`'s values (ids as int32) from `chunked_top_k`, with one full top-k for
+    the whole batch when some row's k-th value is not above its ``hidden`` (a chunk holds
+    more than 16 of its top k). Rows whose hidden values are all ``-inf`` are exact in value;
+    their ``-inf`` entries may name other ``-inf`` tokens than `jax.lax.top_k` would."""
+    vals, ids, hidden = chunked_top_k(x, k, chunk)
+    ok = jnp.all((vals[:, k - 1] > hidden) | (hidden == -jnp.inf))
+
+    def flat(x):
+        v, i = jax.lax.top_k(x, k)
+        return v, i.astype(jnp.int32)
+
+    return jax.lax.cond(ok, lambda x: (vals, ids), flat, x)
