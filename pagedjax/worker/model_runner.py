@@ -313,10 +313,11 @@ class ModelRunner:
                                not in ("0", "false") and _native_cpu())
         # GPUs take the sampler's candidates and top logprobs from a two-stage top-k
         # (`pagedjax.chunked_top_k`): XLA's GPU top-k sorts the rows for k > 16.
-        # ``PAGEDJAX_CHUNKED_TOPK=0`` keeps one `lax.top_k` (for comparisons).
-        self.chunked_top_k = (platform == "gpu"
-                              and os.environ.get("PAGEDJAX_CHUNKED_TOPK", "1")
-                              not in ("0", "false"))
+        # ``PAGEDJAX_CHUNKED_TOPK=0`` keeps one `lax.top_k` (for comparisons), ``=1`` takes
+        # the two stages on any platform (for tests on CPU).
+        chunked = os.environ.get("PAGEDJAX_CHUNKED_TOPK", "auto").lower()
+        self.chunked_top_k = (chunked in ("1", "true") or (
+            chunked not in ("0", "false") and platform == "gpu"))
         # Set from the params in `__init__`: the step returns hidden states and the runner
         # applies the LM head (`execute`), so greedy rows can take the screened head instead
         # (`execute_hidden`, `head_screen`).

@@ -172,3 +172,24 @@ def test_candidates_decide_confident_rows_without_the_search(monkeypatch, chunke
     want, ambiguous = np_keep_mask(x, top_k, top_p, min_p)
     assert not ambiguous.any()
     np.testing.assert_array_equal(got, want)
+
+
+def test_a_nucleus_past_the_exact_candidates_is_searched(monkeypatch):
+    """Chunk 0 holds 20 near-equal top values (the first stage keeps 16: `hidden` is the
+    16th) and chunk 5 ten a little lower. The candidates (16 + 10 + ...) hold top_p = 0.75 of
+    the mass, but only the 15 above `hidden` are exact, and the true cut lies past them: the
+    row must take the search, not cut among candidates that miss four of chunk 0's values
+    (which would keep 27 tokens instead of 22)."""
+    from tests.sampling.test_sampler import np_keep_mask
+
+    monkeypatch.setattr(ctk, "TOPK_CHUNK", 64)
+    v = 2048
+    x = (np.random.default_rng(15).normal(size=(1, v)) - 5).astype(np.float32)
+    x[0, :20] = 10 - 0.001 * np.arange(20)
+    x[0, 320:330] = 9.9 - 0.001 * np.arange(10)
+    args = (jnp.asarray(x), np.array([v], np.int32), np.array([0.75], np.float32),
+            np.zeros(1, np.float32))
+    got = np.isfinite(np.asarray(jax.jit(lambda *a: filter_logits(*a, chunked=True))(*args)))
+    want, ambiguous = np_keep_mask(x, *args[1:])
+    assert not ambiguous.any() and want.sum() == 22
+    np.testing.assert_array_equal(got, want)
