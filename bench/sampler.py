@@ -31,6 +31,13 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
 - `*_native`: those three with ``native=True``, the per-row kernel the CPU engine uses for
   sampled batches (`pallas_kernels/csrc/sample_rows_cpu.cc`); the share of rows whose tokens
   equal the XLA branches' is recorded (`native_same_tokens`).
+- `sample_top_k50_peaked`: top-k 50 with top-p 0.9 over the peaked logits (until stop 53 a
+  top-k row always took the bisection search).
+- On a GPU, `*_chunked`: the sampled calls with ``chunked=True``, the two-stage top-k a GPU
+  engine uses (`pagedjax/chunked_top_k.py`; XLA's GPU top-k sorts every row for k > 16), with
+  the share of tokens equal to the one-stage call's (`chunked_same_tokens`); and the top-k
+  alone: `top_k128` (`lax.top_k(x, 128)`, the one-stage candidates), `top_k16` (the kernel's
+  largest k) and `chunked_top_k128_c<chunk>` for chunks of 512 to 4096 logits.
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
 average at the start. Writes bench/results/cpu/sampler.json and .png.
@@ -58,6 +65,7 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from pagedjax.chunked_top_k import chunked_top_k
     from pagedjax.sampler import (
         SamplingMetadata,
         SeqSamplingState,
@@ -76,6 +84,9 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
     argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1))
     fast = jax.jit(first_argmax)
     log_softmax = jax.jit(lambda x: jax.nn.log_softmax(x, axis=-1))
+    top_k128 = jax.jit(lambda x: jax.lax.top_k(x, 128))
+    top_k16 = jax.jit(lambda x: jax.lax.top_k(x, 16))
+    chunked128 = jax.jit(lambda x, c: chunked_top_k(x, 128, c), static_argnums=1)
     for b in rows:
         logits = jax.device_put(rng.standard_normal((b, vocab)).astype(np.float32))
         peaked = logits * 8
@@ -88,6 +99,7 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
         greedy = meta(SamplingParams(temperature=0), False)
         top_p = meta(SamplingParams(temperature=0.8, top_p=0.9, seed=1), False)
         with_lp = meta(SamplingParams(temperature=0, logprobs=20), True)
+        top_k50 = meta(SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1), False)
         # Penalised top-p rows, each with 64 prompt and 256 output ids.
         hist = [SeqSamplingState(rng.integers(0, vocab, 64).tolist(),
                                  rng.integers(0, vocab, 256).tolist()) for _ in range(b)]
@@ -113,7 +125,20 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
                                                                            rows=i),
             "sample_penalised": lambda x=peaked, m=penal, i=idx: sample(x, m, num_logprobs=20,
                                                                         rows=i),
+            "sample_top_k50_peaked": lambda x=peaked, m=top_k50, i=idx: sample(
+                x, m, num_logprobs=20, rows=i),
         }
+        sampled = {"sample_top_p": (logits, top_p), "sample_logprobs": (logits, with_lp),
+                   "sample_top_p_peaked": (peaked, top_p), "sample_penalised": (peaked, penal),
+                   "sample_top_k50_peaked": (peaked, top_k50)}
+        if not on_cpu:  # the two-stage top-k a GPU engine samples with, and the top-k alone
+            for k, (x, m) in sampled.items():
+                calls[f"{k}_chunked"] = lambda x=x, m=m, i=idx: sample(
+                    x, m, num_logprobs=20, rows=i, chunked=True)
+            calls["top_k128"] = lambda x=logits: top_k128(x)
+            calls["top_k16"] = lambda x=logits: top_k16(x)
+            for c in (512, 1024, 2048, 4096):
+                calls[f"chunked_top_k128_c{c}"] = lambda x=logits, c=c: chunked128(x, c)
         if on_cpu and cpu_native.available():  # the same calls through the per-row kernel
             for k, x, m in (("sample_top_p", logits, top_p), ("sample_top_p_peaked", peaked, top_p),
                             ("sample_penalised", peaked, penal)):
@@ -123,11 +148,15 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
         if "sample_greedy_native" in calls:
             assert (np.asarray(calls["sample_greedy_native"]().token_ids)
                     == np.asarray(calls["sample_greedy_fast"]().token_ids)).all()
-        for k in ("sample_top_p", "sample_top_p_peaked", "sample_penalised"):
+        for k in sampled:
             if f"{k}_native" in calls:  # the same tokens (the kernel's test says where not)
                 same = (np.asarray(calls[k]().token_ids)
                         == np.asarray(calls[f"{k}_native"]().token_ids)).mean()
                 out.setdefault("native_same_tokens", {})[f"{b}/{k}"] = float(same)
+            if f"{k}_chunked" in calls:
+                same = (np.asarray(calls[k]().token_ids)
+                        == np.asarray(calls[f"{k}_chunked"]().token_ids)).mean()
+                out.setdefault("chunked_same_tokens", {})[f"{b}/{k}"] = float(same)
         times: dict[str, list[float]] = {k: [] for k in calls}
         for f in calls.values():
             jax.block_until_ready(f())

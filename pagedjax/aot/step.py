@@ -224,7 +224,9 @@ def _sampler_report(logit_rows: int, rows: int, vocab: int, max_model_len: int, 
     t0 = time.perf_counter()
     try:
         with jax.default_device(device):
-            lowered = sample.lower(logits, abstract, num_logprobs=MAX_LOGPROBS, rows=src)
+            # `chunked`: the two-stage top-k a GPU runner samples with (`chunked_top_k`).
+            lowered = sample.lower(logits, abstract, num_logprobs=MAX_LOGPROBS, rows=src,
+                                   chunked=True)
             _, kernels, _ = compile_with_resources(lowered)
         err = None
     except Exception as e:
