@@ -183,7 +183,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
     vocab_ids = rng.integers(200, 20000, 1 << 16).astype(np.int32)  # ordinary text tokens
     state = {"i": 0}
 
-    def fake_sample(logits, meta, num_logprobs=0, rows=None, native=False):
+    def fake_sample(logits, meta, num_logprobs=0, rows=None, native=False, chunked=False):
         b = len(rows)
         state["calls"] = state.get("calls", 0) + 1
         i = state["i"]
