@@ -45,3 +45,20 @@ def test_engine_steps_compile_with_mosaic_for_h100(monkeypatch):
         assert not any(n.startswith(attn) for n in mos["attention_kernels"])
         assert any(n.startswith("write_kv") for n in mos["attention_kernels"])
         assert mos["spilling"] == []
+
+
+def test_tp2_decode_step_compiles_with_mosaic_for_h100(monkeypatch):
+    """Tensor parallelism over two H100s with the Mosaic attention (the Hopper default since
+    stop 52), not yet run on a GPU: the Llama-3-8B decode step, its heads split per device,
+    compiles with no error or spill, and no Triton attention kernel is left in it."""
+    from pagedjax.aot.step import compile_step, step_shapes
+    from pallas_kernels.backend import ENV_LOWERING
+
+    monkeypatch.setenv(ENV_LOWERING, "mosaic")
+    shapes = [s for s in step_shapes(4096) if s.name == "decode_b64"]
+    (row,) = compile_step("llama3-8b", "h100", tp=2, shapes=shapes, log=lambda *_: None)
+    assert row["error"] is None and row["sampler_error"] is None and row["tp"] == 2
+    assert row["spilling"] == [] and row["sampler_spilling"] == []
+    assert not any(n.startswith(("paged_decode", "ragged_paged"))
+                   for n in row["attention_kernels"])
+    assert any(n.startswith("write_kv") for n in row["attention_kernels"])
