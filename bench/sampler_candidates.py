@@ -12,8 +12,9 @@ logits and sampling metadata `sample` got at 6 decode steps spread over each run
 each candidate count, a fresh process (counts alternating, `--reps` rounds) times `sample` on
 every kept step (median of 7 calls after 3 untimed) and counts the steps whose nucleus fits.
 Tokens are the same whatever the count (the draw among candidates equals the whole draw;
-`tests/sampling`), which the script checks. Writes bench/results/cpu/sampler_candidates.json
-and .png.
+`tests/sampling`), which the script checks. It also counts, per kept step, the rows GPUs'
+two-stage candidates (`pagedjax/chunked_top_k.py`) decide against the one-stage ones
+(`chunked_top_k` in the JSON). Writes bench/results/cpu/sampler_candidates.json and .png.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def capture(path: Path) -> None:
     for temperature, top_p in SETTINGS:
         calls = []
 
-        def spy(logits, meta, num_logprobs=0, rows=None, calls=calls):
+        def spy(logits, meta, num_logprobs=0, rows=None, calls=calls, **kw):
             if logits.shape[0] == 64:  # decode steps of the whole batch
                 calls.append((np.asarray(logits), jax.tree.map(np.asarray, meta),
                               None if rows is None else np.asarray(rows)))
-            return real(logits, meta, num_logprobs=num_logprobs, rows=rows)
+            return real(logits, meta, num_logprobs=num_logprobs, rows=rows, **kw)
 
         engine_mod.sample = spy
         try:
@@ -78,6 +79,32 @@ def nucleus_sizes(logits, temperature: float, top_p: float) -> list[int]:
     p /= p.sum(1, keepdims=True)
     c = np.cumsum(-np.sort(-p, 1), 1)
     return ((c < top_p).sum(1) + 1).tolist()
+
+
+def chunked_rows(logits, temperature: float, top_p: float, chunk: int) -> dict:
+    """Of a step's rows: how many nuclei the one-stage candidates hold (<= TOP_CANDIDATES),
+    how many the chunked ones decide (GPUs' `chunked_top_k`: the nucleus also within the
+    values above the largest 16th value of a chunk), and how many rows' top-20 logprobs
+    come from the chunked stage without the whole-row fallback (`exact_top_k`); for the
+    strided chunks `chunked_top_k` uses and, for comparison, contiguous ones."""
+    import numpy as np
+
+    from pagedjax.chunked_top_k import PER_CHUNK
+    from pagedjax.sampler import TOP_CANDIDATES
+
+    b, v = logits.shape
+    c = -(-v // chunk)
+    x = np.pad(logits.astype(np.float64), ((0, 0), (0, c * chunk - v)), constant_values=-np.inf)
+    n = np.array(nucleus_sizes(logits, temperature, top_p))
+    out = {"rows": b, "one_stage_decides": int((n <= TOP_CANDIDATES).sum())}
+    for layout, xc in (("strided", x.reshape(b, chunk, c).transpose(0, 2, 1)),
+                       ("contiguous", x.reshape(b, c, chunk))):
+        hidden = np.sort(xc, axis=-1)[:, :, -PER_CHUNK].max(axis=-1)
+        exact = (logits > hidden[:, None]).sum(axis=1)
+        out[layout] = {"chunked_decides": int((n <= np.minimum(TOP_CANDIDATES, exact)).sum()),
+                       "top20_exact": int((exact >= 20).sum()),
+                       "min_exact_prefix": int(exact.min())}
+    return out
 
 
 def time_candidates(path: Path, candidates: int) -> dict:
@@ -133,6 +160,11 @@ def main() -> None:
             print(f"rep {rep} candidates {c:4d}: {total:7.1f} ms over {len(r['steps'])} steps",
                   flush=True)
     first = runs[0]["steps"]
+    from pagedjax.chunked_top_k import TOPK_CHUNK
+
+    chunk_stats = [chunked_rows(logits, *setting, TOPK_CHUNK)
+                   for setting, logits, _, _ in pickle.loads(work.read_bytes())]
+    print("chunked top-k on these logits (per step):", chunk_stats)
     same = all(s["tokens"] == f["tokens"] for r in runs for s, f in zip(r["steps"], first,
                                                                          strict=True))
     summary = {}
@@ -156,6 +188,7 @@ def main() -> None:
            "largest_nucleus_per_step": [s["largest_nucleus"] for s in first],
            "settings_per_step": [s["setting"] for s in first],
            "tokens_identical_across_counts": same, "summary": summary,
+           "chunked_top_k": {"chunk": TOPK_CHUNK, "per_step": chunk_stats},
            "runs": [{**r, "steps": [{k: v for k, v in st.items() if k != "tokens"}
                                     for st in r["steps"]]} for r in runs]}
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

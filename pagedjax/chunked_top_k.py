@@ -8,6 +8,11 @@ every row. The sampler's candidates (`sampler.TOP_CANDIDATES` = 128) and top log
 
 Here each row is cut into chunks of `TOPK_CHUNK` logits and the 16 largest of each chunk are
 taken on that kernel; the k largest of those few thousand per row come from a small sort.
+The chunks are strided, not contiguous: chunk j holds tokens j, j + C, j + 2C, ... for C
+chunks. A tokenizer numbers its tokens roughly by frequency, so a contiguous chunk of low ids
+holds many of a row's likely tokens: on the demo model's real logits (`bench/
+sampler_candidates.py`) contiguous chunks of 1024 left as few as 15 exact values in a row,
+strided ones at least 225 (`sampler_candidates_chunked.json`).
 That is the row's exact top-k unless one chunk holds more than 16 of them, so the function
 also returns, per row, ``hidden``: the 16th value of the chunk where it is largest. A value
 left out of the first stage is at most its chunk's 16th value, so every element greater than
@@ -34,25 +39,29 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int | None = None
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``values [B, k]`` (descending), ``ids [B, k]`` int32 and ``hidden [B]`` (see the
     module docstring) for ``x [B, V]``, ``k <= V``. Where one stage does (k within the
-    kernel's 16, or fewer than k values from the full chunks) the results are
+    kernel's 16, or chunks too few or too short) the results are
     `jax.lax.top_k`'s with ``hidden = -inf``."""
     chunk = TOPK_CHUNK if chunk is None else chunk
     b, v = x.shape
     c = -(-v // chunk)
-    if k <= PER_CHUNK or chunk <= PER_CHUNK or (c - 1) * PER_CHUNK < k:
+    if k <= PER_CHUNK or c == 1 or v // c < PER_CHUNK or c * PER_CHUNK < k:
         vals, ids = jax.lax.top_k(x, min(k, v))
         return vals, ids.astype(jnp.int32), jnp.full((b,), -jnp.inf, x.dtype)
-    # Padding is -inf at the end of the last chunk. The full chunks before it give the second
-    # stage at least k real values, and ties go to the lower position, so it is never chosen;
-    # its ids are clamped into the vocabulary all the same, should a GPU break ties otherwise.
+    # Chunk j, position i is token i * c + j. The -inf padding (ids >= v) comes last in each
+    # chunk, which holds at least v // c >= 16 real values, and ties go to the lower
+    # position: the first stage never keeps it. Ids are clamped into the vocabulary all the
+    # same, should a GPU break ties otherwise.
     xp = jnp.pad(x, ((0, 0), (0, c * chunk - v)), constant_values=-jnp.inf)
-    vals, idx = jax.lax.top_k(xp.reshape(b * c, chunk), PER_CHUNK)
+    xs = xp.reshape(b, chunk, c).transpose(0, 2, 1).reshape(b * c, chunk)
+    vals, idx = jax.lax.top_k(xs, PER_CHUNK)
     vals = vals.reshape(b, c, PER_CHUNK)
-    idx = idx.reshape(b, c, PER_CHUNK) + (jnp.arange(c, dtype=idx.dtype) * chunk)[None, :, None]
+    idx = idx.reshape(b, c, PER_CHUNK) * c + jnp.arange(c, dtype=idx.dtype)[None, :, None]
     hidden = jnp.max(vals[:, :, PER_CHUNK - 1], axis=-1)
-    top, pos = jax.lax.top_k(vals.reshape(b, c * PER_CHUNK), k)
-    ids = jnp.take_along_axis(idx.reshape(b, c * PER_CHUNK), pos, axis=-1)
-    return top, jnp.minimum(ids, v - 1).astype(jnp.int32), hidden
+    # The second stage sorts by value, then id: ties in `jax.lax.top_k`'s order (lowest id
+    # first), which the strided chunks' order alone would not give.
+    neg, ids = jax.lax.sort((-vals.reshape(b, c * PER_CHUNK), idx.reshape(b, c * PER_CHUNK)),
+                            dimension=1, num_keys=2)
+    return -neg[:, :k], jnp.minimum(ids[:, :k], v - 1).astype(jnp.int32), hidden
 
 
 def exact_top_k(x: jax.Array, k: int, chunk: int | None = None) -> tuple[jax.Array, jax.Array]:

@@ -23,8 +23,7 @@ B, V = 64, 128256
 
 def _sorted_widths(hlo: str) -> list[int]:
     """Row widths of every f32 sort in a compiled module."""
-    return [int(m) for m in re.findall(rf"\(f32\[{B},(\d+)\]\{{1,0\}}, s32\[{B},\d+\]\{{1,0\}}\) sort\(",
-                                        hlo)]
+    return [int(m) for m in re.findall(rf"\(f32\[{B},(\d+)\]\{{1,0\}}[^()]*\) sort\(", hlo)]
 
 
 def _compile(f, *args, **kw) -> str:

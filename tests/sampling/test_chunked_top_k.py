@@ -17,16 +17,25 @@ from pagedjax.sampler import SamplingMetadata, SeqSamplingState, filter_logits, 
 from pagedjax.sampling_params import SamplingParams
 
 
+def _chunk_ids(v: int, chunk: int, j: int, n: int) -> np.ndarray:
+    """The first ``n`` token ids of (strided) chunk ``j``: j, j + C, j + 2C, ..."""
+    c = -(-v // chunk)
+    ids = j + c * np.arange(n)
+    return ids[ids < v]
+
+
 def _rows(rng: np.random.Generator, b: int, v: int, chunk: int, kind: str) -> np.ndarray:
     x = rng.normal(size=(b, v)).astype(np.float32) * 3
     if kind == "ties":
         x = np.round(x, 0)
     elif kind == "crowded":  # each row's 60 largest values in one chunk
         for i in range(b):
-            c = int(rng.integers(-(-v // chunk)))
-            lo = c * chunk
-            n = min(60, v - lo)
-            x[i, lo:lo + n] = 20 + rng.normal(size=n)
+            ids = _chunk_ids(v, chunk, int(rng.integers(-(-v // chunk))), 60)
+            x[i, ids] = 20 + rng.normal(size=len(ids))
+    elif kind == "contiguous":  # 60 large values in consecutive ids (spread over chunks)
+        for i in range(b):
+            lo = int(rng.integers(v - 60))
+            x[i, lo:lo + 60] = 20 + rng.normal(size=60)
     elif kind == "banned":  # all but a few tokens at -inf, as a structured-output mask leaves
         keep = rng.random((b, v)) < 0.002
         keep[:, 0] = True
@@ -41,7 +50,7 @@ def _check_chunked(x: np.ndarray, k: int, chunk: int) -> None:
     assert vals.shape == ids.shape == (b, k) and hidden.shape == (b,)
     want = -np.sort(-x.astype(np.float64), axis=-1)[:, :k]
     c = -(-v // chunk)
-    two_stage = k > PER_CHUNK and (c - 1) * PER_CHUNK >= k and chunk > PER_CHUNK
+    two_stage = k > PER_CHUNK and c > 1 and v // c >= PER_CHUNK and c * PER_CHUNK >= k
     for i in range(b):
         assert len(set(ids[i].tolist())) == k and ((0 <= ids[i]) & (ids[i] < v)).all()
         np.testing.assert_array_equal(x[i, ids[i]], vals[i])  # each value is its id's
@@ -52,12 +61,13 @@ def _check_chunked(x: np.ndarray, k: int, chunk: int) -> None:
         assert exact.sum() == min((x[i] > hidden[i]).sum(), k)
         if two_stage:  # `hidden` is the largest 16th value of a chunk
             padded = np.pad(x[i], (0, c * chunk - v), constant_values=-np.inf)
-            assert hidden[i] == np.sort(padded.reshape(c, chunk), axis=-1)[:, -PER_CHUNK].max()
+            strided = padded.reshape(chunk, c).T  # row j: tokens j, j + c, ...
+            assert hidden[i] == np.sort(strided, axis=-1)[:, -PER_CHUNK].max()
         else:
             assert hidden[i] == -np.inf
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "crowded", "banned"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "crowded", "contiguous", "banned"])
 @pytest.mark.parametrize("v,chunk,k", [(4096, 256, 128), (5000, 256, 20), (1000, 64, 128),
                                        (777, 32, 64), (4096, 256, 16), (300, 512, 128)])
 def test_chunked_top_k_is_exact_above_hidden(kind, v, chunk, k):
@@ -75,16 +85,16 @@ def test_chunked_top_k_property(b, v, chunk, k, decimals, seed):
     _check_chunked(x, min(k, v), chunk)
 
 
-@pytest.mark.parametrize("kind", ["normal", "ties", "crowded", "banned"])
+@pytest.mark.parametrize("kind", ["normal", "ties", "crowded", "contiguous", "banned"])
 def test_exact_top_k_equals_lax_top_k(kind):
-    """Values always equal `lax.top_k`'s (the crowded rows take the fallback); ids too where
-    the values are distinct and finite."""
+    """Values always equal `lax.top_k`'s (the crowded rows take the fallback); ids too,
+    ties included (lowest id first), except among -inf values."""
     x = _rows(np.random.default_rng(3), 8, 3000, 128, kind)
     got_v, got_i = (np.asarray(a) for a in jax.jit(exact_top_k, static_argnums=(1, 2))(
         jnp.asarray(x), 20, 128))
     want_v, want_i = (np.asarray(a) for a in jax.lax.top_k(jnp.asarray(x), 20))
     np.testing.assert_array_equal(got_v, want_v)
-    if kind in ("normal", "crowded"):
+    if kind != "banned":
         np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(np.take_along_axis(x, got_i, -1), got_v)
 
@@ -185,8 +195,8 @@ def test_a_nucleus_past_the_exact_candidates_is_searched(monkeypatch):
     monkeypatch.setattr(ctk, "TOPK_CHUNK", 64)
     v = 2048
     x = (np.random.default_rng(15).normal(size=(1, v)) - 5).astype(np.float32)
-    x[0, :20] = 10 - 0.001 * np.arange(20)
-    x[0, 320:330] = 9.9 - 0.001 * np.arange(10)
+    x[0, _chunk_ids(v, 64, 0, 20)] = 10 - 0.001 * np.arange(20)
+    x[0, _chunk_ids(v, 64, 5, 10)] = 9.9 - 0.001 * np.arange(10)
     args = (jnp.asarray(x), np.array([v], np.int32), np.array([0.75], np.float32),
             np.zeros(1, np.float32))
     got = np.isfinite(np.asarray(jax.jit(lambda *a: filter_logits(*a, chunked=True))(*args)))
