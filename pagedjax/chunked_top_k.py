@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 # Logits per chunk. 1024 cuts Llama 3's 128256 into 126 chunks, 2016 first-stage values
-# per row; the GPU suite's sampler bench times other sizes (`bench/sampler.py --topk-chunk`).
+# per row; `bench/sampler.py --platform gpu` times 512 to 4096 (`chunked_top_k128_c<chunk>`).
 TOPK_CHUNK = int(os.environ.get("PAGEDJAX_TOPK_CHUNK", "1024"))
 # The largest k XLA's GPU top-k kernel takes without sorting the rows.
 PER_CHUNK = 16
