@@ -28,11 +28,26 @@ import os
 import jax
 import jax.numpy as jnp
 
-# Logits per chunk. 1024 cuts Llama 3's 128256 into 126 chunks, 2016 first-stage values
-# per row; `bench/sampler.py --platform gpu` times 512 to 4096 (`chunked_top_k128_c<chunk>`).
-TOPK_CHUNK = int(os.environ.get("PAGEDJAX_TOPK_CHUNK", "1024"))
 # The largest k XLA's GPU top-k kernel takes without sorting the rows.
 PER_CHUNK = 16
+
+
+def _chunk_from_env() -> int:
+    raw = os.environ.get("PAGEDJAX_TOPK_CHUNK", "1024")
+    try:
+        chunk = int(raw)
+    except ValueError:
+        chunk = 0
+    if chunk <= PER_CHUNK:
+        raise ValueError(f"PAGEDJAX_TOPK_CHUNK: must be an integer above {PER_CHUNK} (logits "
+                         f"per chunk of the two-stage top-k); got {raw!r}")
+    return chunk
+
+
+# Logits per chunk. 1024 cuts Llama 3's 128256 into 126 chunks, 2016 first-stage values
+# per row; `bench/sampler.py --platform gpu` times 512 to 4096 (`chunked_top_k128_c<chunk>`).
+# ``PAGEDJAX_TOPK_CHUNK`` sets another size.
+TOPK_CHUNK = _chunk_from_env()
 
 
 def chunked_top_k(x: jax.Array, k: int, chunk: int | None = None

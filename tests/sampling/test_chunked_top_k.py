@@ -203,3 +203,12 @@ def test_a_nucleus_past_the_exact_candidates_is_searched(monkeypatch):
     want, ambiguous = np_keep_mask(x, *args[1:])
     assert not ambiguous.any() and want.sum() == 22
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("raw", ["0", "16", "abc", "-5"])
+def test_a_bad_chunk_setting_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("PAGEDJAX_TOPK_CHUNK", raw)
+    with pytest.raises(ValueError, match="PAGEDJAX_TOPK_CHUNK"):
+        ctk._chunk_from_env()
+    monkeypatch.setenv("PAGEDJAX_TOPK_CHUNK", "512")
+    assert ctk._chunk_from_env() == 512
