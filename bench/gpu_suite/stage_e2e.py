@@ -9,8 +9,11 @@ numpy that draws other numbers is reported as such, not as an engine bug.
 
 Part 2: Llama-3-8B shapes (32 layers, device-drawn random weights, bf16, no goldens):
 decode step time vs the roofline (weights + KV bytes read at the measured copy bandwidth),
-offline throughput on ShareGPT-like lengths, and TTFT / inter-token latency under Poisson
-arrivals. Steps that compiled are counted and their time reported, not hidden.
+the same under the other attention lowering and layer loop, offline throughput on
+ShareGPT-like lengths, async scheduling on / off and seeded sampled requests with the
+two-stage / one-stage top-k (one warm engine, interleaved, tokens compared), and TTFT /
+inter-token latency under Poisson arrivals. Steps that compiled are counted and their time
+reported, not hidden.
 
 ``--dry-run``: the tiny model on CPU, goldens computed in-process, XLA attention.
 """
@@ -192,69 +195,106 @@ def _set_async(engine, on: bool) -> None:
     engine.runner.feed_tokens = on
 
 
-def _async_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, Any]:
-    """The same greedy requests served with async scheduling on and off, interleaved (async,
-    sync, async, sync), on the warm engine; output tokens per second of each mode's median run,
-    compile steps excluded, and whether every run produced the same tokens."""
-    from pagedjax import SamplingParams
+def _set_chunked_top_k(engine, on: bool) -> None:
+    """The GPU sampler's two-stage top-k (`pagedjax/chunked_top_k.py`) on or off: the engine
+    passes `runner.chunked_top_k` to `sample` at every call (a static argument, so each
+    setting has its own compiled sampler, warmed by `_mode_ab`'s untimed runs)."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("top-k A/B: the engine still has requests")
+    engine.runner.chunked_top_k = on
+
+
+def _mode_ab(engine, reqs: list, budget: Budget, max_tokens: int, modes: tuple[str, str],
+             switch, params) -> dict[str, Any]:
+    """The same requests served in two modes of one warm engine, interleaved (A, B, A, B):
+    ``switch(engine, mode)`` sets a mode on the idle engine, ``params(r)`` gives a request's
+    `SamplingParams` (seeded where sampled, so both modes must give the same tokens). Output
+    tokens per second of each mode's median run, compile steps excluded, and whether every
+    run produced the same tokens; the engine's own setting is restored."""
     from pagedjax.worker.compile_stats import num_backend_compiles
 
-    default = engine.runner.feed_tokens
     runs, tokens = [], {}
 
-    def warm(mode: str) -> None:
-        """Untimed, the timed run itself once per mode: the scheduler repeats its steps, so
-        every step shape is compiled before the timing (sync mode's ids reach the step as a
-        host array, not a device one, and compile anew: 3 compilations in the CPU dry run);
-        any compile step left is excluded from its run's rate (`compile_s`)."""
-        _set_async(engine, mode == "async")
+    def serve(tag: str) -> tuple[dict[str, list[int]], float, int, float]:
+        got: dict[str, list[int]] = {}
         for r in reqs:
-            engine.add_request(f"abwarm{mode}-{r.index}", None,
-                               SamplingParams(max_tokens=min(r.output_len, max_tokens),
-                                              ignore_eos=True, temperature=0.0),
+            engine.add_request(f"{tag}-{r.index}", None, params(r),
                                prompt_token_ids=r.prompt_token_ids)
+        c0, compile_s, t0 = num_backend_compiles(), 0.0, time.monotonic()
         while engine.has_unfinished_requests():
-            engine.step()
+            c, s0 = num_backend_compiles(), time.monotonic()
+            for o in engine.step():
+                if o.finished:
+                    got[o.request_id.split("-", 1)[1]] = list(o.outputs[0].token_ids)
+            if num_backend_compiles() != c:
+                compile_s += time.monotonic() - s0
+        return got, time.monotonic() - t0, num_backend_compiles() - c0, compile_s
 
     try:
-        warm("async")
-        warm("sync")
+        # Untimed, the timed run itself once per mode: the scheduler repeats its steps, so
+        # every step and sampler shape is compiled before the timing; a compile step left
+        # is excluded from its run's rate (`compile_s`).
+        for mode in modes:
+            switch(engine, mode)
+            serve(f"abwarm{mode}")
         for rnd in range(2):
-            for mode in ("async", "sync"):
+            for mode in modes:
                 if not budget.allows(0):
                     break
-                _set_async(engine, mode == "async")
-                got: dict[str, list[int]] = {}
-                for r in reqs:
-                    engine.add_request(f"ab{rnd}{mode}-{r.index}", None,
-                                       SamplingParams(max_tokens=min(r.output_len, max_tokens),
-                                                      ignore_eos=True, temperature=0.0),
-                                       prompt_token_ids=r.prompt_token_ids)
-                c0, compile_s, t0 = num_backend_compiles(), 0.0, time.monotonic()
-                while engine.has_unfinished_requests():
-                    c, s0 = num_backend_compiles(), time.monotonic()
-                    for o in engine.step():
-                        if o.finished:
-                            got[o.request_id.split("-", 1)[1]] = list(o.outputs[0].token_ids)
-                    if num_backend_compiles() != c:
-                        compile_s += time.monotonic() - s0
-                wall = time.monotonic() - t0
+                switch(engine, mode)
+                got, wall, compiles, compile_s = serve(f"ab{rnd}{mode}")
                 n = sum(len(v) for v in got.values())
                 runs.append({"round": rnd, "mode": mode, "wall_s": wall, "output_tokens": n,
-                             "compiles": num_backend_compiles() - c0, "compile_s": compile_s,
+                             "compiles": compiles, "compile_s": compile_s,
                              "tok_s": n / max(1e-9, wall - compile_s)})
                 tokens.setdefault(mode, []).append(got)
     finally:
         if not engine.has_unfinished_requests():
-            _set_async(engine, default)
-    res: dict[str, Any] = {"requests": len(reqs), "max_tokens": max_tokens, "runs": runs,
-                           "default_async": bool(default)}
-    if {"async", "sync"} <= set(tokens):
+            switch(engine, None)
+    res: dict[str, Any] = {"requests": len(reqs), "max_tokens": max_tokens, "runs": runs}
+    if set(modes) <= set(tokens):
         every = [g for mode in tokens.values() for g in mode]
         res["identical"] = all(g == every[0] for g in every[1:])
         res["tok_s"] = {m: statistics.median(r["tok_s"] for r in runs if r["mode"] == m)
-                        for m in ("async", "sync")}
-        res["async_over_sync"] = res["tok_s"]["async"] / res["tok_s"]["sync"]
+                        for m in modes}
+        res["ratio"] = res["tok_s"][modes[0]] / res["tok_s"][modes[1]]
+    return res
+
+
+def _async_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, Any]:
+    """Greedy requests with async scheduling on and off (`_mode_ab`); sync mode's ids reach
+    the step as a host array, not a device one, and compile anew (3 compilations in the CPU
+    dry run), which the untimed runs cover."""
+    from pagedjax import SamplingParams
+
+    default = engine.runner.feed_tokens
+    res = _mode_ab(engine, reqs, budget, max_tokens, ("async", "sync"),
+                   lambda e, m: _set_async(e, default if m is None else m == "async"),
+                   lambda r: SamplingParams(max_tokens=min(r.output_len, max_tokens),
+                                            ignore_eos=True, temperature=0.0))
+    res["default_async"] = bool(default)
+    if "ratio" in res:
+        res["async_over_sync"] = res.pop("ratio")
+    return res
+
+
+def _top_k_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, Any]:
+    """Seeded sampled requests (temperature 0.8, top-p 0.95, top-k 50 on every other one, the
+    top 5 logprobs on every third) with the two-stage top-k and with one `lax.top_k`
+    (`_mode_ab`): the engine-level gain of `chunked_top_k` and the same tokens."""
+    from pagedjax import SamplingParams
+
+    default = engine.runner.chunked_top_k
+    res = _mode_ab(engine, reqs, budget, max_tokens, ("chunked", "one_stage"),
+                   lambda e, m: _set_chunked_top_k(e, default if m is None else m == "chunked"),
+                   lambda r: SamplingParams(max_tokens=min(r.output_len, max_tokens),
+                                            ignore_eos=True, temperature=0.8, top_p=0.95,
+                                            top_k=50 if r.index % 2 else -1,
+                                            logprobs=5 if r.index % 3 == 0 else None,
+                                            seed=1000 + r.index))
+    res["default_chunked"] = bool(default)
+    if "ratio" in res:
+        res["chunked_over_one_stage"] = res.pop("ratio")
     return res
 
 
@@ -448,6 +488,18 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
                           f"{res['tok_s']['async']:.0f}, sync {res['tok_s']['sync']:.0f}); "
                           f"outputs identical: {res['identical']}",
                           "info" if res["identical"] else "FAIL")
+    tk = budget.sub(0.3)
+    if tk.allows(20 if not dry_run else 1):
+        perf["top_k_ab"] = res = _top_k_ab(eng, reqs[: 8 if dry_run else 64], tk,
+                                           max_tokens=8 if dry_run else 128)
+        rec.save()
+        if "chunked_over_one_stage" in res:
+            rec.summarize(f"{spec.name} sampled, two-stage / one-stage top-k, "
+                          f"{res['requests']} req",
+                          f"{res['chunked_over_one_stage']:.3f}x output tok/s (two-stage "
+                          f"{res['tok_s']['chunked']:.0f}, one-stage "
+                          f"{res['tok_s']['one_stage']:.0f}); outputs identical: "
+                          f"{res['identical']}", "info" if res["identical"] else "FAIL")
     rate = 8.0 if dry_run else 4.0
     online = make_requests("sharegpt", 8 if dry_run else 160, rate, vocab_size=vocab, max_model_len=mml,
                            scale=scale, seed=5)

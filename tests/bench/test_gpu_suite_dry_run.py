@@ -96,18 +96,23 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
     assert ab["identical"] and all(r["output_tokens"] > 0 for r in ab["runs"])
     assert all(r["compiles"] == 0 for r in ab["runs"])  # each mode warmed with the same run
     assert ab["async_over_sync"] > 0
+    tk = perf["top_k_ab"]  # seeded sampled requests, two-stage and one-stage top-k
+    assert [r["mode"] for r in tk["runs"]] == ["chunked", "one_stage"] * 2
+    assert tk["identical"] and all(r["output_tokens"] > 0 for r in tk["runs"])
+    assert all(r["compiles"] == 0 for r in tk["runs"]) and tk["chunked_over_one_stage"] > 0
     assert math.isfinite(perf["online_sharegpt"]["ttft_s"]["p50"])
 
 
-def test_async_ab_switch_refuses_a_busy_engine():
-    from bench.gpu_suite.stage_e2e import _set_async
+def test_ab_switches_refuse_a_busy_engine():
+    from bench.gpu_suite.stage_e2e import _set_async, _set_chunked_top_k
 
     class Busy:
         def has_unfinished_requests(self):
             return True
 
-    with pytest.raises(RuntimeError, match="still has requests"):
-        _set_async(Busy(), True)
+    for switch in (_set_async, _set_chunked_top_k):
+        with pytest.raises(RuntimeError, match="still has requests"):
+            switch(Busy(), True)
 
 
 def test_paper_stage_result(dry_run):
