@@ -35,7 +35,7 @@ def test_warm_up_samples_once_per_batch_bucket(engine, monkeypatch):
     sampler batch the steps reach, each (batch, variant) once; gathers for the other pairs."""
     calls, gathers = [], []
     monkeypatch.setattr(engine_mod, "sample",
-                        lambda logits, meta, num_logprobs=0, rows=None, native=False:
+                        lambda logits, meta, num_logprobs=0, rows=None, native=False, chunked=False:
                         calls.append((logits.shape[0], len(rows))))
     monkeypatch.setattr(engine_mod, "take_rows",
                         lambda logits, rows: gathers.append((logits.shape[0], len(rows))))
