@@ -45,7 +45,7 @@ test: venv aot-venv
 	$(VENV)/bin/pagedjax fetch-model gemma3-270m
 	$(VENV)/bin/ruff check pagedjax pallas_kernels models tests bench tools
 	$(VENV)/bin/python -m pytest -n 2 --timeout 1200 --ignore=tests/aot $(PYTEST_ARGS)
-	$(AOT_ENV) $(AOT_VENV)/bin/python -m pytest -n 2 --timeout 1800 tests/aot
+	$(AOT_ENV) $(AOT_VENV)/bin/python -m pytest -n 2 --dist loadgroup --timeout 1800 tests/aot
 
 # Rebuild the committed compile reports (bench/results/aot-<target>/report.json).
 # AOT_ARGS=--reuse-kernels keeps the kernel sweep (a change to the engine step only).

@@ -16,7 +16,11 @@ from pagedjax.aot import report
 from pagedjax.aot.target import REQUIRED_TARGETS
 
 
-@pytest.mark.parametrize("target", REQUIRED_TARGETS)
+# Each target in its own xdist group (`make test` runs this folder with --dist loadgroup): the
+# two longest tests of the tier then run on both workers side by side. Plain `load` handed
+# both to one worker, where each took ~30 min on a slow host (stop 53).
+@pytest.mark.parametrize("target", [pytest.param(t, marks=pytest.mark.xdist_group(f"tier_{t}"))
+                                    for t in REQUIRED_TARGETS])
 def test_target_compiles_clean_and_matches_committed_report(target):
     fresh = report.build(target)
     assert report.problems(fresh) == []
