@@ -99,6 +99,13 @@ def test_exact_top_k_equals_lax_top_k(kind):
     np.testing.assert_array_equal(np.take_along_axis(x, got_i, -1), got_v)
 
 
+def _case_rows(rng, b: int, v: int, kind: str, peak: float) -> np.ndarray:
+    """Rows for the sampler comparisons: "crowded", "normal", or "peaked" (normal times
+    ``peak``), chunks of 64."""
+    x = _rows(rng, b, v, 64, "crowded" if kind == "crowded" else "normal")
+    return x * peak if kind == "peaked" else x
+
+
 def _meta(params, vocab):
     states = [SeqSamplingState([1, 2, 3], [4, 5], i, 0) for i in range(len(params))]
     return SamplingMetadata.from_params(list(zip(params, states)), len(params), vocab)
@@ -111,9 +118,7 @@ def test_filter_thresholds_chunked_match_one_stage(monkeypatch, kind):
     monkeypatch.setattr(ctk, "TOPK_CHUNK", 64)
     rng = np.random.default_rng(11)
     b, v = 24, 2048
-    x = _rows(rng, b, v, 64, "crowded" if kind == "crowded" else "normal")
-    if kind == "peaked":
-        x *= 4
+    x = _case_rows(rng, b, v, kind, peak=4)
     top_k = rng.choice([v, 10, 50, 128, 200, 1], size=b).astype(np.int32)
     top_p = rng.choice([1.0, 0.9, 0.5, 0.99], size=b).astype(np.float32)
     min_p = rng.choice([0.0, 0.05], size=b).astype(np.float32)
@@ -131,9 +136,7 @@ def test_sample_chunked_gives_the_same_tokens_and_logprobs(monkeypatch, kind):
     monkeypatch.setattr(ctk, "TOPK_CHUNK", 64)
     rng = np.random.default_rng(12)
     b, v = 16, 2048
-    x = _rows(rng, b, v, 64, "crowded" if kind == "crowded" else "normal")
-    if kind == "peaked":
-        x *= 3
+    x = _case_rows(rng, b, v, kind, peak=3)
     params = [SamplingParams(temperature=float(rng.uniform(0.5, 1.2)),
                              top_p=[0.9, 1.0, 0.6][i % 3], top_k=[-1, 20, 100][i % 3 - 1],
                              min_p=[0.0, 0.02][i % 2], seed=i, logprobs=20)
