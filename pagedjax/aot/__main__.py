@@ -26,29 +26,18 @@ def main() -> int:
                         help=f"comma-separated, of {ALL_TARGETS}")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel sweep")
     parser.add_argument("--no-steps", action="store_true", help="skip the engine steps")
-    parser.add_argument("--reuse-kernels", action="store_true",
-                        help="keep the kernel sweep of the existing report (after a change that "
-                             "touches only the engine step) and rebuild the steps")
-    parser.add_argument("--reuse-compiled", action="store_true",
-                        help="compile only kernel configurations the existing report lacks "
-                             "(after adding configurations, not changing kernels; the compile "
-                             "tier's test rebuilds everything and checks it)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="compile every kernel again; by default a kernel whose lowered "
+                             "IR and toolchain match the existing report keeps its entry")
     parser.add_argument("--out", type=Path, default=report.REPORT_DIR)
     args = parser.parse_args()
     report.check_backend()
     failed = False
     for target in args.targets.split(","):
-        old = report.load(target, args.out) if args.reuse_kernels else None
-        rep = report.build(target, kernels=not (args.no_kernels or args.reuse_kernels),
-                           steps=not args.no_steps,
-                           reuse=report.load(target, args.out) if args.reuse_compiled else None)
-        if old is not None:  # same key order as a full build: kernels before steps
-            steps = rep.pop("steps", None)
-            rep.pop("summary")
-            rep["kernels"] = old["kernels"]
-            if steps is not None:
-                rep["steps"] = steps
-            rep["summary"] = report.summarize(rep)
+        path = report.report_path(target, args.out)
+        old = None if args.fresh or not path.exists() else report.load(target, args.out)
+        rep = report.build(target, kernels=not args.no_kernels, steps=not args.no_steps,
+                           reuse=old)
         path = report.write(rep, args.out)
         bad = report.problems(rep)
         print(f"{target}: {rep['summary']} -> {path}")

@@ -14,11 +14,13 @@ import functools
 import itertools
 import time
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import SingleDeviceSharding
 
+from pagedjax.aot import fingerprint
 from pagedjax.aot.resources import KernelResources, compile_with_resources
 from pagedjax.aot.target import compile_only_devices
 from pallas_kernels import copy_blocks, paged_decode_attention, ragged_paged_attention, tuning, write_kv
@@ -206,22 +208,42 @@ def _lower(case: KernelCase, device, table_pages: int, arch: str):
         return jax.jit(fn).lower(*args, **quant)
 
 
-def compile_case(case: KernelCase, target: str, arch: str) -> dict:
-    """Compile one configuration; a row per Triton kernel in it (XLA glue is dropped)."""
+def compile_case(case: KernelCase, target: str, arch: str, compile: bool = True,
+                 previous: dict | None = None) -> dict:
+    """Lower one configuration and compile it; a row per table width, each with the IR
+    digest and a row per Triton kernel in it (XLA glue is dropped).
+
+    ``previous``: the committed entry of this configuration; a row whose IR digest it
+    matches is taken from it (same IR and toolchain: the same compile). ``compile`` False
+    leaves the other rows lowered only (``kernels`` None), for a fingerprint check."""
     device = compile_only_devices(target)[0]
     rows = []
     widths = DECODE_TABLE_PAGES if case.kernel == "decode" else (0,)
+    old_rows = {r["table_pages"]: r for r in (previous or {}).get("rows", [])}
     for pages in widths:
         t0 = time.perf_counter()
+        ir, kernels, error = None, {}, None
         try:
-            _, kernels, _ = compile_with_resources(_lower(case, device, pages, arch))
-            error = None
+            lowered = _lower(case, device, pages, arch)
+            ir = fingerprint.digest(lowered)
         except Exception as e:  # reported, and fails the tier
-            kernels, error = {}, f"{type(e).__name__}: {str(e)[:3000]}"
+            error = f"{type(e).__name__}: {str(e)[:3000]}"
+        old = old_rows.get(pages)
+        if error is None and old is not None and old.get("ir") == ir and not old["error"]:
+            rows.append(dict(old, reused=True))
+            continue
+        if error is None and not compile:
+            rows.append(dict(table_pages=pages, ir=ir, compile_s=0.0, error=None,
+                             kernels=None, extra=_launch_extra(case, arch, pages)))
+            continue
+        if error is None:
+            try:
+                _, kernels, _ = compile_with_resources(lowered)
+            except Exception as e:
+                error = f"{type(e).__name__}: {str(e)[:3000]}"
         seconds = time.perf_counter() - t0
         mine = [r for n, r in kernels.items() if _is_ours(n)]
-        rows.append(dict(table_pages=pages,
-                         compile_s=round(seconds, 3), error=error,
+        rows.append(dict(table_pages=pages, ir=ir, compile_s=round(seconds, 3), error=error,
                          kernels=[_row(r) for r in mine], extra=_launch_extra(case, arch, pages)))
         if error is None and not mine:
             rows[-1]["error"] = "no Triton kernel found in the compiled executable"
@@ -257,20 +279,21 @@ def _launch_extra(case: KernelCase, arch: str, pages: int) -> dict:
 
 
 def sweep(target: str, cases: list[KernelCase] | None = None, log=print,
-          reuse: dict | None = None) -> dict:
-    """Compile every distinct configuration once.
+          reuse: dict | None = None, compile: Callable[[tuple], bool] | bool = True) -> dict:
+    """Lower every distinct configuration once, and compile it.
 
     Returns ``{"configs": [...], "compiled": [...]}``: each engine configuration names the
     index of its compiled kernel, and each compiled entry has its rows (one per table width
-    for decode) with registers, spills, shared memory and compile time.
+    for decode) with the IR digest, registers, spills, shared memory and compile time.
 
-    ``reuse``: a previous sweep whose compiled entries are taken by key instead of compiled
-    again (after adding configurations without changing existing kernels; the compile-tier
-    test rebuilds everything and so checks that claim).
+    ``reuse``: a previous sweep of the same toolchain; entries whose IR digests match are
+    taken from it instead of compiled again. ``compile``: a predicate on the key (or a
+    bool); entries it refuses are lowered only (the compile tier's check compiles a sample).
     """
     arch = tuning.arch_of(compile_only_devices(target)[0].device_kind)
     cases = engine_cases(arch) if cases is None else cases
     previous = {tuple(c["key"]): c for c in (reuse or {}).get("compiled", [])}
+    wanted = compile if callable(compile) else (lambda key: compile)
     index: dict[tuple, int] = {}
     compiled: list[dict] = []
     configs = []
@@ -278,12 +301,16 @@ def sweep(target: str, cases: list[KernelCase] | None = None, log=print,
         key = case.key(arch)
         if key not in index:
             index[key] = len(compiled)
-            entry = previous.get(key) or dict(key=list(key), **compile_case(case, target, arch))
-            compiled.append(entry)
-            worst = max((k["registers"] for r in entry["rows"] for k in r["kernels"]), default=0)
+            entry = compile_case(case, target, arch, compile=wanted(key),
+                                 previous=previous.get(key))
+            reused = all([r.pop("reused", False) for r in entry["rows"]])
+            compiled.append(dict(key=list(key), **entry))
+            worst = max((k["registers"] for r in entry["rows"] for k in r["kernels"] or ()),
+                        default=0)
             bad = any(r["error"] for r in entry["rows"])
-            log(f"  {target} {key} regs<={worst} {'ERROR' if bad else 'ok'}"
-                f"{' (reused)' if key in previous else ''}")
+            state = ("ERROR" if bad else "lowered" if entry["rows"][0]["kernels"] is None
+                     else "ok")
+            log(f"  {target} {key} regs<={worst} {state}{' (reused)' if reused else ''}")
         if isinstance(case, PackedCase):
             configs.append(dict(kernel=case.kernel, dtype=case.dtype, bits=case.bits,
                                 group=case.group, scale_dtype=case.scale_dtype,

@@ -12,8 +12,8 @@ GPU print ptxas' register and spill report to stdout. The driver runs the compil
 child process (the report is written by native code to file descriptor 1) and parses it;
 SMEM is the kernel's scratch, computed from its shapes (ptxas reports only static SMEM).
 Hopper only: the kernel issues wgmma, which sm_100 replaced. The report lives beside the
-Triton one:
-``bench/results/aot-h100/mosaic.json``.
+Triton one, ``bench/results/aot-h100/mosaic.json``, with each configuration's IR digest:
+`make test` lowers all of them and compiles a sample (:func:`verify`).
 
     JAX_PLATFORMS=cpu .venv-aot/bin/python -m pagedjax.aot.mosaic --write
 """
@@ -81,18 +81,21 @@ def scratch_bytes(cfg: dict) -> int:
             + rows * chunk * half + rows * dv * 4 + stats + 8 * (1 + 2 * m.STAGES))
 
 
-def _compile_all() -> None:
-    """Child: compile every configuration, a marker line before each."""
+def _compile_all(only: set[int] | None) -> None:
+    """Child: lower every configuration and compile those in ``only`` (None: all), a
+    marker line before each."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
+    from pagedjax.aot import fingerprint
     from pagedjax.aot.target import compile_only_devices
     from pallas_kernels.mosaic_decode_attention import mosaic_paged_decode
     from pallas_kernels.mosaic_ragged_attention import mosaic_ragged_attention
 
+    fingerprint.strip_locations()
     dev = compile_only_devices(TARGET)[0]
-    for cfg in configs():
+    for i, cfg in enumerate(configs()):
         print(_MARK + json.dumps(cfg), flush=True)
         dt, d, bs = jnp.dtype(cfg["dtype"]), cfg["head_dim"], cfg["block_size"]
 
@@ -100,6 +103,7 @@ def _compile_all() -> None:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev))
 
         t0 = time.perf_counter()
+        ir, compiled = None, only is None or i in only
         try:
             cache = S((2, 8, 1024, bs, d), jnp.dtype(cfg.get("kv_dtype", cfg["dtype"])))
             i32 = jnp.int32
@@ -108,36 +112,48 @@ def _compile_all() -> None:
                 # the static scales of a quantized cache: the argument after the window
                 scales = (S((2, 8, d), jnp.float32),) if "kv_dtype" in cfg else ()
                 if cfg["kernel"] == "mosaic_decode":
-                    jax.jit(lambda *a, f=flags: mosaic_paged_decode(*a, scale=0.1, **f)).lower(
+                    lowered = jax.jit(
+                        lambda *a, f=flags: mosaic_paged_decode(*a, scale=0.1, **f)).lower(
                         S((8, 32, d), dt), cache, cache, S((8, 64), i32), S((8,), i32),
-                        S((), i32), S((), i32), *scales).compile()
+                        S((), i32), S((), i32), *scales)
                 else:
-                    jax.jit(lambda *a, f=flags: mosaic_ragged_attention(*a, scale=0.1, **f)).lower(
+                    lowered = jax.jit(
+                        lambda *a, f=flags: mosaic_ragged_attention(*a, scale=0.1, **f)).lower(
                         S((256, 8 * cfg["group"], d), dt), cache, cache, S((16,), i32),
                         S((16, 64), i32), S((17,), i32), S((), i32), S((), i32),
-                        S((), i32), *scales).compile()
+                        S((), i32), *scales)
+                ir = fingerprint.digest(lowered)
+                if compiled:
+                    lowered.compile()
             err = None
         except Exception as e:  # noqa: BLE001 - reported per configuration
             err = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         sys.stdout.flush()
-        print(_MARK + json.dumps({"done": round(time.perf_counter() - t0, 2), "error": err}),
-              flush=True)
+        print(_MARK + json.dumps({"done": round(time.perf_counter() - t0, 2), "error": err,
+                                  "ir": ir, "compiled": compiled}), flush=True)
 
 
-def build() -> dict:
-    """Compile in a child process and parse its ptxas report: one row per configuration."""
+def build(only: set[int] | None = None) -> dict:
+    """Lower every configuration in a child process, compile those in ``only`` (None: all)
+    and parse its ptxas report: one row per configuration, with its IR digest
+    (`pagedjax.aot.fingerprint`); a row only lowered has ``registers`` and ``spill_bytes``
+    None. Summarized only when everything was compiled."""
     env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", JAX_PLATFORMS="cpu")
     env.pop("MOSAIC_GPU_DUMP_PTX", None)
     env.pop("MOSAIC_GPU_DUMP_TO", None)
-    proc = subprocess.run([sys.executable, "-m", "pagedjax.aot.mosaic", "--child"], env=env,
-                          cwd=ROOT, capture_output=True, text=True, errors="replace",
-                          timeout=1200)
+    cmd = [sys.executable, "-m", "pagedjax.aot.mosaic", "--child"]
+    if only is not None:
+        cmd += ["--only", ",".join(map(str, sorted(only)))]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                          errors="replace", timeout=1200)
     rows, cur = [], None
     for line in proc.stdout.splitlines():
         if line.startswith(_MARK):
             info = json.loads(line[len(_MARK):])
             if "done" in info:
-                cur.update(compile_s=info["done"], error=info["error"])
+                cur.update(ir=info["ir"], compile_s=info["done"], error=info["error"])
+                if not info["compiled"] and not info["error"]:
+                    cur.update(registers=None, spill_bytes=None)
                 rows.append(cur)
                 cur = None
             else:
@@ -151,6 +167,8 @@ def build() -> dict:
     if proc.returncode != 0 or len(rows) != len(configs()):
         raise RuntimeError(f"mosaic compile child failed (rc {proc.returncode}):\n"
                            f"{proc.stderr[-3000:]}")
+    if only is not None:
+        return {"target": TARGET, "rows": rows}
     return {"target": TARGET, "rows": rows, "summary": {
         "configs": len(rows),
         "failures": [r for r in rows if r["error"]],
@@ -161,6 +179,45 @@ def build() -> dict:
         "max_smem": max(r["smem_bytes"] for r in rows)}}
 
 
+# The check's sample: the configurations nearest the register and SMEM limits and every
+# SAMPLE_STRIDE-th one; the rest are checked by IR digest.
+SAMPLE_NEAREST = 6
+SAMPLE_STRIDE = 12
+
+
+def sample(committed: dict) -> set[int]:
+    rows = committed["rows"]
+    by_regs = sorted(range(len(rows)), key=lambda i: -(rows[i]["registers"] or 0))
+    by_smem = sorted(range(len(rows)), key=lambda i: -rows[i]["smem_bytes"])
+    return set(by_regs[:SAMPLE_NEAREST] + by_smem[:SAMPLE_NEAREST]
+               + list(range(0, len(rows), SAMPLE_STRIDE)))
+
+
+def stable(rows: list[dict]) -> list[dict]:
+    """The rows without timings (what the committed report keeps)."""
+    return [{k: v for k, v in r.items() if k != "compile_s"} for r in rows]
+
+
+def verify(committed: dict) -> list[str]:
+    """Whether the committed report is what today's code compiles: every configuration
+    lowers to the recorded IR digest and the sample compiles to the recorded registers and
+    spills. Returns the differing rows (empty: it stands)."""
+    picked = sample(committed)
+    fresh = stable(build(picked)["rows"])
+    old = stable(committed["rows"])
+    if len(old) != len(fresh):
+        return [f"{len(old)} committed configurations vs {len(fresh)} now"]
+    out = []
+    for i, (a, b) in enumerate(zip(old, fresh)):
+        if i not in picked and b["registers"] is None:
+            a = dict(a, registers=None, spill_bytes=None)
+        if a != b:
+            keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+            out.append(f"rows[{i}] {b['kernel']} d{b['head_dim']} bs{b['block_size']}: "
+                       + "; ".join(f"{k}: {a.get(k)} -> {b.get(k)}" for k in keys))
+    return out
+
+
 def report_path() -> Path:
     return ROOT / "bench" / "results" / f"aot-{TARGET}" / "mosaic.json"
 
@@ -168,10 +225,11 @@ def report_path() -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--write", action="store_true", help="write the committed report")
     args = ap.parse_args()
     if args.child:
-        _compile_all()
+        _compile_all(None if args.only is None else {int(x) for x in args.only.split(",")})
         return
     res = build()
     for r in res["rows"]:
@@ -182,10 +240,8 @@ def main() -> None:
               f"{'  ERROR ' + r['error'] if r['error'] else ''}")
     print(json.dumps({k: v for k, v in res["summary"].items()}, default=str))
     if args.write:
-        stable = {"target": res["target"], "rows": [
-            {k: v for k, v in r.items() if k != "compile_s"} for r in res["rows"]],
-            "summary": res["summary"]}
-        report_path().write_text(json.dumps(stable, indent=1) + "\n")
+        out = {"target": res["target"], "rows": stable(res["rows"]), "summary": res["summary"]}
+        report_path().write_text(json.dumps(out, indent=1) + "\n")
         print("->", report_path())
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import importlib.metadata as md
 import json
 import platform
 import re
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import jax
 
-from pagedjax.aot import kernel_sweep, step
+from pagedjax.aot import fingerprint, kernel_sweep, step
 from pagedjax.aot.target import compile_only_devices, sm_version, target_config
 
 REPORT_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"
@@ -41,35 +40,113 @@ def smem_limit(target: str) -> int:
 
 
 def build(target: str, kernels: bool = True, steps: bool = True, log=print,
-          reuse: dict | None = None) -> dict:
+          reuse: dict | None = None, compile_kernel=True, compile_step=True) -> dict:
     """Compile the kernel sweep and the engine steps for ``target``; the whole report.
-    ``reuse``: a previous report whose compiled kernels are taken by key (`sweep`)."""
-    versions = {p: md.version(p) for p in ("jax", "jaxlib", "jax-cuda13-plugin",
-                                          "nvidia-cuda-nvcc", "nvidia-nvjitlink")}
+
+    ``reuse``: a previous report; if its toolchain is today's, its kernel entries whose IR
+    digests match are kept instead of compiled again. ``compile_kernel`` / ``compile_step``:
+    predicates (or bools) on a kernel key / step row; what they refuse is lowered only
+    (:func:`verify`). A report built with either refusing anything is not summarized."""
+    fingerprint.strip_locations()
     report = dict(
         target=target, device_kind=compile_only_devices(target)[0].device_kind,
-        sm=sm_version(target), smem_limit=smem_limit(target), versions=versions,
+        sm=sm_version(target), smem_limit=smem_limit(target), **fingerprint.toolchain(target),
         host=f"{platform.machine()} {platform.system()}, deviceless (JAX_PLATFORMS=cpu)",
         date=datetime.date.today().isoformat(),
         reproduce=f"make aot-report TARGETS={target}",
     )
+    if reuse is not None and toolchain_changes(reuse, report):
+        log(f"  {target}: toolchain changed ({'; '.join(toolchain_changes(reuse, report))}),"
+            " compiling everything")
+        reuse = None
     if kernels:
         report["kernels"] = kernel_sweep.sweep(
-            target, log=log, reuse=(reuse or {}).get("kernels"))
+            target, log=log, reuse=(reuse or {}).get("kernels"), compile=compile_kernel)
     if steps:
+        mixed = ("decode_b64", "mixed_512+63")
         report["steps"] = []
         for model, tps in STEP_PLAN[target]:
             for tp in tps:
                 shapes = None if tp == 1 else [s for s in step.step_shapes(4096)
-                                               if s.name in ("decode_b64", "mixed_512+63")]
-                report["steps"] += step.compile_step(model, target, tp=tp, shapes=shapes, log=log)
+                                               if s.name in mixed]
+                report["steps"] += step.compile_step(model, target, tp=tp, shapes=shapes, log=log,
+                                                     compile=compile_step)
             report["steps"] += step.compile_swap(model, target, log=log)
         for model, kv in KV_STEP_PLAN[target]:
-            shapes = [s for s in step.step_shapes(4096) if s.name in ("decode_b64", "mixed_512+63")]
+            shapes = [s for s in step.step_shapes(4096) if s.name in mixed]
             report["steps"] += step.compile_step(model, target, shapes=shapes, log=log,
-                                                 kv_cache_dtype=kv)
-    report["summary"] = summarize(report)
+                                                 kv_cache_dtype=kv, compile=compile_step)
+    if compile_kernel is True and compile_step is True:
+        report["summary"] = summarize(report)
     return report
+
+
+def toolchain_changes(committed: dict, fresh: dict) -> list[str]:
+    """How two reports' toolchains differ (compiler versions, target config)."""
+    a, b = committed.get("versions", {}), fresh.get("versions", {})
+    out = [f"{p} {a.get(p)} -> {b.get(p)}" for p in sorted(a.keys() | b.keys())
+           if a.get(p) != b.get(p)]
+    if committed.get("target_config_sha") != fresh.get("target_config_sha"):
+        out.append("target config " + str(committed.get("target_config_sha")) + " -> "
+                   + str(fresh.get("target_config_sha")))
+    return out
+
+
+# The sample the check compiles (beyond the lowering of everything): the kernels nearest
+# the register and shared-memory limits, every SAMPLE_STRIDE-th entry of the sweep, and
+# engine steps of every model, TP degree and cache dtype kind.
+SAMPLE_NEAREST = 8
+SAMPLE_STRIDE = 40
+STEP_SAMPLE = (("smollm2-135m", 1, "auto", "decode_b1"), ("llama3-8b", 1, "auto", "decode_b256"),
+               ("llama3-8b", 1, "auto", "mixed_512+63"), ("llama3-8b", 8, "auto", "mixed_512+63"),
+               ("gemma2-9b", 1, "auto", "decode_b1"), ("gemma2-9b", 1, "auto", "mixed_512+63"),
+               ("llama3-8b", 1, "int8", "mixed_512+63"), ("llama3-8b", 1, "fp8_e4m3", "decode_b64"))
+
+
+def kernel_sample(committed: dict) -> set[tuple]:
+    """Keys of the committed kernel entries the check compiles again."""
+    compiled = committed["kernels"]["compiled"]
+
+    def worst(c, f):
+        return max((f(k) for r in c["rows"] for k in r["kernels"]), default=0)
+
+    by_regs = sorted(compiled, key=lambda c: -worst(c, lambda k: k["registers"]))
+    by_smem = sorted(compiled, key=lambda c: -worst(
+        c, lambda k: k["static_smem"] + k["dynamic_smem"]))
+    picked = by_regs[:SAMPLE_NEAREST] + by_smem[:SAMPLE_NEAREST] + compiled[::SAMPLE_STRIDE]
+    return {tuple(c["key"]) for c in picked}
+
+
+def step_sampled(row: dict) -> bool:
+    return (row["model"], row["tp"], row.get("kv_cache_dtype", "auto"), row["shape"]) in \
+        STEP_SAMPLE
+
+
+def verify(target: str, committed: dict, log=print) -> list[str]:
+    """Whether ``committed`` is what today's code compiles, without compiling all of it:
+    the same toolchain, every configuration and step lowering to the IR digest the report
+    names (so its compile is the recorded one), and a sample compiled again to the recorded
+    resources. Returns the differences (empty: the report stands)."""
+    fresh = build(target, log=log, compile_kernel=kernel_sample(committed).__contains__,
+                  compile_step=step_sampled)
+    changed = toolchain_changes(committed, fresh)
+    if changed:
+        return [f"toolchain: {c}" for c in changed]
+    return differences(project(committed, fresh), fresh)
+
+
+def project(committed: dict, fresh: dict) -> dict:
+    """``committed`` with the compile results blanked where ``fresh`` only lowered."""
+    out = json.loads(json.dumps(committed))
+    for c, f in zip(out.get("kernels", {}).get("compiled", []),
+                    fresh.get("kernels", {}).get("compiled", [])):
+        for r, fr in zip(c["rows"], f["rows"]):
+            if fr["kernels"] is None:
+                r["kernels"] = None
+    for s, fs in zip(out.get("steps", []), fresh.get("steps", [])):
+        if fs["error"] is None and fs["kernels"] is None:
+            s.update(dict.fromkeys(step.STEP_COMPILE_FIELDS))
+    return out
 
 
 def summarize(report: dict) -> dict:
@@ -121,7 +198,8 @@ def comparable(report: dict) -> dict:
         configs=kernels.get("configs", []),
         compiled=[dict(key=c["key"], rows=[dict(
             extra=r["extra"], error=bool(r["error"]),
-            kernels=[{k: v for k, v in kr.items() if k != "grid"} for kr in r["kernels"]])
+            ir=r.get("ir"), kernels=None if r["kernels"] is None else
+            [{k: v for k, v in kr.items() if k != "grid"} for kr in r["kernels"]])
             for r in c["rows"]]) for c in kernels.get("compiled", [])],
         steps=[{k: v for k, v in s.items() if not k.endswith("compile_s") and k != "error"}
                for s in report.get("steps", [])],

@@ -15,6 +15,7 @@ import functools
 import math
 import time
 import warnings
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from models.config import ModelConfig
+from pagedjax.aot import fingerprint
 from pagedjax.aot.resources import compile_with_resources
 from pagedjax.aot.target import compile_only_devices
 from pagedjax.config import EngineConfig
@@ -86,9 +88,10 @@ def _inputs(shape: StepShape, runner: ModelRunner):
                              num_groups=runner.num_kv_groups), nxt
 
 
-def _sampler(logit_rows: int, rows: int, vocab: int, max_model_len: int, device) -> dict:
+def _sampler(logit_rows: int, rows: int, vocab: int, max_model_len: int, device,
+             compile: bool = True) -> dict:
     """The sampler compiles once per (logits rows, batch) pair; later steps reuse it."""
-    key = (logit_rows, rows, vocab, max_model_len, device)
+    key = (logit_rows, rows, vocab, max_model_len, device, compile)
     fresh = key not in _seen
     _seen.add(key)
     return dict(_sampler_report(*key), _fresh=fresh)
@@ -103,12 +106,16 @@ def _abstract(x, sharding):
 
 def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block_size: int = 16,
                  max_model_len: int = 4096, shapes: list[StepShape] | None = None,
-                 log=print, kv_cache_dtype: str = "auto", layer_loop: str | None = None
-                 ) -> list[dict]:
+                 log=print, kv_cache_dtype: str = "auto", layer_loop: str | None = None,
+                 compile: Callable[[dict], bool] | bool = True) -> list[dict]:
     """Compile the runner's step (and the sampler) for every shape; a report row each.
 
     ``layer_loop`` None compiles the loop the engine picks for a GPU, whatever
-    $PAGEDJAX_LAYER_LOOP says (the test suite sets it to "scan" for its CPU compiles)."""
+    $PAGEDJAX_LAYER_LOOP says (the test suite sets it to "scan" for its CPU compiles).
+    ``compile``: a predicate on the row (model, tp, shape, ...) or a bool; rows it refuses
+    are lowered only, their compile fields None (the compile tier's check, which compiles
+    a sample and compares every row's IR digest)."""
+    wanted = compile if callable(compile) else (lambda row: compile)
     config = MODELS[model]
     devices = compile_only_devices(target, tp)
     if layer_loop is None:
@@ -133,36 +140,50 @@ def compile_step(model: str, target: str, dtype=jnp.bfloat16, tp: int = 1, block
                    block_size=block_size, shape=shape.name, tokens=int(inputs.input_ids.shape[0]),
                    seqs=len(shape.seqs), table_width=int(inputs.meta.block_tables.shape[-1]),
                    decode_only=bool(inputs.meta.decode_only), layer_loop=layer_loop)
+        do_compile = wanted(row)
+        row["ir"], kernels, row["error"], row["temp_mib"] = None, {}, None, None
         try:
             with jax.default_device(devices[0]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", DeprecationWarning)
                 lowered = ModelRunner._step.lower(runner, params, k_cache, v_cache, *args)
-                compiled, kernels, _ = compile_with_resources(lowered)
-            row["error"] = None
-            # Scratch memory of the step: under a layer scan it holds a copy of each layer's
-            # weights (resolve_layer_loop's docstring), unrolled only activations.
-            row["temp_mib"] = round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
+                row["ir"] = fingerprint.digest(lowered)
+                if do_compile:
+                    compiled, kernels, _ = compile_with_resources(lowered)
+                    # Scratch memory of the step: under a layer scan it holds a copy of each
+                    # layer's weights (resolve_layer_loop's docstring), unrolled activations.
+                    row["temp_mib"] = round(
+                        compiled.memory_analysis().temp_size_in_bytes / 2**20, 1)
         except Exception as e:
             kernels, row["error"] = {}, f"{type(e).__name__}: {str(e)[:3000]}"
-            row["temp_mib"] = None
         row["compile_s"] = round(time.perf_counter() - t0, 2)
-        row["kernels"] = len(kernels)
-        row["max_registers"] = max((k.registers for k in kernels.values()), default=0)
-        row["spilling"] = sorted(n for n, k in kernels.items() if k.spills)
-        row["max_smem"] = max((k.smem for k in kernels.values()), default=0)
-        row["attention_kernels"] = sorted(
-            n for n in kernels if n.startswith(("paged_decode", "ragged_paged", "write_kv")))
+        row.update(_kernel_fields(kernels))
+        if not do_compile and row["error"] is None:
+            row.update(dict.fromkeys(STEP_COMPILE_FIELDS))
         # The engine's sampler batch (LLMEngine._sample_batch): the step's sequence bucket
         # for decodes, the largest bucket otherwise.
         batch = inputs.shape_key[1] if inputs.meta.decode_only else runner.shape_plan.seq_cap
         row.update(_sampler(len(inputs.logits_indices), batch, config.vocab_size,
-                            max_model_len, devices[0]))
+                            max_model_len, devices[0], compile=do_compile))
         row["sampler_compile_s"] = row["sampler_compile_s"] if row.pop("_fresh") else 0.0
         log(f"  {target} {model} tp={tp} kv={kv_cache_dtype} {shape.name}: {row['compile_s']} s, "
             f"{row['kernels']} kernels, spills in {row['spilling'] or 'none'}"
             f"{'  ERROR ' + row['error'][:200] if row['error'] else ''}")
         rows.append(row)
     return rows
+
+
+# What only a compile tells (None in a row that was lowered only).
+STEP_COMPILE_FIELDS = ("temp_mib", "kernels", "max_registers", "spilling", "max_smem",
+                       "attention_kernels", "sampler_error", "sampler_spilling")
+
+
+def _kernel_fields(kernels: dict) -> dict:
+    return dict(kernels=len(kernels),
+                max_registers=max((k.registers for k in kernels.values()), default=0),
+                spilling=sorted(n for n, k in kernels.items() if k.spills),
+                max_smem=max((k.smem for k in kernels.values()), default=0),
+                attention_kernels=sorted(n for n in kernels if n.startswith(
+                    ("paged_decode", "ragged_paged", "write_kv"))))
 
 
 def compile_swap(model: str, target: str, dtype=jnp.bfloat16, block_size: int = 16,
@@ -183,27 +204,28 @@ def compile_swap(model: str, target: str, dtype=jnp.bfloat16, block_size: int = 
     for name, fn, args in (("swap_out", swap._gather, (cache, cache, ids)),
                            ("swap_in", swap._scatter, (cache, cache, moved, moved, ids))):
         t0 = time.perf_counter()
+        ir = None
         try:
             with jax.default_device(device):
-                _, kernels, _ = compile_with_resources(fn.lower(*args))
+                lowered = fn.lower(*args)
+                ir = fingerprint.digest(lowered)
+                _, kernels, _ = compile_with_resources(lowered)
             err = None
         except Exception as e:
             kernels, err = {}, f"{type(e).__name__}: {str(e)[:2000]}"
         rows.append(dict(model=model, target=target, tp=1, dtype=jnp.dtype(dtype).name,
-                         block_size=block_size, shape=f"{name}_{blocks}_blocks", error=err,
-                         compile_s=round(time.perf_counter() - t0, 2), kernels=len(kernels),
-                         max_registers=max((k.registers for k in kernels.values()), default=0),
-                         spilling=sorted(n for n, k in kernels.items() if k.spills),
-                         max_smem=max((k.smem for k in kernels.values()), default=0),
-                         attention_kernels=[], sampler_rows=0, sampler_compile_s=0.0,
-                         sampler_error=None, sampler_spilling=[]))
+                         block_size=block_size, shape=f"{name}_{blocks}_blocks", ir=ir,
+                         error=err, compile_s=round(time.perf_counter() - t0, 2),
+                         **_kernel_fields(kernels), sampler_rows=0, sampler_ir=None,
+                         sampler_compile_s=0.0, sampler_error=None, sampler_spilling=[]))
         log(f"  {target} {model} {name}: {rows[-1]['compile_s']} s, spills in "
             f"{rows[-1]['spilling'] or 'none'}{'  ERROR ' + err[:200] if err else ''}")
     return rows
 
 
 @functools.cache
-def _sampler_report(logit_rows: int, rows: int, vocab: int, max_model_len: int, device) -> dict:
+def _sampler_report(logit_rows: int, rows: int, vocab: int, max_model_len: int, device,
+                    compile: bool = True) -> dict:
     """Compile the engine's `sample` variant with penalty histories and bans (the larger
     one): greedy, top-k/top-p/min-p, penalties, min_tokens, logit_bias, a structured-output
     token bitmask, top-20 logprobs (the widths `LLMEngine._sampling_metadata` uses)."""
@@ -222,15 +244,19 @@ def _sampler_report(logit_rows: int, rows: int, vocab: int, max_model_len: int, 
     logits = jax.ShapeDtypeStruct((logit_rows, vocab), jnp.float32, sharding=sh)
     src = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=sh)
     t0 = time.perf_counter()
+    ir, kernels, err = None, {}, None
     try:
         with jax.default_device(device):
             # `chunked`: the two-stage top-k a GPU runner samples with (`chunked_top_k`).
             lowered = sample.lower(logits, abstract, num_logprobs=MAX_LOGPROBS, rows=src,
                                    chunked=True)
-            _, kernels, _ = compile_with_resources(lowered)
-        err = None
+            ir = fingerprint.digest(lowered)
+            if compile:
+                _, kernels, _ = compile_with_resources(lowered)
     except Exception as e:
-        kernels, err = {}, f"{type(e).__name__}: {str(e)[:2000]}"
-    return dict(sampler_rows=rows, sampler_compile_s=round(time.perf_counter() - t0, 2),
-                sampler_error=err, sampler_spilling=sorted(n for n, k in kernels.items()
-                                                           if k.spills))
+        err = f"{type(e).__name__}: {str(e)[:2000]}"
+    spilling = sorted(n for n, k in kernels.items() if k.spills)
+    return dict(sampler_rows=rows, sampler_ir=ir,
+                sampler_compile_s=round(time.perf_counter() - t0, 2),
+                sampler_error=err if compile or err else None,
+                sampler_spilling=spilling if compile or err else None)
