@@ -26,7 +26,7 @@ BUDGET_S = {"kernels": 180, "bench": 240, "e2e": 480, "paper": 480}
 # Caps for --dry-run: the work is tiny (e2e takes ~40 s on a quiet 2-core host), but a CI worker
 # shares its cores with another, and at 90 s the e2e stage once ran out before its bf16 half;
 # at 240 s, with four processes on the two cores, it ran out before its last A/B (stop 54).
-# The caps bound a hung stage; the e2e one is the only stage that cuts work by its budget.
+# Past its cap a stage is stopped; bench and e2e also drop later parts as their budget runs low.
 DRY_BUDGET_S = {"kernels": 240, "bench": 240, "e2e": 480, "paper": 240}
 HARD_LIMIT_GRACE_S = 30  # past its budget a child is killed; its JSON so far stays
 
