@@ -201,14 +201,25 @@ def stable(rows: list[dict]) -> list[dict]:
 def verify(committed: dict) -> list[str]:
     """Whether the committed report is what today's code compiles: every configuration
     lowers to the recorded IR digest and the sample compiles to the recorded registers and
-    spills. Returns the differing rows (empty: it stands)."""
+    spills, with the compilers the report was built with. Returns the differences (empty:
+    it stands)."""
+    from pagedjax.aot import fingerprint, report
+
+    changed = report.toolchain_changes(committed, fingerprint.toolchain(TARGET))
+    if changed:
+        return [f"toolchain: {c}" for c in changed]
     picked = sample(committed)
-    fresh = stable(build(picked)["rows"])
-    old = stable(committed["rows"])
-    if len(old) != len(fresh):
-        return [f"{len(old)} committed configurations vs {len(fresh)} now"]
+    return compare(committed["rows"], build(picked)["rows"], picked)
+
+
+def compare(committed: list[dict], fresh: list[dict], picked: set[int]) -> list[str]:
+    """Rows of a check build (``picked`` compiled, the rest lowered) that differ from the
+    committed ones: any IR digest or configuration, and the compiled rows' resources."""
+    old, new = stable(committed), stable(fresh)
+    if len(old) != len(new):
+        return [f"{len(old)} committed configurations vs {len(new)} now"]
     out = []
-    for i, (a, b) in enumerate(zip(old, fresh)):
+    for i, (a, b) in enumerate(zip(old, new)):
         if i not in picked and b["registers"] is None:
             a = dict(a, registers=None, spill_bytes=None)
         if a != b:
@@ -240,7 +251,10 @@ def main() -> None:
               f"{'  ERROR ' + r['error'] if r['error'] else ''}")
     print(json.dumps({k: v for k, v in res["summary"].items()}, default=str))
     if args.write:
-        out = {"target": res["target"], "rows": stable(res["rows"]), "summary": res["summary"]}
+        from pagedjax.aot import fingerprint
+
+        out = {"target": res["target"], **fingerprint.toolchain(TARGET),
+               "rows": stable(res["rows"]), "summary": res["summary"]}
         report_path().write_text(json.dumps(out, indent=1) + "\n")
         print("->", report_path())
 

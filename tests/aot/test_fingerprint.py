@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +168,26 @@ def test_mosaic_lowering_carries_no_source_file():
             S((), i32), S((), i32))
     text = lowered.as_text()
     assert "mosaic_gpu" in text and ".py" not in text
+
+
+def test_mosaic_check_reports_a_changed_row_in_or_out_of_the_sample():
+    from pagedjax.aot import mosaic
+
+    committed = json.loads(mosaic.report_path().read_text())
+    rows = committed["rows"]
+    picked = mosaic.sample(committed)
+    out = next(i for i in range(len(rows)) if i not in picked)
+    inside = min(picked)
+
+    def check(i=None, **change):
+        fresh = [dict(r, compile_s=1.0) if j in picked else
+                 dict(r, registers=None, spill_bytes=None) for j, r in enumerate(rows)]
+        if i is not None:
+            fresh[i] = dict(fresh[i], **change)
+        return mosaic.compare(rows, fresh, picked)
+
+    assert check() == []
+    assert check(out, ir="0" * 16)  # a kernel outside the sample changed
+    assert check(inside, registers=(rows[inside]["registers"] or 0) + 8)  # compiled: moved
+    assert check(inside, error="RuntimeError: x")
+    assert mosaic.compare(rows, rows[:-1], picked)
