@@ -127,11 +127,11 @@ def verify(target: str, committed: dict, log=print) -> list[str]:
     the same toolchain, every configuration and step lowering to the IR digest the report
     names (so its compile is the recorded one), and a sample compiled again to the recorded
     resources. Returns the differences (empty: the report stands)."""
+    changed = toolchain_changes(committed, fingerprint.toolchain(target))
+    if changed:  # before lowering anything: the digests would prove nothing
+        return [f"toolchain: {c}" for c in changed]
     fresh = build(target, log=log, compile_kernel=kernel_sample(committed).__contains__,
                   compile_step=step_sampled)
-    changed = toolchain_changes(committed, fresh)
-    if changed:
-        return [f"toolchain: {c}" for c in changed]
     return differences(project(committed, fresh), fresh)
 
 

@@ -15,7 +15,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import SingleDeviceSharding
 
-from pagedjax.aot import fingerprint, report
+from pagedjax.aot import fingerprint, report, step
 from pagedjax.aot.kernel_sweep import KernelCase, compile_case
 from pagedjax.aot.target import compile_only_devices
 from pallas_kernels.backend import triton_params
@@ -102,9 +102,7 @@ def _reports() -> tuple[dict, dict]:
                                   compiled=[entry, other]), steps=[step_row])
     fresh = copy.deepcopy(committed)
     fresh["kernels"]["compiled"][1]["rows"][0]["kernels"] = None
-    fresh["steps"][0].update(dict.fromkeys(
-        ("temp_mib", "kernels", "max_registers", "spilling", "max_smem", "attention_kernels",
-         "sampler_error", "sampler_spilling")))
+    fresh["steps"][0].update(dict.fromkeys(step.STEP_COMPILE_FIELDS))
     return committed, fresh
 
 
