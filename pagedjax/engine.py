@@ -615,6 +615,32 @@ class LLMEngine:
             if not withdraw:
                 self._pending.append(self.outputs.make_output(req, final=True))
 
+    def stop_samples(self, stops: Iterable[tuple[str, int, str]]) -> None:
+        """Finish single samples ``(request_id, output index, stop string)`` between steps, for
+        a stop string found outside the engine: `EngineProcess`'s front end decodes n > 1
+        streams itself (vLLM V1 finds stop strings in its front end too). The sample's blocks
+        are freed by the next step and a token it has on the device is dropped; its siblings
+        run on. Stopping a request's last live sample ends the request, with its final output
+        in the next step. Unknown requests and finished samples are ignored: the request may
+        have ended in the engine before the front end's word arrived."""
+        for rid, index, reason in stops:
+            req = self._requests.get(rid)
+            if req is None or req.is_beam:
+                continue
+            seq = next((s for s in req.group.seqs
+                        if req.seq_index.get(s.seq_id) == index and not s.status.is_finished),
+                       None)
+            if seq is None:
+                continue
+            req.stop_reason[seq.seq_id] = reason
+            if len(req.group.get_unfinished_seqs()) > 1:
+                self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, rid)
+                continue
+            seq.status = SequenceStatus.FINISHED_STOPPED  # the last one: the request ends
+            del self._requests[rid]
+            self.scheduler.abort_seq_group(rid)  # frees every sample's blocks, statuses kept
+            self._pending.append(self.outputs.make_output(req, final=True))
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._inflight is not None
 

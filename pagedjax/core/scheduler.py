@@ -358,7 +358,9 @@ class Scheduler:
             for seq in g.seqs:
                 if seq.status.is_finished:
                     self.bm.free(seq)
-            if g.is_finished() and self._groups.pop(g.request_id, None) is not None:
+            # By identity: an aborted group's id may already name a new request.
+            if g.is_finished() and self._groups.get(g.request_id) is g:
+                del self._groups[g.request_id]
                 done.append(g)
                 for q in (self.staging, self.swapped, self.waiting):
                     try:

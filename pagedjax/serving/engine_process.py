@@ -19,9 +19,9 @@ each all or none (`add_request_batches`, the rule of `AsyncEngine`'s in-process 
 so a request's error still reaches its client as a 400 before any stream starts, and a burst
 of clients waits one step, not one step each. Streams without beams or best_of > n go to
 the engine as output kind "delta_ids": the engine never detokenizes them and the parent
-decodes their ids (`_decode`). A single sequence's stop strings are found here as well, and
-the stopped request aborted in the child (`front_end_split`); n > 1 with stop strings keeps
-its text in the child (docs/v1-core.md "What is left").
+decodes their ids (`_decode`). Their stop strings are found here as well, each sample's on
+its own: a stopped sample is stopped in the child (`LLMEngine.stop_samples`), a request
+whose last sample stopped is aborted there (`front_end_split`).
 """
 
 from __future__ import annotations
@@ -164,6 +164,8 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
                     applied = cmd[1]
                     if cmd[0] == "abort":
                         engine.abort_request(cmd[2], withdraw=cmd[3])
+                    elif cmd[0] == "stop_samples":
+                        engine.stop_samples(cmd[2])
                     elif cmd[0] == "add":
                         results = [add_in_order(engine, items, params, cmd[3])
                                    for items, params in cmd[2]]
@@ -195,13 +197,14 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
 def front_end_split(params) -> tuple[SamplingParams, SamplingParams | None] | None:
     """How a streamed request runs text-free (output kind "delta_ids"): the params the engine
     gets, and the params whose stop strings the front end looks for (None: no stop strings).
-    A single sequence's stop strings move to the front end (the engine then needs no text);
-    n > 1 with stop strings, beams and best_of > n keep their text in the engine (None)."""
+    Stop strings move to the front end, each sample's on its own (the engine then needs no
+    text); beams and best_of > n keep their text in the engine (None): their outputs come at
+    the end, chosen by the engine."""
     if not isinstance(params, SamplingParams):
         return None
     stops = None
-    if (params.has_stop_strings and params.n == 1 and not params.use_beam_search
-            and params.best_of in (None, 1)):
+    if (params.has_stop_strings and not params.use_beam_search
+            and params.best_of in (None, params.n)):
         stops = params
         params = dataclasses.replace(params, stop=None, include_stop_str_in_output=False)
     return (params, stops) if text_free_ok(params) else None
@@ -228,11 +231,18 @@ class _FrontSeq:
 
 @dataclasses.dataclass
 class _FrontText:
-    """A text-free request: how to decode it and, for one sequence, its stop strings."""
+    """A text-free request: how to decode it, its stop strings, and which of its ``n``
+    samples have ended."""
 
     skip: bool
     stops: SamplingParams | None
+    n: int = 1
     seqs: dict[int, _FrontSeq] = dataclasses.field(default_factory=dict)
+    ended: set[int] = dataclasses.field(default_factory=set)  # finished, here or in the child
+    # Samples a stop string ended here while siblings run on: what the engine's later deltas
+    # of a finished sample say (no text, no tokens), sent in place of the child's, whose
+    # tokens past the stop are dropped.
+    stopped: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
 
 
 class EngineDied(RuntimeError):
@@ -277,12 +287,13 @@ class EngineProcess:
         self.inputs = info["inputs"]
         self.structured = None  # grammars compile in the child (a bad one: a 400 from there)
         # Text-free streams ("delta_ids", `front_end_split`) are decoded here, off the
-        # engine's process, with a single sequence's stop strings: rid -> `_FrontText`.
+        # engine's process, with their stop strings: rid -> `_FrontText`.
         self._decode_here = bool(info.get("text_free")) and decode_in_front
         self._detok = Detokenizer(self.tokenizer) if self._decode_here else None
         self._texts: dict[str, _FrontText] = {}
         self._dropping: set[str] = set()  # stopped here, the child's abort output not seen yet
         self.num_front_stops = 0  # streams a stop string ended here, before the child's end
+        self.num_front_sample_stops = 0  # samples of n > 1 streams stopped here, siblings on
         self._stats = info["stats"]
         self._send_lock = threading.Lock()
         self._cmd_ids = itertools.count(1)
@@ -361,14 +372,14 @@ class EngineProcess:
 
     def _text_free(self, items: list[tuple], params) -> tuple[list[tuple], object]:
         """Delta requests that may stream without text go as "delta_ids" and are decoded
-        here (`_decode`). A single sequence's stop strings are looked for here too: the child
-        gets the request without them."""
+        here (`_decode`). Their stop strings are looked for here too, each sample's: the
+        child gets the request without them."""
         split = front_end_split(params)
         if split is None or any(kind != "delta" for *_, kind in items):
             return items, params
         child, stops = split
         for rid, *_ in items:
-            self._texts[rid] = _FrontText(child.skip_special_tokens, stops)
+            self._texts[rid] = _FrontText(child.skip_special_tokens, stops, child.n)
         return [(rid, prompt, ids, arrival, "delta_ids")
                 for rid, prompt, ids, arrival, _ in items], child
 
@@ -377,10 +388,15 @@ class EngineProcess:
         batched `Detokenizer.step` over every sequence that got tokens, then stop strings,
         then what is left of each finished sequence; each output's text is what became
         visible since the last (`OutputProcessor._delta`'s rule: while a sequence runs with
-        stop strings, the last ``longest_stop - 1`` characters wait). A stop string found
-        here ends the stream and aborts the request in the child, whose later outputs for it
-        are dropped up to its abort output."""
-        kept, items, seqs_out = [], [], []
+        stop strings, the last ``longest_stop - 1`` characters wait).
+
+        A stop string found here ends its sample. While siblings run on, the child is told
+        to stop that sample (`LLMEngine.stop_samples`) and its tokens past the stop are
+        dropped here; the sample's later deltas say what the engine's would (finished, no
+        new text). When it ends the last running sample, the request ends here and is
+        aborted in the child, whose later outputs for it are dropped up to its abort
+        output."""
+        kept, items, seqs_out, sample_stops = [], [], [], []
         for o in outs:
             rid = o.request_id
             if rid in self._dropping:  # stopped here already: the child's tokens past the stop
@@ -391,7 +407,13 @@ class EngineProcess:
             front = self._texts.get(rid)
             if front is None:
                 continue
+            if front.stopped:
+                o.outputs = [front.stopped.get(c.index, c) for c in o.outputs]
             for c in o.outputs:
+                if c.index in front.stopped:
+                    continue
+                if c.finish_reason is not None:
+                    front.ended.add(c.index)
                 seq = front.seqs.get(c.index)
                 if seq is None:
                     seq = front.seqs[c.index] = _FrontSeq(o.prompt_token_ids)
@@ -411,12 +433,21 @@ class EngineProcess:
                 hit = OutputProcessor.find_stop(state, p, old)
                 if hit is not None:
                     c.finish_reason, c.stop_reason = "stop", hit
-                    if not o.finished:
+                    front.ended.add(c.index)
+                    rid = o.request_id
+                    if o.finished:  # the child's last output for it
+                        pass
+                    elif len(front.ended) >= front.n:  # its last running sample: the end
                         self.num_front_stops += 1
                         o.finished = True
-                        self._texts.pop(o.request_id, None)
-                        self._dropping.add(o.request_id)
-                        self.abort_request(o.request_id)
+                        self._texts.pop(rid, None)
+                        self._dropping.add(rid)
+                        self.abort_request(rid)
+                    else:
+                        front.stopped[c.index] = CompletionOutput(
+                            c.index, "", [], c.cumulative_logprob,
+                            None if c.logprobs is None else [], "stop", hit)
+                        sample_stops.append((rid, c.index, hit))
             if hit is None and c.finish_reason not in (None, "abort"):  # as the engine: an
                 self._detok.flush(seq.window, len(seq.ids), state, front.skip)  # abort keeps
                 # a partial character back
@@ -426,6 +457,14 @@ class EngineProcess:
                 visible = max(seq.chars_sent, visible - p.longest_stop + 1)
                 text = text[:visible - seq.chars_sent]
             c.text, seq.chars_sent = text, visible
+        # A request that ended here later in this batch is aborted whole instead.
+        sample_stops = [s for s in sample_stops if s[0] not in self._dropping]
+        if sample_stops and self._dead is None:
+            self.num_front_sample_stops += len(sample_stops)
+            try:
+                self._send("stop_samples", sample_stops)
+            except EngineDied:
+                pass
         return kept
 
     def add_request(self, request_id: str, prompt, params=None, prompt_token_ids=None,

@@ -125,3 +125,27 @@ def test_a_sequence_that_finishes_while_preempted_is_freed_where_it_waits():
         assert sched.bm.get_num_free_gpu_blocks() == 16
         assert sched.bm.get_num_free_cpu_blocks() == 16
         sched.bm.check_invariants()
+
+
+def test_an_aborted_group_finished_elsewhere_leaves_a_new_request_of_its_id_alone():
+    """A group that finished while preempted and was then aborted, its id taken at once by a
+    new request (a client retrying), is forgotten without touching the new one."""
+    from pagedjax.core.scheduler import _Step
+
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_seqs=8,
+                                      preemption_mode="swap"), BlockManager(16, 16, 4))
+    seq = Sequence(0, list(range(3, 12)))
+    g = SequenceGroup("r", [seq], 0.0, max_tokens=10, stops=TokenStops(frozenset({5})))
+    sched.add_seq_group(g)
+    sched.update_after_step(sched.schedule())
+    seq.num_pending = 1
+    sched.running.remove(g)
+    sched._preempt(_Step(64), g)
+    sched.update_from_output([SampledToken("r", seq, 5, 0.0, pending=True)], lambda: 0)
+    assert sched.abort_seq_group("r")
+    again = SequenceGroup("r", [Sequence(1, list(range(3, 9)))], 0.0, max_tokens=4)
+    sched.add_seq_group(again)
+    assert sched.free_finished_seq_groups() == []
+    assert sched.has_unfinished_seqs() and sched.abort_seq_group("r")  # still known
+    assert sched.bm.get_num_free_gpu_blocks() == 16 and sched.bm.get_num_free_cpu_blocks() == 16
+    sched.bm.check_invariants()

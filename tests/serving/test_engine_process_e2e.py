@@ -99,7 +99,48 @@ TEXT_PARAMS = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
                               skip_special_tokens=False),
                SamplingParams(temperature=0.0, max_tokens=16, stop=[".", ","]),  # found in front
-               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, stop=[" the"])]
+               SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, stop=[" the"]),
+               # Samples stopped one at a time in the front end, siblings running on.
+               SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=24, logprobs=1,
+                              stop=[" the", ",", "."]),
+               SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=20, min_tokens=3,
+                              stop=[" a", "\n", "."], include_stop_str_in_output=True)]
+
+
+def _in_process_deltas(engine, prompts, params) -> list[list[tuple]]:
+    """Each request's delta outputs from the engine itself, as `_delta_rows`."""
+    got: dict[str, list] = {}
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"ref{i}", prompt, p, output_kind="delta")
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            got.setdefault(o.request_id, []).append(_delta_rows(o))
+    return [_said(got[f"ref{i}"]) for i in range(len(prompts))]
+
+
+def _delta_rows(o) -> tuple:
+    return o.finished, tuple((c.index, c.text, tuple(c.token_ids), c.cumulative_logprob,
+                              c.finish_reason, c.stop_reason) for c in o.outputs)
+
+
+def _same(a: list[tuple], b: list[tuple]) -> bool:
+    """Equal outputs; cumulative logprobs to float noise (a step's rows change the matmul's
+    rounding)."""
+    def strip(rows):
+        return [(f, tuple(c[:3] + c[4:] for c in comps)) for f, comps in rows]
+
+    def lps(rows):
+        return [c[3] for _, comps in rows for c in comps]
+
+    return strip(a) == strip(b) and all(
+        x is None and y is None or x is not None and y is not None and abs(x - y) < 1e-3
+        for x, y in zip(lps(a), lps(b), strict=True))
+
+
+def _said(rows: list[tuple]) -> list[tuple]:
+    """The outputs that say something: a prompt prefilled in two chunks (how the step's token
+    budget fell) gives an empty output for the first."""
+    return [r for r in rows if r[0] or any(c[1] or c[2] or c[4] for c in r[1])]
 
 
 def test_delta_ids_carry_the_delta_tokens_without_text(offline):
@@ -119,8 +160,9 @@ def test_delta_ids_carry_the_delta_tokens_without_text(offline):
 
 def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, offline):
     """The parent decodes "delta_ids" streams with the engine's incremental detokenizer and
-    looks for a single sequence's stop strings itself: the clients' texts equal the offline
-    engine's."""
+    looks for stop strings itself, each sample's on its own: every delta output the clients
+    get equals the in-process engine's (text, tokens, finish and stop reasons), and the
+    final texts the offline engine's."""
     import functools
 
     from pagedjax.engine import LLMEngine
@@ -134,8 +176,9 @@ def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, o
     decode = proc._decode
     proc._decode = lambda outs: (decoded.append(len(outs)), decode(outs))[1]
     aeng = AsyncEngine(proc).start()
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(12)]
-    params = [TEXT_PARAMS[i % len(TEXT_PARAMS)] for i in range(12)]
+    num = 2 * len(TEXT_PARAMS)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num)]
+    params = [TEXT_PARAMS[i % len(TEXT_PARAMS)] for i in range(num)]
     try:
         async def run():
             async def one(i):
@@ -145,22 +188,26 @@ def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, o
                 for _ in range(2 if params[i].has_stop_strings else 1):
                     stream = await aeng.add_request_async(f"t{i}", prompts[i], params[i],
                                                           delta=True)
-                    texts: dict[int, str] = {}
-                    async for o in stream:
-                        for c in o.outputs:
-                            texts[c.index] = texts.get(c.index, "") + c.text
-                    runs.append(texts)
-                assert all(r == runs[0] for r in runs), runs
+                    runs.append(_said([_delta_rows(o) async for o in stream]))
+                assert all(_same(r, runs[0]) for r in runs), runs
                 return runs[0]
 
-            return await asyncio.gather(*(one(i) for i in range(12)))
+            return await asyncio.gather(*(one(i) for i in range(num)))
 
         streamed = asyncio.run(run())
     finally:
         aeng.shutdown()
         assert proc.close() == 0
+    for i, (got, want) in enumerate(zip(streamed,
+                                        _in_process_deltas(offline.engine, prompts, params))):
+        assert _same(got, want), (i, got, want)
     expected = offline.generate(prompts, params, use_tqdm=False)
     for i, (got, want) in enumerate(zip(streamed, expected)):
-        assert [got[c.index] for c in want.outputs] == [c.text for c in want.outputs], i
+        texts = {}
+        for _, comps in got:
+            for index, text, *_ in comps:
+                texts[index] = texts.get(index, "") + text
+        assert [texts[c.index] for c in want.outputs] == [c.text for c in want.outputs], i
     assert sum(decoded) > 0 and not proc._texts and not proc._dropping  # nothing left behind
     assert proc.num_front_stops >= 2  # stop strings found in the front end, mid-stream
+    assert proc.num_front_sample_stops >= 2  # samples stopped there, siblings running on
