@@ -407,8 +407,11 @@ class EngineProcess:
             front = self._texts.get(rid)
             if front is None:
                 continue
-            if front.stopped:
-                o.outputs = [front.stopped.get(c.index, c) for c in o.outputs]
+            if front.stopped:  # a fresh copy each time: consumers may extend its lists
+                o.outputs = [c if (s := front.stopped.get(c.index)) is None else
+                             dataclasses.replace(s, token_ids=[], logprobs=None
+                                                 if s.logprobs is None else [])
+                             for c in o.outputs]
             for c in o.outputs:
                 if c.index in front.stopped:
                     continue
