@@ -19,8 +19,10 @@ decode steps are reported (with 200, p99 is the second slowest), for each sampli
 an output per request per step, as a library caller streaming; `delta`: an output per request
 per step holding only what is new, as the HTTP and gRPC servers ask; `final_only`: as
 `LLM.generate`; `engine_process`: the servers' deltas as `pagedjax serve --engine-process`
-asks for them, text-free (`delta_ids`, a single sequence's stop strings left to the front
-end), plus turning each step's outputs into the pipe's message; `--kinds` picks).
+asks for them, text-free (`delta_ids`, stop strings left to the front end), plus turning each
+step's outputs into the pipe's message, running deltas made as rows (`LLMEngine.pipe_rows`);
+`engine_process_objects`: the same with every output made as a `RequestOutput` first, the
+A/B baseline of those rows; `--kinds` picks).
 """
 
 from __future__ import annotations
@@ -224,7 +226,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             else:
                 sp = SamplingParams(temperature=0, max_tokens=steps + 200, ignore_eos=True)
             kind = output_kind
-            if output_kind == "engine_process":  # as `EngineProcess` asks for a server's deltas
+            if output_kind.startswith("engine_process"):  # as `EngineProcess` asks for deltas
                 split = front_end_split(sp)
                 kind, sp = ("delta", sp) if split is None else ("delta_ids", split[0])
             engine.add_request(f"r{i}", None, sp, output_kind=kind,
@@ -247,7 +249,8 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         times = []
         if phases is not None:
             phases.on = True
-        ipc = output_kind == "engine_process"
+        ipc = output_kind.startswith("engine_process")
+        engine.pipe_rows = output_kind == "engine_process"  # as the engine process's child
         sent: set[str] = set()
         engine._memory = {}  # fixed for a real engine's life, computed once; the stub has none
         for _ in range(steps):

@@ -206,6 +206,9 @@ class _InFlight:
 class LLMEngine:
     CACHE_RETRY_S = 0.5  # pause between attempts to rebuild a lost KV cache
     output_kinds = OUTPUT_KINDS  # what `add_request` takes ("delta_ids": text-free deltas)
+    # Set by the engine process's child: `step` returns a running text-free one-sequence
+    # delta as its pipe row (`OutputProcessor.delta_row`) instead of a `RequestOutput`.
+    pipe_rows = False
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer,
                  engine_config: EngineConfig | None = None,
@@ -788,15 +791,20 @@ class LLMEngine:
                                     if req.grammar is not None for s in req.group.seqs
                                     if not s.is_finished()})
         requests, make_output = self._requests, self.outputs.make_output
+        rows, delta_row = self.pipe_rows, OutputProcessor.delta_row
         for rid in touched:
             req = requests.get(rid)
             if req is None:
                 continue
-            if req.group.is_finished():
+            final = req.group.is_finished()
+            if final:
                 del requests[rid]
-                outputs.append(make_output(req, True))
-            elif req.streams:
-                outputs.append(make_output(req, False))
+            elif not req.streams:
+                continue
+            if rows and req.sent and req.pipe_row:
+                outputs.append(delta_row(req, final))
+            else:
+                outputs.append(make_output(req, final))
         return outputs
 
     def _rebuild_cache(self, error: str) -> list[RequestOutput]:

@@ -89,6 +89,9 @@ class RequestState:
         # And wants no logprob at all, one sample: its tokens may come from the screened LM
         # head, which computes none (`LLMEngine._plain_greedy`).
         self.screenable = self.plain_greedy and p.logprobs is None and self.num_samples == 1
+        # Its deltas may go to the engine process's pipe as rows (`OutputProcessor.delta_row`).
+        self.pipe_row = (self.text_free and self.num_samples == 1 and not self.is_beam
+                         and p.prompt_logprobs is None)
 
     @property
     def num_samples(self) -> int:
@@ -275,6 +278,28 @@ class OutputProcessor:
                              self.prompt_logprobs_out(req)
                              if req.params.prompt_logprobs is not None else None,
                              req.num_cached_tokens or 0, None, req.first_scheduled_time)
+
+    @staticmethod
+    def delta_row(req: RequestState, final: bool) -> tuple:
+        """`make_output` of a text-free one-sequence delta after its first output, built
+        straight as `encode_outputs`' row (the engine process's pipe format): no
+        `RequestOutput` / `CompletionOutput` objects to make and take apart again, ~1 us a
+        request a step. Its prompt went with the first output; the text is the front end's."""
+        seq = req.group.seqs[0]
+        sid = seq.seq_id
+        out = seq.output_token_ids
+        n = len(out)
+        sent = req.sent[sid][0]
+        req.sent[sid] = (n, 0)  # a text-free state releases no text
+        if req.params.logprobs is None:
+            comp = (req.seq_index[sid], "", out[sent:n], None, None,
+                    FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
+        else:
+            comp = (req.seq_index[sid], "", out[sent:n], seq.cumulative_logprob,
+                    req.logprobs[sid][sent:n], FINISH_REASON.get(seq.status),
+                    req.stop_reason.get(sid))
+        return (req.request_id, None, [comp], final, None, req.num_cached_tokens or 0, None,
+                req.first_scheduled_time)
 
     @staticmethod
     def prompt_logprobs_out(req: RequestState) -> list[dict[int, float] | None] | None:

@@ -89,6 +89,11 @@ def encode_outputs(outs: list, sent_prompts: set[str]) -> list[tuple]:
     pipe). A request's prompt text and ids travel with its first output only."""
     rows = []
     for o in outs:
+        if type(o) is tuple:  # made as a row by the engine (`LLMEngine.pipe_rows`)
+            if o[3]:
+                sent_prompts.discard(o[0])
+            rows.append(o)
+            continue
         rid = o.request_id
         prompt = None
         if rid not in sent_prompts:
@@ -143,6 +148,8 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
     or the parent goes away."""
     try:
         engine = factory(*args)
+        if hasattr(engine, "pipe_rows"):
+            engine.pipe_rows = True  # its running deltas come as rows for `encode_outputs`
         conn.send(("ready", _front_info(engine)))
     except BaseException as exc:
         logger.exception("engine process failed to start")
