@@ -445,6 +445,35 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)
+    plot(res, out.with_suffix(".png"))
+
+
+def plot(res: dict, path: Path) -> None:
+    """Each configuration's median per rep (dots) and p99 (crosses), by output kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    configs = list(dict.fromkeys((r["output_kind"], r["mix"], r["num_seqs"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(configs), 4))
+    for x, cfg in enumerate(configs):
+        mine = [r for r in rows if (r["output_kind"], r["mix"], r["num_seqs"]) == cfg]
+        ax.scatter([x] * len(mine), [r["median_ms"] for r in mine], color="C0",
+                   label="median per rep" if x == 0 else None)
+        ax.scatter([x] * len(mine), [r["p99_ms"] for r in mine], color="C3", marker="x",
+                   label="p99 per rep" if x == 0 else None)
+    ax.set_xticks(range(len(configs)),
+                  [f"{k}\n{m}, {n} seqs" for k, m, n in configs], fontsize=7)
+    ax.set_ylabel("host ms per decode step (device stubbed)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"bench/host_overhead.py, load {res['load_avg_1m_at_start']:.2f} at start",
+                 fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
