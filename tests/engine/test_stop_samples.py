@@ -96,3 +96,64 @@ def test_stopped_samples_end_and_their_siblings_run_on(tiny, async_scheduling, m
     # The engine stopped computing them: what it generated shrank by what the plan cut.
     cut = sum(len(full[k]) - len(got[k]) for k in plan)
     assert cut > 50 and total <= full_total - cut + 3 * len(plan)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_stops_aborts_and_reused_ids_under_preemption_leave_nothing_behind(tiny, mode):
+    """A front end's worst case: samples stopped while their request is preempted, the
+    request aborted and its id reused at once, all between two steps. Every incarnation of
+    every id ends exactly once, without an error, none stalls, and the pool is whole."""
+    config, params = tiny
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=20, block_size=8,
+                          max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128,
+                          preemption_mode=mode, swap_space_gb=0.01, async_scheduling=True)
+    engine = llm.engine
+    rng = np.random.default_rng(11 if mode == "swap" else 12)
+    ids = [f"a{i}" for i in range(6)]
+    live: dict[str, int] = {}  # id -> incarnations still to end (an abort's end comes later)
+    made = ended = steps = 0
+
+    def add(rid: str) -> None:
+        nonlocal made
+        prompt = [int(t) for t in rng.integers(3, config.vocab_size, int(rng.integers(4, 40)))]
+        sp = SamplingParams(n=int(rng.integers(1, 4)), temperature=1.0,
+                            seed=int(rng.integers(1 << 20)), max_tokens=int(rng.integers(4, 40)),
+                            ignore_eos=True)
+        engine.add_request(rid, None, sp, prompt_token_ids=prompt, output_kind="delta_ids")
+        live[rid] = live.get(rid, 0) + 1
+        made += 1
+
+    while made < 120 or engine.has_unfinished_requests():
+        steps += 1
+        assert steps < 3000, "a request stalled"
+        # Half the time aim at a preempted request whose samples have forked.
+        preempted = [g.request_id for g in [*engine.scheduler.swapped, *engine.scheduler.waiting]
+                     if len(g.seqs) > 1]
+        # Once every request is in, the rest must end by themselves: none may stall.
+        for _ in range(int(rng.integers(0, 4)) if made < 120 else 0):
+            op = rng.random()
+            rid = ids[int(rng.integers(len(ids)))]
+            if preempted and rng.random() < 0.5:
+                rid = preempted[int(rng.integers(len(preempted)))]
+            if rid not in live:
+                add(rid)
+            elif op < 0.5:
+                engine.stop_samples([(rid, int(rng.integers(3)), "x")])
+                if rid in preempted and rng.random() < 0.5:
+                    engine.abort_request(rid)  # its group has a sample finished elsewhere
+                    add(rid)
+            elif op < 0.7:
+                engine.abort_request(rid)
+                add(rid)  # the id reused before the next step
+        for out in engine.step():
+            assert out.error is None, out.error  # a lost scheduler entry fails its request
+            if out.finished:
+                live[out.request_id] -= 1
+                if not live[out.request_id]:
+                    del live[out.request_id]
+                ended += 1
+    assert ended == made and not live
+    assert engine.get_stats().num_preemptions_total > 0
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
