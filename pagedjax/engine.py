@@ -509,7 +509,8 @@ class LLMEngine:
         `len(longest stop) - 1` characters wait, since a stop string may still cut them);
         "final_only" returns one output when it finishes (offline batches); "delta_ids" is
         "delta" without text, never detokenized here (a front end in another process decodes
-        the ids, `EngineProcess`), for requests without stop strings, beams or best_of > n.
+        the ids, `EngineProcess`), for requests without stop strings or beams (best_of > n:
+        its one output at the end, the chosen samples' whole ids).
 
         `strict_limits` (the servers pass True): refuse a request whose prompt + `max_tokens`
         exceeds `max_model_len` (as vLLM's OpenAI server does) or whose samples, all grown to

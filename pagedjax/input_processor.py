@@ -30,10 +30,9 @@ class ProcessedRequest:
 
 def text_free_ok(params: SamplingParams) -> bool:
     """Whether a request may stream outputs without text (output_kind "delta_ids"): nothing
-    in the engine then reads its text (no stop strings), and each step's output holds that
-    step's tokens (no beams, no best_of > n, whose outputs come at the end)."""
-    return not (params.has_stop_strings or params.use_beam_search
-                or (params.best_of is not None and params.best_of > params.n))
+    in the engine then reads its text (no stop strings; beam search decodes its hypotheses
+    itself). best_of > n may: its one output, at the end, holds the chosen samples' ids."""
+    return not (params.has_stop_strings or params.use_beam_search)
 
 
 class InputProcessor:
@@ -68,7 +67,7 @@ class InputProcessor:
             raise ValueError("sampling_params: expected SamplingParams or dict")
         if output_kind == "delta_ids" and not text_free_ok(params):
             raise ValueError("output_kind: 'delta_ids' (outputs without text) needs a request "
-                             "without stop strings, beam search or best_of > n")
+                             "without stop strings or beam search")
         ids = self.validate_prompt(prompt, prompt_token_ids)
         if params.prompt_logprobs is not None and self.enable_prefix_caching:
             # Cached prefix tokens are never computed, so they would have no logprobs.

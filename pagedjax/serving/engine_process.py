@@ -17,7 +17,7 @@ model's limits, `max_output_tokens`) comes once, in the child's first message.
 The client requests that arrived since the child's last step are admitted in one message,
 each all or none (`add_request_batches`, the rule of `AsyncEngine`'s in-process admission),
 so a request's error still reaches its client as a 400 before any stream starts, and a burst
-of clients waits one step, not one step each. Streams without beams or best_of > n go to
+of clients waits one step, not one step each. Streams without beams go to
 the engine as output kind "delta_ids": the engine never detokenizes them and the parent
 decodes their ids (`_decode`). Their stop strings are found here as well, each sample's on
 its own: a stopped sample is stopped in the child (`LLMEngine.stop_samples`), a request
@@ -205,8 +205,8 @@ def front_end_split(params) -> tuple[SamplingParams, SamplingParams | None] | No
     """How a streamed request runs text-free (output kind "delta_ids"): the params the engine
     gets, and the params whose stop strings the front end looks for (None: no stop strings).
     Stop strings move to the front end, each sample's on its own (the engine then needs no
-    text); beams and best_of > n keep their text in the engine (None): their outputs come at
-    the end, chosen by the engine."""
+    text). Beams, and best_of > n with stop strings, keep their text in the engine (None): the
+    engine chooses their outputs at the end, by text it must have cut at the stops."""
     if not isinstance(params, SamplingParams):
         return None
     stops = None
@@ -400,10 +400,10 @@ class EngineProcess:
         A stop string found here ends its sample. While siblings run on, the child is told
         to stop that sample (`LLMEngine.stop_samples`) and its tokens past the stop are
         dropped here; the sample's later deltas say what the engine's would (finished, no
-        new text). When it ends the last running sample, the request ends here and is
-        aborted in the child, whose later outputs for it are dropped up to its abort
-        output."""
-        kept, items, seqs_out, sample_stops = [], [], [], []
+        new text). Once every sample has ended, here or in the child, the request ends
+        here with that output and is aborted in the child, whose later outputs for it are
+        dropped up to its end."""
+        kept, items, seqs_out, sample_stops, running = [], [], [], [], []
         for o in outs:
             rid = o.request_id
             if rid in self._dropping:  # stopped here already: the child's tokens past the stop
@@ -433,6 +433,8 @@ class EngineProcess:
                 seqs_out.append((o, c, front, seq, seq.state.length))
             if o.finished:
                 del self._texts[rid]
+            else:
+                running.append((o, front))
         if items:
             self._detok.step(items)
         for o, c, front, seq, old in seqs_out:
@@ -444,20 +446,11 @@ class EngineProcess:
                 if hit is not None:
                     c.finish_reason, c.stop_reason = "stop", hit
                     front.ended.add(c.index)
-                    rid = o.request_id
-                    if o.finished:  # the child's last output for it
-                        pass
-                    elif len(front.ended) >= front.n:  # its last running sample: the end
-                        self.num_front_stops += 1
-                        o.finished = True
-                        self._texts.pop(rid, None)
-                        self._dropping.add(rid)
-                        self.abort_request(rid)
-                    else:
+                    if not o.finished:
                         front.stopped[c.index] = CompletionOutput(
                             c.index, "", [], c.cumulative_logprob,
                             None if c.logprobs is None else [], "stop", hit)
-                        sample_stops.append((rid, c.index, hit))
+                        sample_stops.append((o.request_id, c.index, hit))
             if hit is None and c.finish_reason not in (None, "abort"):  # as the engine: an
                 self._detok.flush(seq.window, len(seq.ids), state, front.skip)  # abort keeps
                 # a partial character back
@@ -467,7 +460,18 @@ class EngineProcess:
                 visible = max(seq.chars_sent, visible - p.longest_stop + 1)
                 text = text[:visible - seq.chars_sent]
             c.text, seq.chars_sent = text, visible
-        # A request that ended here later in this batch is aborted whole instead.
+        # Every sample ended, one or more by a stop string here: the request ends with this
+        # output, as in the engine (its siblings' ends may have come with this output or
+        # before), and is aborted in the child, whose outputs for it are dropped up to its
+        # end. Its samples stopped in this batch need no word of their own.
+        for o, front in running:
+            if front.stopped and len(front.ended) >= front.n:
+                rid = o.request_id
+                self.num_front_stops += 1
+                o.finished = True
+                self._texts.pop(rid, None)
+                self._dropping.add(rid)
+                self.abort_request(rid)
         sample_stops = [s for s in sample_stops if s[0] not in self._dropping]
         if sample_stops and self._dead is None:
             self.num_front_sample_stops += len(sample_stops)

@@ -171,3 +171,79 @@ def test_a_burst_of_clients_is_admitted_between_two_steps_not_one_a_step():
     finally:
         a.shutdown()
         assert p.close() == 0
+
+
+class _CharTokenizer:
+    """Token t is the letter ``chr(97 + t)``."""
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return "".join(chr(97 + t) for t in ids)
+
+
+def _front_end():
+    """An `EngineProcess`'s front end alone: its `_decode`, with the commands it sends kept."""
+    from pagedjax.detokenizer import Detokenizer
+
+    ep = object.__new__(EngineProcess)
+    ep._detok = Detokenizer(_CharTokenizer())
+    ep._texts, ep._dropping, ep._dead = {}, set(), None
+    ep.num_front_stops = ep.num_front_sample_stops = 0
+    sent = []
+    ep._send = lambda kind, *payload, reply=None: sent.append((kind, *payload))
+    return ep, sent
+
+
+def _out(finished: bool, *comps):
+    from pagedjax.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", None, [0], [CompletionOutput(i, "", list(t), None, None, f, None)
+                                          for i, t, f in comps], finished)
+
+
+def _said(outs) -> list:
+    return [(o.finished, [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                          for c in o.outputs]) for o in outs]
+
+
+def test_a_request_ends_in_the_front_end_when_its_last_sibling_ends_in_the_child():
+    """A sample stopped in the front end runs on in the child until the word arrives; if its
+    siblings end in the child meanwhile, the request ends with that output, as in the
+    engine, not with a later one."""
+    from pagedjax.sampling_params import SamplingParams
+    from pagedjax.serving.engine_process import _FrontText
+
+    ep, sent = _front_end()
+    ep._texts["r"] = _FrontText(True, SamplingParams(n=2, stop=["x"]), 2)
+    x = ord("x") - 97
+    assert _said(ep._decode([_out(False, (0, [0], None), (1, [1], None))])) == \
+        [(False, [(0, "a", [0], None, None), (1, "b", [1], None, None)])]
+    assert _said(ep._decode([_out(False, (0, [x], None), (1, [2], None))])) == \
+        [(False, [(0, "", [x], "stop", "x"), (1, "c", [2], None, None)])]
+    assert sent == [("stop_samples", [("r", 0, "x")])]
+    # The child ran sample 0 one token past its stop and ended sample 1 by its length.
+    assert _said(ep._decode([_out(False, (0, [3], None), (1, [4], "length"))])) == \
+        [(True, [(0, "", [], "stop", "x"), (1, "e", [4], "length", None)])]
+    assert sent[1:] == [("abort", ["r"], False)]
+    assert ep._decode([_out(True, (0, [], "stop"), (1, [], "length"))]) == []  # its end
+    assert not ep._texts and not ep._dropping
+    assert (ep.num_front_stops, ep.num_front_sample_stops) == (1, 1)
+
+
+def test_samples_stopped_in_the_front_end_say_so_in_later_outputs_until_the_last_stops():
+    from pagedjax.sampling_params import SamplingParams
+    from pagedjax.serving.engine_process import _FrontText
+
+    ep, sent = _front_end()
+    ep._texts["r"] = _FrontText(True, SamplingParams(n=3, stop=["x"]), 3)
+    x = ord("x") - 97
+    ep._decode([_out(False, (0, [x], None), (1, [1], None), (2, [2], None))])
+    got = _said(ep._decode([_out(False, (0, [5], None), (1, [x], None), (2, [3], None))]))
+    assert got == [(False, [(0, "", [], "stop", "x"), (1, "", [x], "stop", "x"),
+                            (2, "d", [3], None, None)])]
+    assert sent == [("stop_samples", [("r", 0, "x")]), ("stop_samples", [("r", 1, "x")])]
+    got = _said(ep._decode([_out(False, (0, [], "stop"), (1, [6], None), (2, [x], None))]))
+    assert got == [(True, [(0, "", [], "stop", "x"), (1, "", [], "stop", "x"),
+                           (2, "", [x], "stop", "x")])]
+    assert sent[2:] == [("abort", ["r"], False)]  # the last one: no stop_samples of its own
+    assert ep._decode([_out(True, (0, [], "stop"), (1, [], "stop"), (2, [], "abort"))]) == []
+    assert not ep._texts and not ep._dropping

@@ -104,43 +104,45 @@ TEXT_PARAMS = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=24, logprobs=1,
                               stop=[" the", ",", "."]),
                SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=20, min_tokens=3,
-                              stop=[" a", "\n", "."], include_stop_str_in_output=True)]
+                              stop=[" a", "\n", "."], include_stop_str_in_output=True),
+               # One output at the end, the best two of four, decoded in the front end.
+               SamplingParams(n=2, best_of=4, temperature=1.0, seed=8, max_tokens=16)]
 
 
-def _in_process_deltas(engine, prompts, params) -> list[list[tuple]]:
-    """Each request's delta outputs from the engine itself, as `_delta_rows`."""
+def _in_process_deltas(engine, prompts, params) -> list[dict]:
+    """Each request's delta outputs from the engine itself, `_merged`."""
     got: dict[str, list] = {}
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"ref{i}", prompt, p, output_kind="delta")
     while engine.has_unfinished_requests():
         for o in engine.step():
-            got.setdefault(o.request_id, []).append(_delta_rows(o))
-    return [_said(got[f"ref{i}"]) for i in range(len(prompts))]
+            got.setdefault(o.request_id, []).append(o)
+    return [_merged(got[f"ref{i}"]) for i in range(len(prompts))]
 
 
-def _delta_rows(o) -> tuple:
-    return o.finished, tuple((c.index, c.text, tuple(c.token_ids), c.cumulative_logprob,
-                              c.finish_reason, c.stop_reason) for c in o.outputs)
+def _merged(outs) -> dict[int, list]:
+    """A stream's deltas put together per sample: text, tokens, the last cumulative logprob,
+    finish and stop reasons. Only the last output is finished. (The outputs themselves may
+    differ: a stream whose consumer is behind gets its pending deltas merged.)"""
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    acc: dict[int, list] = {}
+    for o in outs:
+        for c in o.outputs:
+            a = acc.setdefault(c.index, ["", [], None, None, None])
+            a[0] += c.text
+            a[1] += c.token_ids
+            a[2:] = c.cumulative_logprob, c.finish_reason, c.stop_reason
+    return acc
 
 
-def _same(a: list[tuple], b: list[tuple]) -> bool:
+def _same(a: dict[int, list], b: dict[int, list]) -> bool:
     """Equal outputs; cumulative logprobs to float noise (a step's rows change the matmul's
     rounding)."""
-    def strip(rows):
-        return [(f, tuple(c[:3] + c[4:] for c in comps)) for f, comps in rows]
+    def lp_close(x, y):
+        return x is None and y is None or x is not None and y is not None and abs(x - y) < 1e-3
 
-    def lps(rows):
-        return [c[3] for _, comps in rows for c in comps]
-
-    return strip(a) == strip(b) and all(
-        x is None and y is None or x is not None and y is not None and abs(x - y) < 1e-3
-        for x, y in zip(lps(a), lps(b), strict=True))
-
-
-def _said(rows: list[tuple]) -> list[tuple]:
-    """The outputs that say something: a prompt prefilled in two chunks (how the step's token
-    budget fell) gives an empty output for the first."""
-    return [r for r in rows if r[0] or any(c[1] or c[2] or c[4] for c in r[1])]
+    return sorted(a) == sorted(b) and all(
+        a[i][:2] + a[i][3:] == b[i][:2] + b[i][3:] and lp_close(a[i][2], b[i][2]) for i in a)
 
 
 def test_delta_ids_carry_the_delta_tokens_without_text(offline):
@@ -160,9 +162,9 @@ def test_delta_ids_carry_the_delta_tokens_without_text(offline):
 
 def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, offline):
     """The parent decodes "delta_ids" streams with the engine's incremental detokenizer and
-    looks for stop strings itself, each sample's on its own: every delta output the clients
-    get equals the in-process engine's (text, tokens, finish and stop reasons), and the
-    final texts the offline engine's."""
+    looks for stop strings itself, each sample's on its own: what the clients get equals
+    the in-process engine's deltas (text, tokens, finish and stop reasons, per sample), and
+    the offline engine's outputs."""
     import functools
 
     from pagedjax.engine import LLMEngine
@@ -188,7 +190,7 @@ def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, o
                 for _ in range(2 if params[i].has_stop_strings else 1):
                     stream = await aeng.add_request_async(f"t{i}", prompts[i], params[i],
                                                           delta=True)
-                    runs.append(_said([_delta_rows(o) async for o in stream]))
+                    runs.append(_merged([o async for o in stream]))
                 assert all(_same(r, runs[0]) for r in runs), runs
                 return runs[0]
 
@@ -203,11 +205,8 @@ def test_text_free_deltas_decoded_in_the_front_end_match_the_engine(demo_gguf, o
         assert _same(got, want), (i, got, want)
     expected = offline.generate(prompts, params, use_tqdm=False)
     for i, (got, want) in enumerate(zip(streamed, expected)):
-        texts = {}
-        for _, comps in got:
-            for index, text, *_ in comps:
-                texts[index] = texts.get(index, "") + text
-        assert [texts[c.index] for c in want.outputs] == [c.text for c in want.outputs], i
+        assert [(got[c.index][0], got[c.index][3], got[c.index][4]) for c in want.outputs] == \
+            [(c.text, c.finish_reason, c.stop_reason) for c in want.outputs], i
     assert sum(decoded) > 0 and not proc._texts and not proc._dropping  # nothing left behind
     assert proc.num_front_stops >= 2  # stop strings found in the front end, mid-stream
     assert proc.num_front_sample_stops >= 2  # samples stopped there, siblings running on
