@@ -283,7 +283,7 @@ class OutputProcessor:
     def delta_row(req: RequestState, final: bool) -> tuple:
         """`make_output` of a text-free one-sequence delta after its first output, built
         straight as `encode_outputs`' row (the engine process's pipe format): no
-        `RequestOutput` / `CompletionOutput` objects to make and take apart again, ~1 us a
+        `RequestOutput` / `CompletionOutput` objects to make and take apart again, ~2 us a
         request a step. Its prompt went with the first output; the text is the front end's."""
         seq = req.group.seqs[0]
         sid = seq.seq_id
