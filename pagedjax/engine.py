@@ -640,10 +640,9 @@ class LLMEngine:
             if len(req.group.get_unfinished_seqs()) > 1:
                 self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, rid)
                 continue
-            seq.status = SequenceStatus.FINISHED_STOPPED  # the last one: the request ends
-            del self._requests[rid]
-            self.scheduler.abort_seq_group(rid)  # frees every sample's blocks, statuses kept
-            self._pending.append(self.outputs.make_output(req, final=True))
+            # The last one: the request ends as an abort does, every sample's status kept.
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            self.abort_request(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self._inflight is not None

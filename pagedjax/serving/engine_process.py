@@ -86,7 +86,9 @@ def _portable(exc: BaseException) -> BaseException:
 def encode_outputs(outs: list, sent_prompts: set[str]) -> list[tuple]:
     """A step's `RequestOutput`s as plain tuples, which pickle ~6x faster than the slotted
     dataclasses (256 one-token outputs: 0.2 against 1.35 ms on the engine's side of the
-    pipe). A request's prompt text and ids travel with its first output only."""
+    pipe). A request's prompt text and ids travel with its first output only. The engine
+    makes some rows itself (`OutputProcessor.delta_row`, the same layout;
+    tests/engine/test_pipe_rows.py holds the two equal)."""
     rows = []
     for o in outs:
         if type(o) is tuple:  # made as a row by the engine (`LLMEngine.pipe_rows`)

@@ -117,6 +117,7 @@ def _in_process_deltas(engine, prompts, params) -> list[dict]:
     while engine.has_unfinished_requests():
         for o in engine.step():
             got.setdefault(o.request_id, []).append(o)
+    assert engine.block_manager.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
     return [_merged(got[f"ref{i}"]) for i in range(len(prompts))]
 
 
