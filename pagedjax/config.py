@@ -28,7 +28,9 @@ class EngineConfig:
     swap_space_gb: float = 0.25
     enable_prefix_caching: bool = False
     enable_chunked_prefill: bool = False
-    scheduling_policy: str = "fcfs"  # "fcfs" | "srtf"
+    # "fcfs" | "priority" (vLLM's: each request's `priority`, lower first, may preempt
+    # running requests of a lower priority) | "srtf" (thesis Alg. 2).
+    scheduling_policy: str = "fcfs"
     attention_backend: str | None = None  # "pallas" | "xla" | "cpu" | None (auto by platform)
     seed: int = 0
     tensor_parallel_size: int = 1
@@ -109,8 +111,8 @@ class EngineConfig:
         need(self.preemption_mode in ("recompute", "swap"), "preemption_mode",
              f"must be 'recompute' or 'swap'; got {self.preemption_mode!r}")
         need(self.swap_space_gb >= 0, "swap_space_gb", "must be >= 0")
-        need(self.scheduling_policy in ("fcfs", "srtf"), "scheduling_policy",
-             f"must be 'fcfs' or 'srtf'; got {self.scheduling_policy!r}")
+        need(self.scheduling_policy in ("fcfs", "priority", "srtf"), "scheduling_policy",
+             f"must be 'fcfs', 'priority' or 'srtf'; got {self.scheduling_policy!r}")
         need(self.attention_backend in (None, "pallas", "xla", "cpu"), "attention_backend",
              f"must be 'pallas', 'xla', 'cpu' or None; got {self.attention_backend!r}")
         need(self.layer_loop in (None, "scan", "unrolled"), "layer_loop",
@@ -128,6 +130,8 @@ class EngineConfig:
              f"must be one of {KV_POLICIES}; got {self.kv_policy!r}")
         need(self.kv_policy == "paged" or not self.enable_prefix_caching, "enable_prefix_caching",
              "requires kv_policy='paged'")
+        need(self.kv_policy != "static" or self.scheduling_policy == "fcfs", "scheduling_policy",
+             "kv_policy='static' batches requests in arrival order only ('fcfs')")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         self.structured_outputs_config = _structured_outputs_config(self.structured_outputs_config)
         if self.speculative_config is not None:

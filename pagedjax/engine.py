@@ -56,7 +56,7 @@ from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.policies import make_kv_manager, make_scheduler
 from pagedjax.core.scheduler import PENDING_TOKEN
 from pagedjax.core.sequence import SequenceStatus
-from pagedjax.input_processor import OUTPUT_KINDS, InputProcessor
+from pagedjax.input_processor import OUTPUT_KINDS, InputProcessor, check_priority
 from pagedjax.output_processor import OutputProcessor, RequestState
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampler import (
@@ -499,8 +499,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int] | None,
                     params: SamplingParams | dict | None = None,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None,
-                    output_kind: str = "cumulative", strict_limits: bool = False) -> None:
+                    output_kind: str = "cumulative", strict_limits: bool = False,
+                    priority: int = 0) -> None:
         """Queue a request. Raises ValueError naming the bad field; the engine is unaffected.
+
+        `priority` (vLLM's): with `scheduling_policy="priority"`, lower values run first and
+        may preempt running requests of a higher value; any other policy takes only 0.
 
         `output_kind` (vLLM's `RequestOutputKind`): "cumulative" returns the request's whole
         output after every step that advanced it (streaming); "delta" returns, after every
@@ -519,6 +523,7 @@ class LLMEngine:
         request runs and ends with finish_reason "length" where it hits the limit."""
         if isinstance(request_id, str) and request_id in self._requests:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
+        check_priority(priority, self.engine_config.scheduling_policy)
         r = self.inputs.process(request_id, prompt, params, prompt_token_ids, output_kind,
                                 strict_limits)
         if self.spec_config is not None and r.params.use_beam_search:
@@ -532,7 +537,8 @@ class LLMEngine:
         stops = TokenStops(frozenset() if p.ignore_eos else frozenset(self.eos_token_ids),
                            frozenset(p.stop_token_ids or ()), p.min_tokens)
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=p.max_tokens,
-                              n=r.num_samples, model_id=self.model_id, stops=stops)
+                              n=r.num_samples, model_id=self.model_id, stops=stops,
+                              request_priority=int(priority))
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,

@@ -35,6 +35,23 @@ def text_free_ok(params: SamplingParams) -> bool:
     return not (params.has_stop_strings or params.use_beam_search)
 
 
+PRIORITY_RANGE = (-(2**63), 2**63 - 1)  # an int64, as a protobuf field would carry it
+
+
+def check_priority(priority, policy: str) -> None:
+    """A request's `priority`: an integer, and non-zero only under the "priority" policy (as
+    vLLM, which refuses a priority the scheduler would silently ignore)."""
+    if isinstance(priority, bool) or not isinstance(priority, (int, np.integer)):
+        raise ValueError(f"priority: must be an integer; got {type(priority).__name__}")
+    lo, hi = PRIORITY_RANGE
+    if not lo <= priority <= hi:
+        raise ValueError(f"priority: must be within a signed 64-bit integer's range; got "
+                         f"{priority}")
+    if priority and policy != "priority":
+        raise ValueError(f"priority: {priority} needs scheduling_policy='priority' (this "
+                         f"engine schedules by {policy!r}); send 0 or omit it")
+
+
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
                  enable_prefix_caching: bool, block_manager):

@@ -3,7 +3,10 @@
 FCFS (paper §4.5, thesis Alg. 1): running groups first (decodes and unfinished
 prefill chunks), then swapped groups, then new admissions; new requests are
 not admitted while any group is swapped out or a preemption happened this
-step. SRTF (thesis Alg. 2 + §4.5.3): FIFO waiting -> staging queue (refilled in
+step. PRIORITY (vLLM's `--scheduling-policy priority`): FCFS over the key
+(request priority, arrival), lower first; swapped and waiting groups are taken in
+that one order, and a group that cannot be admitted preempts running groups of a
+lower priority to make room. SRTF (thesis Alg. 2 + §4.5.3): FIFO waiting -> staging queue (refilled in
 one batch only once empty) -> shortest-remaining-tokens over running+staging.
 
 When a running group cannot get blocks, the most recently arrived unscheduled
@@ -14,6 +17,8 @@ cannot take it).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import logging
 import operator
@@ -47,13 +52,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = False
     preemption_mode: str = "recompute"  # "recompute" | "swap"
-    policy: str = "fcfs"  # "fcfs" | "srtf"
+    policy: str = "fcfs"  # "fcfs" | "priority" | "srtf"
     staging_size: int = 8  # thesis §4.5.3: 8 balances SRTF quality vs overhead
 
     def __post_init__(self) -> None:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"unknown preemption_mode {self.preemption_mode!r}")
-        if self.policy not in ("fcfs", "srtf"):
+        if self.policy not in ("fcfs", "priority", "srtf"):
             raise ValueError(f"unknown policy {self.policy!r}")
         if min(self.max_model_len, self.max_num_seqs, self.max_num_batched_tokens) < 1:
             raise ValueError("limits must be positive")
@@ -171,8 +176,9 @@ class Scheduler:
 
     # -- request lifecycle ---------------------------------------------------
     @staticmethod
-    def _priority(g: SequenceGroup) -> tuple[float, int]:
-        """Earlier arrival = higher priority; the largest key is preempted first."""
+    def _priority(g: SequenceGroup) -> tuple:
+        """Earlier arrival = higher priority (policy "priority": a lower request priority
+        first, then earlier arrival); the largest key is preempted first."""
         return g.priority
 
     def _why_impossible(self, group: SequenceGroup) -> str | None:
@@ -202,8 +208,21 @@ class Scheduler:
         for seq in group.get_unfinished_seqs():
             seq.status = SequenceStatus.WAITING
         self._groups[group.request_id] = group
-        group.priority = (group.arrival_time, next(self._counter))
-        self.waiting.append(group)
+        if self.config.policy == "priority":
+            group.priority = (group.request_priority, group.arrival_time, next(self._counter))
+            bisect.insort(self.waiting, group, key=_PRIORITY)
+        else:
+            group.priority = (group.arrival_time, next(self._counter))
+            self.waiting.append(group)
+
+    def _requeue(self, g: SequenceGroup) -> None:
+        """A group preempted by recomputation waits again: at the front (it arrived before
+        anything waiting), or by its key under the priority policy, where a waiting group
+        may outrank it."""
+        if self.config.policy == "priority":
+            bisect.insort(self.waiting, g, key=_PRIORITY)
+        else:
+            self.waiting.appendleft(g)
 
     def abort_seq_group(self, request_id: str) -> bool:
         """Abort and free a request wherever it is queued; safe between steps."""
@@ -240,7 +259,7 @@ class Scheduler:
             for seq in g.get_unfinished_seqs():
                 self.bm.free(seq)
                 seq.reset_for_recompute()
-            self.waiting.appendleft(g)
+            self._requeue(g)
         self.running, self.swapped = [], []
         self.num_preemptions_total += len(groups)
         return [g.request_id for g in groups]
@@ -396,11 +415,19 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.config.max_num_batched_tokens)
-        if self.config.policy == "fcfs":
+        policy = self.config.policy
+        if policy == "fcfs":
             self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
             self._schedule_swapped(st)
             if not self.swapped and not st.preempted:
                 self._schedule_waiting_fcfs(st)
+        elif policy == "priority":
+            if self.running and (self.waiting or self.swapped):
+                self._make_room(st)
+                st.preempted = False  # preempted to admit: admissions go on this step
+            self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
+            if not st.preempted:  # short of blocks for the running groups: admit nothing
+                self._schedule_queued_by_priority(st)
         else:
             self._schedule_srtf(st)
         return st.out
@@ -614,7 +641,7 @@ class Scheduler:
             for seq in seqs:
                 self.bm.free(seq)
                 seq.reset_for_recompute()
-            self.waiting.appendleft(g)
+            self._requeue(g)
         st.preempted = True
         st.out.preempted.append(g.request_id)
         self.num_preemptions_total += 1
@@ -623,31 +650,100 @@ class Scheduler:
         if not self.swapped or st.preempted:
             return
         self.swapped.sort(key=self._priority)
-        while self.swapped:
-            g = self.swapped[0]
-            plan_n = g.num_unfinished
-            if st.num_seqs + plan_n > self.config.max_num_seqs or st.budget < plan_n:
-                break
-            status = self.bm.swap_in_status(g)
-            if status is AllocStatus.NEVER:  # outgrew the whole cache while running
-                self.swapped.pop(0)
-                for seq in g.seqs:
-                    self.bm.free(seq)
-                self._reject(st, g)
-                continue
-            if status is AllocStatus.LATER:
-                break
+        while self.swapped and self._swap_in_head(st):
+            pass
+
+    def _swap_in_head(self, st: _Step) -> bool:
+        """Swap in the first swapped group (sorted) if it fits; False when it must wait."""
+        g = self.swapped[0]
+        plan_n = g.num_unfinished
+        if st.num_seqs + plan_n > self.config.max_num_seqs or st.budget < plan_n:
+            return False
+        status = self.bm.swap_in_status(g)
+        if status is AllocStatus.NEVER:  # outgrew the whole cache while running
             self.swapped.pop(0)
-            try:
-                st.out.blocks_to_swap_in.extend(self.bm.swap_in(g))
-                for seq in g.get_unfinished_seqs():
-                    seq.status = SequenceStatus.RUNNING
+            for seq in g.seqs:
+                self.bm.free(seq)
+            self._reject(st, g)
+            return True
+        if status is AllocStatus.LATER:
+            return False
+        self.swapped.pop(0)
+        try:
+            st.out.blocks_to_swap_in.extend(self.bm.swap_in(g))
+            for seq in g.get_unfinished_seqs():
+                seq.status = SequenceStatus.RUNNING
+            self.running.append(g)
+            plan = self._plan(g, st.budget, allow_chunk=True)
+            if plan:
+                self._emit(st, g, plan)
+        except Exception as exc:
+            self._fail_group(st, g, exc)
+        return True
+
+    def _schedule_queued_by_priority(self, st: _Step) -> None:
+        """Swapped and waiting groups in one key order, up to the first that must wait: a
+        group never overtakes one of higher priority (nor, at equal priority, an earlier
+        arrival), whichever queue each is in."""
+        self.swapped.sort(key=_PRIORITY)
+        while self.swapped or self.waiting:
+            if self.swapped and (not self.waiting
+                                 or self.swapped[0].priority < self.waiting[0].priority):
+                if not self._swap_in_head(st):
+                    return
+                continue
+            g = self.waiting[0]
+            res = self._guarded_admit(st, g)
+            if res == "reject":
+                self.waiting.popleft()
+                self._reject(st, g)
+            elif res == "ok":
+                self.waiting.popleft()
                 self.running.append(g)
-                plan = self._plan(g, st.budget, allow_chunk=True)
-                if plan:
-                    self._emit(st, g, plan)
-            except Exception as exc:
-                self._fail_group(st, g, exc)
+            elif res != "failed":
+                return
+
+    def _make_room(self, st: _Step) -> None:
+        """Priority policy: queued groups (waiting or swapped), best first, that cannot be
+        placed now for want of sequence slots or KV blocks preempt running groups of lower
+        priority, the lowest first, until they can be; never one of equal or higher
+        priority. Stops at the first queued group that still cannot be placed, as admission
+        does. Blocks the running groups and the groups placed before take this step are not
+        reserved: if that leaves a group short, it preempts again at the next step."""
+        ordered = sorted(self.running, key=_PRIORITY)
+        swapped = sorted(self.swapped, key=_PRIORITY)
+        best = min(self.waiting[0].priority if self.waiting else ordered[-1].priority,
+                   swapped[0].priority if swapped else ordered[-1].priority)
+        if ordered[-1].priority <= best:
+            return  # nothing running ranks below a queued group: the usual case
+        cfg = self.config
+        was_swapped = {id(g) for g in swapped}
+        used = sum(g.max_num_running_seqs() for g in ordered)
+        # Snapshots: preempting a victim queues it (and it ranks below every group left).
+        for head in heapq.merge(list(self.waiting), swapped, key=_PRIORITY):
+            if not ordered or ordered[-1].priority <= head.priority:
+                break
+            if id(head) in was_swapped:
+                need, fits = head.num_unfinished, self.bm.swap_in_status
+            else:
+                need, fits = head.max_num_running_seqs(), self.bm.can_allocate
+                if any(s.num_total_tokens > cfg.max_model_len
+                       for s in head.get_unfinished_seqs()):
+                    break  # admission rejects it
+            if fits(head) is AllocStatus.NEVER:
+                break
+            while ordered and ordered[-1].priority > head.priority and (
+                    used + need > cfg.max_num_seqs or fits(head) is not AllocStatus.OK):
+                victim = ordered.pop()
+                used -= victim.max_num_running_seqs()
+                try:
+                    self._preempt(st, victim)
+                except Exception as exc:
+                    self._fail_group(st, victim, exc)
+            if used + need > cfg.max_num_seqs or fits(head) is not AllocStatus.OK:
+                break
+            used += need  # placed by `_schedule_queued_by_priority` later in this step
+        self.running = ordered
 
     def _reject(self, st: _Step, g: SequenceGroup) -> None:
         for seq in g.seqs:

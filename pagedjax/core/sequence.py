@@ -173,7 +173,8 @@ class SequenceGroup:
     ``max_tokens`` feeds SRTF remaining-work estimates; ``n`` (samples or beam
     width) lets admission reserve room for the children that will be forked.
     ``cache_salt``/``model_id`` isolate prefix-cache entries between tenants or
-    weights/adapters: they are part of every block hash.
+    weights/adapters: they are part of every block hash. ``request_priority`` (lower runs
+    first) orders groups under the scheduler's "priority" policy only.
     """
 
     def __init__(
@@ -187,6 +188,7 @@ class SequenceGroup:
         cache_salt: str | None = None,
         model_id: str | None = None,
         stops: TokenStops | None = None,
+        request_priority: int = 0,
     ) -> None:
         if not seqs:
             raise ValueError("a sequence group needs at least one sequence")
@@ -200,8 +202,10 @@ class SequenceGroup:
         self.cache_salt = cache_salt
         self.model_id = model_id
         self.stops = stops or TokenStops()
-        # (arrival_time, admission counter), set by the scheduler; smaller = higher priority.
-        self.priority: tuple[float, int] = (arrival_time, 0)
+        self.request_priority = request_priority
+        # The scheduler's sort key, set when it queues the group; smaller = higher priority:
+        # (arrival_time, admission counter), or (request_priority, arrival_time, counter).
+        self.priority: tuple = (arrival_time, 0)
 
     @property
     def extra_hash_keys(self) -> tuple:

@@ -9,7 +9,7 @@ def prompts(k: int, base_len: int = 3) -> dict[str, list[int]]:
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("policy", ["fcfs", "srtf"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "srtf"])
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("caching", [False, True])
 def test_preempted_runs_produce_unpreempted_outputs(mode, policy, chunked, caching):
@@ -368,7 +368,7 @@ def test_recompute_all_forgets_kv_and_refuses_forked_groups():
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-@pytest.mark.parametrize("policy", ["fcfs", "srtf"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "srtf"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_exceptions_while_scheduling_fail_only_their_group(mode, policy, seed):
     """The KV manager raises for a few doomed requests at random moments (admission, growth,
