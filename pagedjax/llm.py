@@ -82,17 +82,32 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def _add(self, prompt: PromptType, params: SamplingParams, kind: str = "cumulative") -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, kind: str = "cumulative",
+             priority: int = 0) -> str:
         rid = f"llm-{next(self._ids)}"
         if isinstance(prompt, str):
-            self.engine.add_request(rid, prompt, params, output_kind=kind)
+            self.engine.add_request(rid, prompt, params, output_kind=kind, priority=priority)
         elif isinstance(prompt, dict):
             self.engine.add_request(rid, prompt.get("prompt"), params,
-                                    prompt_token_ids=prompt.get("prompt_token_ids"), output_kind=kind)
+                                    prompt_token_ids=prompt.get("prompt_token_ids"),
+                                    output_kind=kind, priority=priority)
         else:
             self.engine.add_request(rid, None, params, prompt_token_ids=list(prompt),
-                                    output_kind=kind)
+                                    output_kind=kind, priority=priority)
         return rid
+
+    @staticmethod
+    def _priorities(priority: int | Sequence[int] | None, n: int) -> list[int]:
+        """One priority per prompt (vLLM's `priority=` list; one int for all here too)."""
+        if priority is None:
+            return [0] * n
+        if isinstance(priority, int):
+            return [priority] * n
+        priority = list(priority)
+        if len(priority) != n:
+            raise ValueError(f"priority: need one per prompt ({n}) or a single one; got "
+                             f"{len(priority)}")
+        return priority
 
     @staticmethod
     def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
@@ -108,13 +123,16 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; results come back in input order."""
+                 use_tqdm: bool = True,
+                 priority: int | Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order. ``priority`` (with
+        `scheduling_policy="priority"`): lower values are scheduled first."""
         prompts, sps = self._normalize(prompts, sampling_params)
+        prios = self._priorities(priority, len(prompts))
         rids: list[str] = []
         try:
-            for prompt, sp in zip(prompts, sps):
-                rids.append(self._add(prompt, sp, "final_only"))
+            for prompt, sp, prio in zip(prompts, sps, prios):
+                rids.append(self._add(prompt, sp, "final_only", prio))
         except Exception:
             self.engine.abort_request(rids)
             self.engine.step()  # drain the abort outputs
@@ -146,10 +164,19 @@ class LLM:
 
     def generate_stream(self, prompts: PromptType | Sequence[PromptType],
                         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                        priority: int | Sequence[int] | None = None,
                         ) -> Iterator[RequestOutput]:
         """Yield incremental `RequestOutput`s (cumulative text) as steps complete."""
         prompts, sps = self._normalize(prompts, sampling_params)
-        rids = [self._add(p, sp) for p, sp in zip(prompts, sps)]
+        prios = self._priorities(priority, len(prompts))
+        rids: list[str] = []
+        try:
+            for p, sp, prio in zip(prompts, sps, prios):
+                rids.append(self._add(p, sp, priority=prio))
+        except Exception:
+            self.engine.abort_request(rids)
+            self.engine.step()  # drain the abort outputs
+            raise
         pending = set(rids)
         try:
             while pending:

@@ -459,23 +459,24 @@ class AsyncEngine:
     def submit(self, request_id: str, prompt: str | None, params: SamplingParams | dict | None,
                prompt_token_ids: list[int] | None = None,
                aloop: asyncio.AbstractEventLoop | None = None,
-               delta: bool = False) -> concurrent.futures.Future:
+               delta: bool = False, priority: int = 0) -> concurrent.futures.Future:
         """Queue a request; the future resolves to its stream once the engine accepted it.
 
         Errors known without the engine (duplicate id, queue full, draining, bad sampling
         params) raise `ServingError` here; prompt errors arrive through the future."""
         return self.submit_many([(request_id, prompt, prompt_token_ids)], params, aloop,
-                                delta)[0]
+                                delta, priority)[0]
 
     def submit_many(self, items: list[tuple[str, str | None, list[int] | None]],
                     params: SamplingParams | dict | None,
-                    aloop: asyncio.AbstractEventLoop | None = None, delta: bool = False
-                    ) -> list[concurrent.futures.Future]:
+                    aloop: asyncio.AbstractEventLoop | None = None, delta: bool = False,
+                    priority: int = 0) -> list[concurrent.futures.Future]:
         """Queue the sub-requests of one client request (a list of prompts, one params) as a
         unit: the engine thread admits all of them between two steps or none (the first
         refusal refuses all), so a 1000-prompt request neither trickles in one prompt per step
         nor half-runs. At most `max_sequences_per_request` sequences (prompts x n/best_of).
-        ``delta``: the streams carry delta outputs (`RequestStream`)."""
+        ``delta``: the streams carry delta outputs (`RequestStream`). ``priority``: the
+        engine's `add_request` argument, for every sub-request (checked there)."""
         try:
             sp = to_params(params)
             structured = getattr(self.engine, "structured", None)
@@ -523,26 +524,29 @@ class AsyncEngine:
         except ServingError as err:
             raise self._refused(err) from None
         self._cmds.put(("add", [(rid, prompt, ids, live) for (rid, prompt, ids), live
-                                in zip(items, lives)], sp))
+                                in zip(items, lives)], sp, priority))
         self._wake.set()
         return [live.accepted for live in lives]
 
     def add_request(self, request_id: str, prompt: str | None, params=None,
-                    prompt_token_ids: list[int] | None = None) -> RequestStream:
+                    prompt_token_ids: list[int] | None = None,
+                    priority: int = 0) -> RequestStream:
         """Blocking add from a thread; raises `ServingError` if the request is refused."""
-        return self.submit(request_id, prompt, params, prompt_token_ids).result()
+        return self.submit(request_id, prompt, params, prompt_token_ids,
+                           priority=priority).result()
 
     async def add_request_async(self, request_id: str, prompt: str | None, params=None,
                                 prompt_token_ids: list[int] | None = None,
-                                delta: bool = False) -> RequestStream:
+                                delta: bool = False, priority: int = 0) -> RequestStream:
         streams = await self.add_requests_async([(request_id, prompt, prompt_token_ids)], params,
-                                                delta)
+                                                delta, priority)
         return streams[0]
 
     async def add_requests_async(self, items: list[tuple[str, str | None, list[int] | None]],
-                                 params=None, delta: bool = False) -> list[RequestStream]:
+                                 params=None, delta: bool = False, priority: int = 0
+                                 ) -> list[RequestStream]:
         """`submit_many` from asyncio: all streams once all are admitted."""
-        futs = self.submit_many(items, params, asyncio.get_running_loop(), delta)
+        futs = self.submit_many(items, params, asyncio.get_running_loop(), delta, priority)
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futs)))
         except asyncio.CancelledError:  # the caller went away before the engine took them
@@ -609,15 +613,15 @@ class AsyncEngine:
             j = i
             while j < len(cmds) and cmds[j][0] == "add":
                 j += 1
-            self._admit([(c[1], c[2]) for c in cmds[i:j]])
+            self._admit([(c[1], c[2], c[3]) for c in cmds[i:j]])
             i = j
 
-    def _admit(self, requests: list[tuple[list[tuple], SamplingParams]]) -> None:
+    def _admit(self, requests: list[tuple[list[tuple], SamplingParams, int]]) -> None:
         """Add client requests' sub-requests to the engine, each client request all or none.
         An engine in another process takes them all in one round trip (`EngineProcess`), so a
         burst of clients is admitted between two of its steps, not one client a step."""
         todo = []
-        for batch, sp in requests:
+        for batch, sp, priority in requests:
             with self._lock:
                 present = all(self._live.get(rid) is live for rid, _, _, live in batch)
             # A submitter that gave up (or an abort that came first) withdraws the whole batch.
@@ -626,7 +630,7 @@ class AsyncEngine:
                 self._refuse_all(batch, RequestFailedError("request withdrawn before admission"))
                 continue
             items = [(rid, prompt, ids, live.metrics.arrival,
-                      "delta" if live.stream.delta else "cumulative")
+                      "delta" if live.stream.delta else "cumulative", priority)
                      for rid, prompt, ids, live in batch]
             todo.append((batch, items, sp))
         if not todo:

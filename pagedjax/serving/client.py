@@ -44,8 +44,9 @@ class GenerateResult:
 
 
 def make_request(prompt: str | Sequence[int], params: Params = None, request_id: str = "",
-                 stream: bool = True) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(request_id=request_id, params=params_to_proto(params), stream=stream)
+                 stream: bool = True, priority: int = 0) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(request_id=request_id, params=params_to_proto(params), stream=stream,
+                             priority=priority)
     if isinstance(prompt, str):
         req.prompt = prompt
     else:
@@ -119,14 +120,16 @@ class Client:
         self.channel.close()
 
     def generate_stream(self, prompt: str | Sequence[int], params: Params = None, request_id: str = "",
-                        timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+                        timeout: float | None = None, priority: int = 0
+                        ) -> Iterator[pb.GenerateResponse]:
         """The streaming call: iterate it for deltas, `.cancel()` it to abort the request."""
-        return self.stub.Generate(make_request(prompt, params, request_id, True),
+        return self.stub.Generate(make_request(prompt, params, request_id, True, priority),
                                   timeout=timeout or self.timeout, metadata=self.metadata)
 
     def generate(self, prompt: str | Sequence[int], params: Params = None, request_id: str = "",
-                 timeout: float | None = None, stream: bool = False) -> GenerateResult:
-        call = self.stub.Generate(make_request(prompt, params, request_id, stream),
+                 timeout: float | None = None, stream: bool = False,
+                 priority: int = 0) -> GenerateResult:
+        call = self.stub.Generate(make_request(prompt, params, request_id, stream, priority),
                                   timeout=timeout or self.timeout, metadata=self.metadata)
         return collect(call)
 
@@ -177,15 +180,18 @@ class AsyncClient:
         await self.channel.close()
 
     def generate_stream(self, prompt: str | Sequence[int], params: Params = None, request_id: str = "",
-                        timeout: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
+                        timeout: float | None = None, priority: int = 0
+                        ) -> AsyncIterator[pb.GenerateResponse]:
         """The streaming call: `async for` it, `.cancel()` it to abort the request."""
-        return self.stub.Generate(make_request(prompt, params, request_id, True),
+        return self.stub.Generate(make_request(prompt, params, request_id, True, priority),
                                   timeout=timeout or self.timeout, metadata=self.metadata)
 
     async def generate(self, prompt: str | Sequence[int], params: Params = None, request_id: str = "",
-                       timeout: float | None = None, stream: bool = False) -> GenerateResult:
+                       timeout: float | None = None, stream: bool = False,
+                       priority: int = 0) -> GenerateResult:
         c = Collector()
-        async for resp in self.stub.Generate(make_request(prompt, params, request_id, stream),
+        async for resp in self.stub.Generate(make_request(prompt, params, request_id, stream,
+                                                          priority),
                                              timeout=timeout or self.timeout, metadata=self.metadata):
             c.add(resp)
         return c.result

@@ -50,13 +50,15 @@ _IDLE_POLL_S = 0.05
 
 def add_in_order(engine, items: list[tuple], params, strict_limits: bool = True
                  ) -> tuple[int, BaseException] | None:
-    """Add one client request's sub-requests ``(rid, prompt, ids, arrival, output_kind)`` in
-    order; on the first failure abort those added and return ``(index, exception)``."""
+    """Add one client request's sub-requests ``(rid, prompt, ids, arrival, output_kind[,
+    priority])`` in order; on the first failure abort those added and return ``(index,
+    exception)``."""
     added: list[str] = []
-    for i, (rid, prompt, ids, arrival, kind) in enumerate(items):
+    for i, (rid, prompt, ids, arrival, kind, *rest) in enumerate(items):
         try:
             engine.add_request(rid, prompt, params, prompt_token_ids=ids, arrival_time=arrival,
-                               strict_limits=strict_limits, output_kind=kind)
+                               strict_limits=strict_limits, output_kind=kind,
+                               priority=rest[0] if rest else 0)
         except Exception as exc:  # ValueError: the client's fault; anything else: ours
             if not isinstance(exc, ValueError):
                 logger.exception("add_request %s failed", rid)
@@ -384,13 +386,13 @@ class EngineProcess:
         here (`_decode`). Their stop strings are looked for here too, each sample's: the
         child gets the request without them."""
         split = front_end_split(params)
-        if split is None or any(kind != "delta" for *_, kind in items):
+        if split is None or any(item[4] != "delta" for item in items):
             return items, params
         child, stops = split
         for rid, *_ in items:
             self._texts[rid] = _FrontText(child.skip_special_tokens, stops, child.n)
-        return [(rid, prompt, ids, arrival, "delta_ids")
-                for rid, prompt, ids, arrival, _ in items], child
+        return [(rid, prompt, ids, arrival, "delta_ids", *rest)
+                for rid, prompt, ids, arrival, _, *rest in items], child
 
     def _decode(self, outs: list[RequestOutput]) -> list[RequestOutput]:
         """The text of text-free deltas, decoded incrementally as the engine would have: one
@@ -485,10 +487,10 @@ class EngineProcess:
 
     def add_request(self, request_id: str, prompt, params=None, prompt_token_ids=None,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
-                    strict_limits: bool = False) -> None:
+                    strict_limits: bool = False, priority: int = 0) -> None:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         failed = self.add_request_batches(
-            [([(request_id, prompt, prompt_token_ids, arrival, output_kind)], params)],
+            [([(request_id, prompt, prompt_token_ids, arrival, output_kind, priority)], params)],
             strict_limits)[0]
         if failed is not None:
             raise failed[1]

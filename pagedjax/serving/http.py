@@ -320,7 +320,8 @@ class HttpFrontDoor:
         items = [(f"{internal}-{i}", text, ids) for i, (text, ids) in enumerate(prompts)]
         # All prompts are admitted together (or refused together); aborted together below.
         # Delta outputs: the engine's work per step stays what the new tokens cost.
-        streams = await self.aengine.add_requests_async(items, sp, delta=True)
+        streams = await self.aengine.add_requests_async(items, sp, delta=True,
+                                                        priority=body.priority)
         jobs = [_Job(rid, stream, DeltaTracker(sp, delta=True), i * sp.n)
                 for i, ((rid, _, _), stream) in enumerate(zip(items, streams))]
         meta = {"id": base, "created": int(time.time()), "model": self.engine().model_name}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, field_validator, model_validator
 
 from pagedjax.sampling_params import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_ID
 from pagedjax.serving.tools import check_tools
@@ -127,6 +127,8 @@ class _Sampling(_Base):
     guided_grammar: str | None = None
     # Labels the response only (engine ids are the server's own): bounded, one printable line.
     request_id: str | None = Field(default=None, max_length=256, pattern=r"^[^\x00-\x1f\x7f]*$")
+    # vLLM's: with `--scheduling-policy priority`, lower runs first; any other policy takes 0.
+    priority: StrictInt = Field(default=0, ge=-(2**63), le=2**63 - 1)
 
     def common_params(self) -> dict[str, Any]:
         keys = ("n", "best_of", "temperature", "top_p", "seed", "stop", "presence_penalty",

@@ -171,7 +171,8 @@ class PagedJaxServicer(pb_grpc.PagedJaxServicer):
                 if ids is None:  # sized and checked first, then tokenized off the event loop
                     ids = await asyncio.to_thread(_checked_ids, aeng.engine, prompt)
                 # Delta outputs: the engine's work per step stays what the new tokens cost.
-                stream = await aeng.add_request_async(rid, prompt, sp, ids, delta=True)
+                stream = await aeng.add_request_async(rid, prompt, sp, ids, delta=True,
+                                                      priority=request.priority)
             except ServingError as err:
                 logger.info("request %s refused: %s: %s", rid, err.kind, err.message)
                 await self._fail(context, err)

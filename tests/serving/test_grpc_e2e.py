@@ -130,6 +130,16 @@ BAD = [
 ]
 
 
+def test_priority_needs_the_priority_policy(server):
+    """This server schedules FCFS: a non-zero priority is refused, naming the field (as vLLM
+    refuses a priority its scheduler would ignore); 0 is the default and accepted."""
+    with pytest.raises(grpc.RpcError) as e:
+        server.client.generate("hi", {"max_tokens": 2}, priority=3)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("priority"), e.value.details()
+    assert server.client.generate("hi", {"max_tokens": 2}, priority=0).outputs
+
+
 @pytest.mark.parametrize("prompt,params,code,field", BAD, ids=[f"{b[3]}-{i}" for i, b in enumerate(BAD)])
 def test_bad_inputs(server, prompt, params, code, field):
     with pytest.raises(grpc.RpcError) as e:

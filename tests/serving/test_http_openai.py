@@ -81,6 +81,10 @@ def test_chat_matches_offline(oai, model, offline):
     (dict(model="gpt-4"), 404, "model"),
     (dict(prompt=""), 400, "prompt"),
     (dict(extra_body={"max_tokens": "many"}), 400, "max_tokens"),
+    # This server schedules FCFS: a priority it would ignore is refused (as vLLM does).
+    (dict(extra_body={"priority": 2}), 400, "priority"),
+    (dict(extra_body={"priority": "high"}), 400, "priority"),
+    (dict(extra_body={"priority": 1.5}), 400, "priority"),
 ])
 def test_bad_requests(oai, model, kw, status, param):
     kw = {"model": model, "prompt": "hi", "max_tokens": 4, **kw}
