@@ -33,6 +33,7 @@ class FakeEngine:
         self.steps = 0
         self.added_at: dict[str, int] = {}
         self.asked: dict[str, tuple[int, int]] = {}
+        self.priorities: dict[str, int] = {}  # each request's `priority` argument
 
     @staticmethod
     def tokenizer(text):
@@ -49,8 +50,9 @@ class FakeEngine:
     healthy = True
 
     def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, arrival_time=None,
-                    strict_limits=False, output_kind="cumulative"):
+                    strict_limits=False, output_kind="cumulative", priority=0):
         self.thread_ids.add(threading.get_ident())
+        self.priorities[request_id] = priority
         if request_id in self._reqs:
             raise ValueError(f"request_id: {request_id!r} is already in flight")
         if prompt_token_ids is None and not prompt:
@@ -132,4 +134,14 @@ class StepStampEngine(FakeEngine):
     def _output(self, rid, r, finished, reason=None, error=None):
         out = super()._output(rid, r, finished, reason, error)
         out.num_cached_tokens = self.added_at.get(rid, -1)
+        return out
+
+
+class PriorityStampEngine(FakeEngine):
+    """Reports, as each output's `num_cached_tokens`, the `priority` its request was added
+    with: tests then see from outside a process that the argument arrived."""
+
+    def _output(self, rid, r, finished, reason=None, error=None):
+        out = super()._output(rid, r, finished, reason, error)
+        out.num_cached_tokens = self.priorities.get(rid, -1)
         return out

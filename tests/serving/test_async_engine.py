@@ -57,6 +57,23 @@ def test_concurrent_threads_share_one_engine_thread(fake, aeng):
     assert aeng.num_in_flight() == 0
 
 
+def test_priority_reaches_the_engine_for_every_sub_request(fake, aeng):
+    """A client request's `priority` goes with each of its prompts to `add_request`; requests
+    that give none get 0."""
+
+    async def main():
+        streams = await aeng.add_requests_async([("p0", "hi", None), ("p1", "yo", None)],
+                                                {"max_tokens": 2}, priority=-4)
+        one = await aeng.add_request_async("q", "hi", {"max_tokens": 2})
+        for s in [*streams, one]:
+            async for _ in s:
+                pass
+
+    asyncio.run(main())
+    _text(aeng.add_request("t", "hi", {"max_tokens": 2}, priority=7))
+    assert fake.priorities == {"p0": -4, "p1": -4, "q": 0, "t": 7}
+
+
 def test_asyncio_streams():
     async def main(a):
         async def one(i):

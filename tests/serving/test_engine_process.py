@@ -17,6 +17,7 @@ from pagedjax.serving.errors import InvalidRequestError, NotReadyError, RequestF
 from tests.serving.fake_engine import (
     FailingStepEngine,
     FakeEngine,
+    PriorityStampEngine,
     StepStampEngine,
     failing_factory,
 )
@@ -152,6 +153,30 @@ def test_a_killed_engine_process_fails_its_streams_and_stops_serving():
 def test_an_engine_that_fails_to_build_raises_with_its_error():
     with pytest.raises(EngineDied, match="no weights here"):
         EngineProcess(failing_factory, "no weights here")
+
+
+def test_priority_reaches_the_child_for_text_and_text_free_requests():
+    """`priority` crosses the pipe with every sub-request, for requests the child detokenizes
+    and for those decoded in the front end (their items are rebuilt as "delta_ids")."""
+    p = EngineProcess(PriorityStampEngine, 0.002)
+    a = AsyncEngine(p).start()
+    try:
+        async def main():
+            out = {}
+            for delta, prio in ((True, -3), (False, 9), (True, 0)):
+                rids = [(f"{delta}{prio}-{i}", "hi", None) for i in range(2)]
+                streams = await a.add_requests_async(rids, {"max_tokens": 2}, delta=delta,
+                                                     priority=prio)
+                for (rid, _, _), s in zip(rids, streams):
+                    out[rid] = [o.num_cached_tokens async for o in s]
+            return out
+
+        got = asyncio.run(main())  # a consumer that is behind gets outputs merged: 1 or 2
+        assert {rid: set(v) for rid, v in got.items()} == {
+            f"{d}{q}-{i}": {q} for d, q in ((True, -3), (False, 9), (True, 0)) for i in range(2)}
+    finally:
+        a.shutdown()
+        assert p.close() == 0
 
 
 def test_a_burst_of_clients_is_admitted_between_two_steps_not_one_a_step():
