@@ -371,11 +371,10 @@ class LLMEngine:
         logits shape the sampler (plain and penalised/banned variants), prompt logprobs and
         beam candidate selection. Returns the number of XLA compilations it took."""
         before, t0 = num_backend_compiles(), time.monotonic()
-        with_prompt_lp = not self.engine_config.enable_prefix_caching
         threads = warmup_threads()
         try:
             with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-                shapes = self._warmup_calls(with_prompt_lp, pool)
+                shapes = self._warmup_calls(pool)
         except Exception as e:
             # Side-by-side compilation is new on GPUs (Triton lowering, autotuning, memory
             # beside a full KV cache): a failure there falls back to the one-at-a-time order,
@@ -385,15 +384,14 @@ class LLMEngine:
             logger.warning("parallel warm-up failed (%s: %s); warming up one call at a time",
                            type(e).__name__, e)
             threads = 1
-            shapes = self._warmup_calls(with_prompt_lp, None)
+            shapes = self._warmup_calls(None)
         n = num_backend_compiles() - before
         logger.info("warm-up: %d step shapes, %d compilations in %.1f s (%d threads)", len(shapes),
                     n, time.monotonic() - t0, threads)
         _warn_near_map_limit()
         return n
 
-    def _warmup_calls(self, with_prompt_lp: bool,
-                      pool: concurrent.futures.Executor | None) -> list[tuple]:
+    def _warmup_calls(self, pool: concurrent.futures.Executor | None) -> list[tuple]:
         """Warm-up's compilations; returns the step shapes. Independent compilations run side by
         side in ``pool`` (XLA compiles with the GIL released; on a GPU one step shape of an 8B
         model compiles and autotunes for seconds, and the one-at-a-time warm-up of a 13B-like
@@ -402,7 +400,7 @@ class LLMEngine:
         the pool as they are, admitted by their logits' bytes; the steps donate the KV cache, so
         the runner compiles them in the pool and then runs them one at a time
         (`ModelRunner.warmup`). ``pool`` None: one call at a time."""
-        shapes = self.runner.warmup(prompt_logprobs=with_prompt_lp, pool=pool)
+        shapes = self.runner.warmup(prompt_logprobs=True, pool=pool)
         self.runner.warmup_token_feed(history_width=self.max_model_len)
         calls = self._warmup_sampler_calls(shapes)
         if pool is None:
@@ -538,7 +536,10 @@ class LLMEngine:
                            frozenset(p.stop_token_ids or ()), p.min_tokens)
         group = SequenceGroup(request_id, [seq], arrival, max_tokens=p.max_tokens,
                               n=r.num_samples, model_id=self.model_id, stops=stops,
-                              request_priority=int(priority))
+                              request_priority=int(priority),
+                              # Prompt logprobs need every position computed: such a request
+                              # takes no prefix-cache hits (its blocks are still published).
+                              read_prefix_cache=p.prompt_logprobs is None)
         self.scheduler.add_seq_group(group)  # raises ValueError for impossible requests
         req = RequestState(request_id, r.prompt, r.prompt_token_ids, r.params, group,
                            next(self._request_counter), arrival,

@@ -86,9 +86,6 @@ class InputProcessor:
             raise ValueError("output_kind: 'delta_ids' (outputs without text) needs a request "
                              "without stop strings or beam search")
         ids = self.validate_prompt(prompt, prompt_token_ids)
-        if params.prompt_logprobs is not None and self.enable_prefix_caching:
-            # Cached prefix tokens are never computed, so they would have no logprobs.
-            raise ValueError("prompt_logprobs: not available with enable_prefix_caching=True")
         samples = params.best_of or params.n
         if samples > self.max_num_seqs:
             raise ValueError(f"n: {samples} samples exceed max_num_seqs={self.max_num_seqs}")

@@ -655,6 +655,15 @@ def common_hits(managers: list[BlockManager], seq: Sequence,
     return [h[:n] for h in hits]
 
 
+def group_hits(managers: list[BlockManager], group: SequenceGroup,
+               seq: Sequence) -> list[list[CacheEntry]]:
+    """`common_hits` for a sequence of ``group``; none for a group that does not read the
+    prefix cache (`SequenceGroup.read_prefix_cache`)."""
+    if not group.read_prefix_cache:
+        return [[] for _ in managers]
+    return common_hits(managers, seq, group.extra_hash_keys)
+
+
 def cached_tokens(managers: list[BlockManager], seq: Sequence, extra: tuple) -> int:
     hits = common_hits(managers, seq, extra)
     return managers[0]._cached_len(seq, len(hits[0])) if hits[0] else 0
@@ -668,11 +677,10 @@ def admission_status(managers: list[BlockManager], group: SequenceGroup) -> Allo
     """Whether ``group`` fits now (OK), once memory frees up (LATER) or never (NEVER)."""
     m0 = managers[0]
     seqs = group.get_unfinished_seqs()
-    extra = group.extra_hash_keys
     need = 0  # free-list blocks consumed (new blocks + revived cached blocks)
     need_never = 0  # blocks needed ignoring transient sharing
     for seq in seqs:
-        hits = common_hits(managers, seq, extra)
+        hits = group_hits(managers, group, seq)
         cached = m0._cached_len(seq, len(hits[0])) if hits[0] else 0
         for m, h in zip(managers, hits, strict=True):
             a, b = m._seq_need(seq, h, cached)
@@ -697,7 +705,7 @@ def allocate_group(managers: list[BlockManager], group: SequenceGroup) -> None:
     for seq in group.get_unfinished_seqs():
         if any(seq.seq_id in m._seqs for m in managers):
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        hits = common_hits(managers, seq, extra)
+        hits = group_hits(managers, group, seq)
         cached = managers[0]._cached_len(seq, len(hits[0])) if hits[0] else 0
         for m, h in zip(managers, hits, strict=True):
             m._take_hits(seq, h, cached, extra)

@@ -767,9 +767,8 @@ class Scheduler:
             return "later"
         if st.budget <= 0:
             return "skip"
-        extra = g.extra_hash_keys
         seqs = g.get_unfinished_seqs()
-        delta = sum(s.num_total_tokens - self.bm.get_num_cached_tokens(s, extra) for s in seqs)
+        delta = sum(s.num_total_tokens - self._cached_tokens(g, s) for s in seqs)
         # Without chunked prefill a prompt runs whole; a recompute longer than
         # the whole budget (prompt + outputs) is the one exception, chunked so
         # it cannot block forever.
@@ -783,6 +782,12 @@ class Scheduler:
         if plan:
             self._emit(st, g, plan)
         return "ok"
+
+    def _cached_tokens(self, g: SequenceGroup, seq: Sequence) -> int:
+        """Tokens an allocation for ``seq`` now would take from the prefix cache."""
+        if not g.read_prefix_cache:
+            return 0
+        return self.bm.get_num_cached_tokens(seq, g.extra_hash_keys)
 
     def _guarded_admit(self, st: _Step, g: SequenceGroup) -> str:
         """`_try_admit`, or "failed" (the group removed and freed) if it raised."""
@@ -850,11 +855,8 @@ class Scheduler:
             cands.append((key, 0, g))
         if not self.swapped:
             for g in self.staging:
-                extra = g.extra_hash_keys
-                delta = sum(
-                    s.num_total_tokens - self.bm.get_num_cached_tokens(s, extra)
-                    for s in g.get_unfinished_seqs()
-                )
+                delta = sum(s.num_total_tokens - self._cached_tokens(g, s)
+                            for s in g.get_unfinished_seqs())
                 key = (delta, g.remaining_output_estimate(), *self._priority(g))
                 cands.append((key, 1, g))
         cands.sort(key=lambda c: c[0])

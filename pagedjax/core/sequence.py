@@ -174,7 +174,9 @@ class SequenceGroup:
     width) lets admission reserve room for the children that will be forked.
     ``cache_salt``/``model_id`` isolate prefix-cache entries between tenants or
     weights/adapters: they are part of every block hash. ``request_priority`` (lower runs
-    first) orders groups under the scheduler's "priority" policy only.
+    first) orders groups under the scheduler's "priority" policy only. ``read_prefix_cache``
+    False: the group computes its whole prompt, taking no prefix-cache hits (prompt logprobs
+    need every position computed), while its blocks are still published for others.
     """
 
     def __init__(
@@ -189,6 +191,7 @@ class SequenceGroup:
         model_id: str | None = None,
         stops: TokenStops | None = None,
         request_priority: int = 0,
+        read_prefix_cache: bool = True,
     ) -> None:
         if not seqs:
             raise ValueError("a sequence group needs at least one sequence")
@@ -203,6 +206,7 @@ class SequenceGroup:
         self.model_id = model_id
         self.stops = stops or TokenStops()
         self.request_priority = request_priority
+        self.read_prefix_cache = read_prefix_cache
         # The scheduler's sort key, set when it queues the group; smaller = higher priority:
         # (arrival_time, admission counter), or (request_priority, arrival_time, counter).
         self.priority: tuple = (arrival_time, 0)

@@ -211,3 +211,25 @@ def test_fully_cached_prompt_counts_its_copy_on_write_block_at_admission():
     e.run()
     assert e.outputs_of("b") == e.outputs_of("a") == [reference_output(prompt, 5)]
     assert e.bm.gpu.get_num_free() == 3  # every block back (cached blocks count as free)
+
+
+def test_a_group_that_does_not_read_the_cache_computes_its_whole_prompt():
+    """`read_prefix_cache=False` (prompt logprobs): the group takes no hit though its prompt is
+    cached, admission counts every block it needs, its blocks are published all the same, and
+    the next reader hits them. Outputs are the reference's throughout (the fake runner checks
+    every attention read)."""
+    e = FakeEngine(num_gpu_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13]  # two full blocks
+    e.add("a", prompt, max_tokens=2)
+    e.run()
+    e.add("b", prompt, max_tokens=2, read_prefix_cache=False)
+    out = e.step()
+    assert [(s.request_id, s.start_pos, len(s.token_ids)) for s in out.scheduled] == [("b", 0, 9)]
+    e.run()
+    e.add("c", prompt, max_tokens=2)
+    out = e.step()
+    assert [(s.request_id, s.start_pos) for s in out.scheduled] == [("c", 8)]
+    e.run()
+    for rid in "abc":
+        assert e.outputs_of(rid) == [reference_output(prompt, 2)]
+    assert e.bm.get_num_free_gpu_blocks() == 16

@@ -240,9 +240,36 @@ def test_prompt_logprobs_match_reference(demo_model, demo_tokenizer, reference, 
             assert entry[p[pos + 1]] == pytest.approx(logp[pos, p[pos + 1]], abs=1e-3)
             top = np.argsort(-logp[pos])[:2]
             assert set(top.tolist()) <= set(entry)
-    with pytest.raises(ValueError, match="prompt_logprobs"):
-        LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=16,
-                        enable_prefix_caching=True).generate("hi", SamplingParams(prompt_logprobs=1))
+    assert_pool_whole(llm)
+
+
+def test_prompt_logprobs_with_prefix_caching_compute_the_whole_prompt(demo_model,
+                                                                     demo_tokenizer):
+    """As vLLM V1: a request asking for prompt logprobs takes no prefix-cache hits (every
+    position is computed and scored) though its prompt is cached, and its blocks are published
+    for the requests after it. Its logprobs equal those of an engine without prefix caching."""
+    config, params = demo_model
+    prompts, _ = _workload(22, 3, config.vocab_size)
+    prompts = [p * (1 + 40 // len(p)) for p in prompts]  # over 40 tokens: 2 full blocks
+    plain = SamplingParams(temperature=0, max_tokens=2)
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    want = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64).generate(
+        [{"prompt_token_ids": p} for p in prompts], scored)
+    llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64,
+                          enable_prefix_caching=True)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], plain)[0]
+    assert first.num_cached_tokens == 0
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], scored)
+    for w, g, p in zip(want, got, prompts):
+        assert g.num_cached_tokens == 0  # prompts[0] was cached: not read
+        assert len(g.prompt_logprobs) == len(p) and g.prompt_logprobs[0] is None
+        for pos in range(1, len(p)):
+            assert set(g.prompt_logprobs[pos]) == set(w.prompt_logprobs[pos])
+            for tok, lp in w.prompt_logprobs[pos].items():
+                assert g.prompt_logprobs[pos][tok] == pytest.approx(lp, abs=1e-4)
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], plain)
+    assert all(o.num_cached_tokens >= 32 for o in again)  # published by the scored requests
     assert_pool_whole(llm)
 
 

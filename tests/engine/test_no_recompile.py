@@ -26,8 +26,7 @@ def tiny():
     return config, assemble_params(config, random_hf_tensors(config, seed=7).get)
 
 
-def _random_params(rng: np.random.Generator, prefix_caching: bool,
-                   beams: bool = True) -> SamplingParams:
+def _random_params(rng: np.random.Generator, beams: bool = True) -> SamplingParams:
     kind = rng.integers(0, 7)
     if kind == 3 and not beams:  # speculation refuses beam search
         kind = 0
@@ -49,7 +48,7 @@ def _random_params(rng: np.random.Generator, prefix_caching: bool,
         return SamplingParams(temperature=1.0, n=2, best_of=int(rng.integers(2, 4)),
                               max_tokens=max_tokens, stop=["1 2", "5"],
                               stop_token_ids=[int(rng.integers(3, 90))])
-    if kind == 5 and not prefix_caching:
+    if kind == 5:  # with prefix caching too: such a request takes no prefix hits
         return SamplingParams(temperature=0, max_tokens=max_tokens,
                               prompt_logprobs=int(rng.integers(0, 6)), logprobs=2)
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
@@ -93,7 +92,7 @@ def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling
         prompt = [int(t) for t in rng.integers(3, config.vocab_size, n)]
         if i % 3 == 0:
             prompt = shared + prompt[:40]
-        requests.append((f"r{i}", prompt, _random_params(rng, prefix_caching, spec is None)))
+        requests.append((f"r{i}", prompt, _random_params(rng, spec is None)))
     outputs, pending = {}, list(requests)
     aborted = set()
     while pending or engine.has_unfinished_requests():
