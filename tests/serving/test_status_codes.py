@@ -141,3 +141,18 @@ def test_undecodable_protobuf_is_invalid_argument(fake_server):
             assert code == grpc.StatusCode.INVALID_ARGUMENT, (method, code, details)
             assert details.startswith("request: not a valid"), details
     assert [o for o in client.generate_stream("hi", {"max_tokens": 2})][-1].finished
+
+
+def test_priority_reaches_the_engine_from_both_front_doors(fake_server):
+    """`GenerateRequest.priority` and the HTTP body's `priority` (completions; chat requests
+    share the field and the path) arrive as the engine's `add_request(priority=)` (the fake
+    engine takes any; the real one checks its policy)."""
+    import httpx
+
+    fake, srv, client = fake_server
+    before = set(fake.priorities)
+    assert client.generate("hi", {"max_tokens": 2}, priority=-7).outputs
+    r = httpx.post(f"http://127.0.0.1:{srv.ports['http_port']}/v1/completions", timeout=10,
+                   json={"model": "fake", "prompt": "hi", "max_tokens": 2, "priority": 5})
+    assert r.status_code == 200, r.text
+    assert sorted(v for k, v in fake.priorities.items() if k not in before) == [-7, 5]

@@ -36,6 +36,10 @@ def test_serve_options_like_vllm(demo_gguf):
     # The former flag name still works.
     assert serve_options(build_parser().parse_args(
         ["serve", str(demo_gguf), "--http-port", "0"])).http_port == 0
+    # vLLM's scheduling policy flag reaches the engine's config.
+    o = serve_options(build_parser().parse_args(
+        ["serve", str(demo_gguf), "--scheduling-policy", "priority", "--max-model-len", "64"]))
+    assert o.engine_kwargs == {"scheduling_policy": "priority", "max_model_len": 64}
 
 
 def test_python_dash_m():
