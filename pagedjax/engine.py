@@ -261,7 +261,7 @@ class LLMEngine:
                                         + 2 * MAX_BAD_WORDS)
         self._bias_width = pow2_at_least(MAX_LOGIT_BIAS)
         self.inputs = InputProcessor(tokenizer, config.vocab_size, self.max_model_len,
-                                     ec.max_num_seqs, ec.enable_prefix_caching, self.block_manager)
+                                     ec.max_num_seqs, self.block_manager)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, self.max_model_len)
         self.structured = StructuredOutputs(tokenizer, config.vocab_size,
                                             ec.structured_outputs_config["backend"])

@@ -54,12 +54,11 @@ def check_priority(priority, policy: str) -> None:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 enable_prefix_caching: bool, block_manager):
+                 block_manager):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        self.enable_prefix_caching = enable_prefix_caching
         self.block_manager = block_manager
 
     def process(self, request_id, prompt, params, prompt_token_ids, output_kind: str,

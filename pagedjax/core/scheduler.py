@@ -6,8 +6,9 @@ not admitted while any group is swapped out or a preemption happened this
 step. PRIORITY (vLLM's `--scheduling-policy priority`): FCFS over the key
 (request priority, arrival), lower first; swapped and waiting groups are taken in
 that one order, and a group that cannot be admitted preempts running groups of a
-lower priority to make room. SRTF (thesis Alg. 2 + §4.5.3): FIFO waiting -> staging queue (refilled in
-one batch only once empty) -> shortest-remaining-tokens over running+staging.
+lower priority to make room. SRTF (thesis Alg. 2 + §4.5.3): FIFO waiting ->
+staging queue (refilled in one batch only once empty) -> shortest-remaining-tokens
+over running+staging.
 
 When a running group cannot get blocks, the most recently arrived unscheduled
 group is preempted as a whole, by recomputation (KV dropped, back to the front
@@ -708,8 +709,10 @@ class Scheduler:
         placed now for want of sequence slots or KV blocks preempt running groups of lower
         priority, the lowest first, until they can be; never one of equal or higher
         priority. Stops at the first queued group that still cannot be placed, as admission
-        does. Blocks the running groups and the groups placed before take this step are not
-        reserved: if that leaves a group short, it preempts again at the next step."""
+        does; the groups preempted for it wait behind it (strict priority: they could not be
+        admitted before it anyway). Blocks the running groups and the groups placed before
+        take this step are not reserved: if that leaves a group short, it preempts again at
+        the next step."""
         ordered = sorted(self.running, key=_PRIORITY)
         swapped = sorted(self.swapped, key=_PRIORITY)
         best = min(self.waiting[0].priority if self.waiting else ordered[-1].priority,

@@ -42,7 +42,7 @@ class CharTokenizer:
 
 def _inputs(blocks=40, bs=8, max_len=128, caching=False, max_num_seqs=8):
     bm = BlockManager(blocks, 0, bs, watermark=0.0, enable_prefix_caching=caching)
-    return InputProcessor(CharTokenizer(), 96, max_len, max_num_seqs, caching, bm)
+    return InputProcessor(CharTokenizer(), 96, max_len, max_num_seqs, bm)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -51,7 +51,7 @@ def _inputs(blocks=40, bs=8, max_len=128, caching=False, max_num_seqs=8):
     ({"prompt": "x" * 200}, "prompt"),
     ({"prompt": None, "prompt_token_ids": [1, 96]}, "prompt_token_ids"),
     ({"params": {"n": 9, "temperature": 1.0}}, "n"),
-    ({"params": SamplingParams(prompt_logprobs=1), "caching": True}, "prompt_logprobs"),
+    ({"params": {"prompt_logprobs": -1}, "caching": True}, "prompt_logprobs"),
     ({"params": {"max_tokens": 124}, "strict": True}, "max_tokens"),
     ({"params": {"max_tokens": 100, "n": 4, "temperature": 1.0}, "strict": True}, "max_tokens"),
     ({"params": {"bogus": 1}}, None),
