@@ -713,18 +713,21 @@ class Scheduler:
         admitted before it anyway). Blocks the running groups and the groups placed before
         take this step are not reserved: if that leaves a group short, it preempts again at
         the next step."""
+        # Only a lower request priority is displaced, never a later arrival of the same one:
+        # arrival stamps come from the front ends' threads and may be out of order by a hair.
         ordered = sorted(self.running, key=_PRIORITY)
         swapped = sorted(self.swapped, key=_PRIORITY)
-        best = min(self.waiting[0].priority if self.waiting else ordered[-1].priority,
-                   swapped[0].priority if swapped else ordered[-1].priority)
-        if ordered[-1].priority <= best:
-            return  # nothing running ranks below a queued group: the usual case
+        lowest = ordered[-1].request_priority
+        best = min(self.waiting[0].request_priority if self.waiting else lowest,
+                   swapped[0].request_priority if swapped else lowest)
+        if lowest <= best:
+            return  # nothing running has a lower priority than a queued group: the usual case
         cfg = self.config
         was_swapped = {id(g) for g in swapped}
         used = sum(g.max_num_running_seqs() for g in ordered)
         # Snapshots: preempting a victim queues it (and it ranks below every group left).
         for head in heapq.merge(list(self.waiting), swapped, key=_PRIORITY):
-            if not ordered or ordered[-1].priority <= head.priority:
+            if not ordered or ordered[-1].request_priority <= head.request_priority:
                 break
             if id(head) in was_swapped:
                 need, fits = head.num_unfinished, self.bm.swap_in_status
@@ -735,7 +738,7 @@ class Scheduler:
                     break  # admission rejects it
             if fits(head) is AllocStatus.NEVER:
                 break
-            while ordered and ordered[-1].priority > head.priority and (
+            while ordered and ordered[-1].request_priority > head.request_priority and (
                     used + need > cfg.max_num_seqs or fits(head) is not AllocStatus.OK):
                 victim = ordered.pop()
                 used -= victim.max_num_running_seqs()

@@ -102,6 +102,21 @@ def test_equal_or_lower_priority_never_preempts():
     assert e.first_token_at["lower"] >= e.first_token_at["same"]
 
 
+def test_an_earlier_arrival_stamp_of_the_same_priority_does_not_preempt():
+    """Arrival stamps come from the front ends' threads and may be out of order: a request
+    of the same priority stamped before a running one waits for a slot; only a lower
+    priority is preempted."""
+    e = FakeEngine(max_num_seqs=1, policy="priority")
+    e.clock = iter([10, 5])
+    e.add("running", [1, 2], max_tokens=4, request_priority=1)
+    e.step()
+    e.add("early", [3, 4], max_tokens=2, request_priority=1)  # stamped before "running"
+    e.run()
+    assert e.sched.num_preemptions_total == 0
+    assert e.first_token_at["early"] > e.first_token_at["running"]
+    assert e.outputs_of("running") == [reference_output([1, 2], 4)]
+
+
 def test_swapped_and_waiting_groups_resume_in_one_priority_order():
     """A swapped priority-2 group does not hold back a waiting priority-0 one (FCFS admits
     nothing while a group is swapped out), and it resumes before a waiting priority-3."""
