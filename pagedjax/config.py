@@ -26,8 +26,12 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(model context, 4096)
     preemption_mode: str = "recompute"  # "recompute" | "swap"
     swap_space_gb: float = 0.25
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = False
+    # Both None: on with kv_policy "paged", as in vLLM V1, where a prompt longer than
+    # max_num_batched_tokens runs in chunks instead of being refused and a repeated prefix
+    # (a system prompt, a chat's history) is computed once; off for the paper's contiguous
+    # and static baselines, which have neither. Resolved to a bool in `__post_init__`.
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
     # "fcfs" | "priority" (vLLM's: each request's `priority`, lower first, may preempt
     # running requests of a lower priority) | "srtf" (thesis Alg. 2).
     scheduling_policy: str = "fcfs"
@@ -128,6 +132,10 @@ class EngineConfig:
 
         need(self.kv_policy in KV_POLICIES, "kv_policy",
              f"must be one of {KV_POLICIES}; got {self.kv_policy!r}")
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = self.kv_policy == "paged"
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = self.kv_policy == "paged"
         need(self.kv_policy == "paged" or not self.enable_prefix_caching, "enable_prefix_caching",
              "requires kv_policy='paged'")
         need(self.kv_policy != "static" or self.scheduling_policy == "fcfs", "scheduling_policy",

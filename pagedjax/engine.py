@@ -1401,6 +1401,14 @@ class LLMEngine:
         self._weights_version += 1
         self.block_manager.reset_prefix_cache()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's `reset_prefix_cache`), e.g. so a benchmark's
+        repeated prompts are computed again. Safe with requests in flight: they keep their
+        blocks and stop publishing them. Registered prefixes are unpinned. Returns True (vLLM
+        returns False when blocks are in use; here that case is handled)."""
+        self.block_manager.reset_prefix_cache()
+        return True
+
     @staticmethod
     def freeze_gc() -> None:
         """Move every object alive now out of the cyclic collector's reach (`gc.freeze`), as

@@ -54,6 +54,11 @@ class LLM:
         """Swap in new weights without recompiling or reallocating the KV cache."""
         self.engine.update_params(params)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's `LLM.reset_prefix_cache`): later prompts are
+        computed in full. Registered prefixes are unpinned."""
+        return self.engine.reset_prefix_cache()
+
     def register_prefix(self, prefix: str | Sequence[int]) -> PrefixHandle:
         """Explicit shared prefix (paper §4.4): compute its KV once and pin its full blocks.
 

@@ -59,10 +59,13 @@ def build_llm(*, num_blocks: int, block_size: int, max_model_len: int, max_num_s
     from pagedjax import LLM
 
     config, params, tok = model_source(model, dtype)
+    # The paper's systems: no chunked prefill (vLLM 0.1 had none) for any policy, and prefix
+    # caching only where `set_policy` asks for it, whatever this engine's defaults are now.
     return LLM.from_params(config, params, tok, num_gpu_blocks=num_blocks, block_size=block_size,
                            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                            max_num_batched_tokens=max_num_batched_tokens,
-                           preemption_mode=preemption_mode, swap_space_gb=swap_space_gb)
+                           preemption_mode=preemption_mode, swap_space_gb=swap_space_gb,
+                           enable_chunked_prefill=False, enable_prefix_caching=False)
 
 
 def set_policy(engine, policy: str, *, prefix_caching: bool = False,

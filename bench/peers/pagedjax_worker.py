@@ -9,9 +9,11 @@ The engine loads once; each line on stdin is a JSON job, each job gets one JSON 
              "ttft_s": wall time of a max_tokens=1 generate on the prompt (one prompt, else null),
              "outputs": [[token ids], ...], "versions": {...}, "threads": N, "engine_args": {...}}
 
-fp32 and the public API's defaults, except the KV cache (`cpu_kv_cache_gb`, default 1 GiB here
-as vLLM's worker gets) and `max_model_len` (1024, as vLLM's worker): `--engine-arg` overrides
-any `EngineConfig` field. `--threads N` pins the process to the first N CPUs it may use
+fp32 and the public API's defaults (prefix caching and chunked prefill on, as vLLM's), except
+the KV cache (`cpu_kv_cache_gb`, default 1 GiB here as vLLM's worker gets) and `max_model_len`
+(1024, as vLLM's worker): `--engine-arg` overrides any `EngineConfig` field. As the vLLM worker,
+the prefix cache is reset before every generate call unless a job says
+"reset_prefix_cache": false. `--threads N` pins the process to the first N CPUs it may use
 (XLA:CPU sizes its thread pool from the CPUs it can run on), as vLLM's worker binds its
 OpenMP threads and the HF worker calls `torch.set_num_threads`.
 """
@@ -58,6 +60,8 @@ def main() -> None:
     versions = {"jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
     def generate(prompts, max_tokens: int, ignore_eos: bool, job=None):
+        if (job or {}).get("reset_prefix_cache", True):  # as the vLLM worker: no stale hits
+            llm.reset_prefix_cache()
         sp = SamplingParams(**{"temperature": 0.0, **((job or {}).get("sampling") or {})},
                             max_tokens=max_tokens, ignore_eos=ignore_eos)
         if job and job.get("arrivals") is not None:  # Poisson serving run, as the peers
@@ -81,7 +85,9 @@ def main() -> None:
     generate([[1, 2, 3, 4]], 4, True)
     print(f"pagedjax_worker ready: threads={args.threads} {engine_args} {versions}", file=sys.stderr)
     serve(out, generate, {"versions": versions, "threads": args.threads, "engine_args": engine_args,
-                          "layer_loop": "scan" if llm.engine.runner.scan_layers else "unrolled"})
+                          "layer_loop": "scan" if llm.engine.runner.scan_layers else "unrolled",
+                          "prefix_caching": llm.engine.engine_config.enable_prefix_caching,
+                          "chunked_prefill": llm.engine.engine_config.enable_chunked_prefill})
 
 if __name__ == "__main__":
     main()

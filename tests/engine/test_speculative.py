@@ -174,11 +174,14 @@ def test_abort_mid_speculation_returns_every_block(tiny):
 
 def _poison_all_but_computed(llm: LLM, value: float = 1e3) -> int:
     """Overwrite every KV slot except positions < num_computed_tokens of live sequences'
-    tables: rolled-back drafts' slots, trimmed blocks and free blocks. Returns how many
-    slots past a live sequence's computed length were poisoned (rolled-back drafts)."""
+    tables and blocks in the prefix cache: rolled-back drafts' slots, trimmed blocks and free
+    uncached blocks. Returns how many slots past a live sequence's computed length were
+    poisoned (rolled-back drafts)."""
     eng = llm.engine
     r, bm, bs = eng.runner, eng.block_manager, eng.runner.block_size
     keep = np.zeros((r.num_gpu_blocks, bs), bool)
+    for b in range(r.num_gpu_blocks):  # published full blocks: a later hit reads them
+        keep[b] = bm.gpu.entry_of(b) is not None
     past = 0
     for g in eng.scheduler.running:
         for s in g.seqs:
@@ -195,16 +198,18 @@ def _poison_all_but_computed(llm: LLM, value: float = 1e3) -> int:
     return past
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_rolled_back_slots_are_never_read(tiny, mode):
-    """After every step, everything but the KV of computed positions is poisoned (the slots
-    of rejected drafts, trimmed and free blocks): the tokens still equal plain decoding, so
-    no step reads a rolled-back draft's KV."""
+def test_rolled_back_slots_are_never_read(tiny, mode, caching):
+    """After every step, everything but the KV of computed positions and of cached blocks is
+    poisoned (the slots of rejected drafts, trimmed and free blocks): the tokens still equal
+    plain decoding, so no step reads a rolled-back draft's KV, and no cached block holds one
+    (a recompute-preempted request hits its own published blocks when it comes back)."""
     config, params = tiny
     prompts = _prompts(config.vocab_size, 6, seed=11)
     sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
     kw = dict(num_gpu_blocks=20, block_size=8, max_num_seqs=4, max_model_len=128,
-              preemption_mode=mode)
+              preemption_mode=mode, enable_prefix_caching=caching)
     want = _generate(LLM.from_params(config, params, NoTokenizer(), **kw), prompts, sp)
     spec = LLM.from_params(config, params, NoTokenizer(), speculative_config=SPEC, **kw)
     eng = spec.engine
@@ -220,6 +225,7 @@ def test_rolled_back_slots_are_never_read(tiny, mode):
     st = eng.get_stats()
     assert st.spec_num_draft_tokens > st.spec_num_accepted_tokens > 0  # rejections happened
     assert st.num_preemptions_total > 0 and poisoned > 0
+    assert (eng.block_manager.gpu.num_cached_blocks() > 0) is caching
     assert_pool_whole(spec)
 
 

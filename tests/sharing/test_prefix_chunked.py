@@ -35,12 +35,13 @@ def _shared_prefix_prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]
 
 
 CONFIGS = [
-    dict(),
-    dict(enable_prefix_caching=True),
-    dict(enable_chunked_prefill=True, max_num_batched_tokens=16),
-    dict(enable_chunked_prefill=True, max_num_batched_tokens=32),
-    dict(enable_chunked_prefill=True, max_num_batched_tokens=64),
+    dict(enable_prefix_caching=False, enable_chunked_prefill=False),
+    dict(enable_prefix_caching=True, enable_chunked_prefill=False),
+    dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=16),
+    dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=32),
+    dict(enable_prefix_caching=False, enable_chunked_prefill=True, max_num_batched_tokens=64),
     dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=16),
+    dict(),  # the defaults: both on, as in vLLM V1
 ]
 
 
@@ -63,7 +64,8 @@ def test_greedy_identical_across_caching_and_chunking(demo_model, demo_tokenizer
     outs += llm.generate([{"prompt_token_ids": p} for p in wave2], SP)
     assert [o.outputs[0].token_ids for o in outs] == want
     cached = [o.num_cached_tokens for o in outs[len(wave1):]]
-    if cfg.get("enable_prefix_caching"):
+    assert llm.engine.engine_config.enable_prefix_caching is cfg.get("enable_prefix_caching", True)
+    if cfg.get("enable_prefix_caching", True):
         # Hits are the full blocks of the shared prefix; a prompt made only of cached blocks
         # still computes its last token (for logits).
         assert cached == [2 * BS, BS, 2 * BS, 2 * BS, 2 * BS, 2 * BS, 2 * BS - 1]
