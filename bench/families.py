@@ -114,6 +114,7 @@ def throughput(names: list[str], reps: int) -> dict:
     for rep in range(reps):
         for name in (names if rep % 2 == 0 else names[::-1]):
             llm = engines[name][0]
+            llm.reset_prefix_cache()  # every rep computes its prompts (no hits from the last)
             t0 = time.perf_counter()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             dt = time.perf_counter() - t0

@@ -47,6 +47,7 @@ def run(llm, reqs, policy: str, urgent_after: int = 4) -> dict:
     from pagedjax import SamplingParams
 
     eng = llm.engine
+    llm.reset_prefix_cache()  # every pass computes its prompts (no hits from the last)
     prio = policy == "priority"
     before = eng.scheduler.num_preemptions_total
     arrival: dict[str, float] = {}

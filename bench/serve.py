@@ -210,6 +210,10 @@ def start_server(args, tmp: Path, *extra: str) -> tuple[subprocess.Popen, dict]:
     port_file = tmp / "ports.json"
     cmd = [sys.executable, "-m", "pagedjax", "serve", args.model, "--port", "0",
            "--grpc-port", "0", "--port-file", str(port_file), *extra]
+    if not args.prefix_caching:
+        # Every protocol and rep sends the same prompts to its server: hits would favour
+        # whichever runs later. Off unless asked (the default since stop 57).
+        cmd.append("--no-enable-prefix-caching")
     for k, v in engine_kwargs(args).items():
         cmd += [f"--{k.replace('_', '-')}", str(v)]
     log = open(tmp / "server.log", "w")
@@ -273,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-gpu-blocks", type=int, default=512)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=32)
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="leave the servers' prefix caching on (their default): repeated "
+                         "prompts then hit the cache")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=4, help="requests in the initial untimed burst")
     ap.add_argument("--warmup-passes", type=int, default=0,

@@ -79,6 +79,7 @@ WORKLOADS = {
 
 def run(llm: LLM, prompts: list[str], sp: SamplingParams, batch: bool) -> tuple[float, list]:
     msgs = [[{"role": "user", "content": p}] for p in prompts]
+    llm.reset_prefix_cache()  # every run computes its prompts (no hits from the last rep)
     t0 = time.perf_counter()
     if batch:
         outs = llm.chat(msgs, sp, use_tqdm=False)

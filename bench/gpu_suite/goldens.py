@@ -55,8 +55,10 @@ TOL_BF16_MIN = 0.1
 TIE_FP32 = 1e-4
 TOP1_MIN = 0.99
 
+# "No engine features": both off explicitly since they became the defaults (stop 57).
 GOLDEN_ENGINE = dict(block_size=16, num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=256,
-                     max_model_len=256, warmup=False)
+                     max_model_len=256, warmup=False, enable_prefix_caching=False,
+                     enable_chunked_prefill=False)
 PLAN_ENGINE = dict(block_size=16, num_gpu_blocks=16, max_num_seqs=8, max_num_batched_tokens=32,
                    max_model_len=256, enable_chunked_prefill=True, warmup=False)
 

@@ -335,7 +335,10 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
     llm = LLM.from_params(cfg, params, NoTokenizer(), attention_backend=backend, block_size=16,
                           num_gpu_blocks=num_blocks, max_num_seqs=max_seqs,
                           max_num_batched_tokens=512 if dry_run else 2048, max_model_len=mml,
-                          enable_chunked_prefill=True, warmup=False)
+                          enable_chunked_prefill=True, warmup=False,
+                          # The A/B parts rerun the offline part's requests: no prefix hits,
+                          # as in the runs before prefix caching became the default (stop 57).
+                          enable_prefix_caching=False)
     eng = llm.engine
     kv_tok = kv_bytes_per_block(cfg, 16, dtype) / 16
     # Decode reads every weight but the embedding table (a gather of B rows).
