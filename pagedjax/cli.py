@@ -118,6 +118,7 @@ def serve_options(args):
                          generation_config=args.generation_config,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice
                          else None,
+                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                          max_waiting_requests=args.max_waiting_requests or None, grace_s=args.grace,
                          max_sequences_per_request=args.max_sequences_per_request or None,
                          port_file=args.port_file, api_key=resolve_api_key(args.api_key),
@@ -179,6 +180,9 @@ def add_serving_parsers(sub) -> None:
                         "--tool-call-parser")
     s.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="the model family's tool-call format, for tool_choice 'auto'")
+    s.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served "
+                        "from the prefix cache)")
     s.add_argument("--generation-config", default="auto",
                    help="sampling defaults for requests that leave them unset: 'auto' (the "
                         "model folder's generation_config.json), 'vllm' (none), or a folder")

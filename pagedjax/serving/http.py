@@ -258,8 +258,10 @@ class HttpFrontDoor:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int,
                  api_key: str | None = None, limits: HttpLimits | None = None,
-                 tool_parser=None):
+                 tool_parser=None, prompt_tokens_details: bool = False):
         self.registry = registry
+        # usage.prompt_tokens_details.cached_tokens (serve --enable-prompt-tokens-details)
+        self.prompt_tokens_details = prompt_tokens_details
         self.tool_parser = tool_parser  # `tool_choice: "auto"` (serve --enable-auto-tool-choice)
         self.api_key = api_key
         self.host, self.port = host, port
@@ -364,10 +366,18 @@ class HttpFrontDoor:
             acc = out if acc is None else merge_output(acc, out)
         return acc
 
+    def _usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        return usage
+
     def _full_response(self, jobs, finals, meta, chat: bool, sp, tools=None) -> dict:
-        choices, prompt_tokens, completion_tokens = [], 0, 0
+        choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
         for job, out in zip(jobs, finals):
             prompt_tokens += len(out.prompt_token_ids)
+            cached += out.num_cached_tokens or 0
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
                 idx = job.offset + c.index
@@ -382,8 +392,7 @@ class HttpFrontDoor:
                                     "finish_reason": c.finish_reason})
         choices.sort(key=lambda c: c["index"])
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "usage": self._usage(prompt_tokens, completion_tokens, cached)}
 
     async def _sse(self, jobs: list[_Job], meta: dict, chat: bool, sp, include_usage: bool,
                    tools=None) -> AsyncIterator[str]:
@@ -402,7 +411,7 @@ class HttpFrontDoor:
         tasks = [asyncio.create_task(pump(j)) for j in jobs]
         started: set[int] = set()
         calls: dict[int, ToolDeltas] = {}  # choice index -> its tool-call stream
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
         counted: set[str] = set()
         done = 0
         try:
@@ -449,9 +458,11 @@ class HttpFrontDoor:
                     counted.add(job.rid)
                     usage["prompt_tokens"] += len(out.prompt_token_ids)
                     usage["completion_tokens"] += job.tracker.completion_tokens
+                    usage["cached_tokens"] += out.num_cached_tokens or 0
             if include_usage:
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': usage})}\n\n"
+                final = self._usage(usage["prompt_tokens"], usage["completion_tokens"],
+                                    usage["cached_tokens"])
+                yield f"data: {json.dumps({**meta, 'object': obj, 'choices': [], 'usage': final})}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # normal end, or the client went away (the generator is closed/cancelled)
             for t in tasks:

@@ -79,6 +79,9 @@ class ServerOptions:
     # tool_choice "auto": parse tool calls out of chat outputs with this family's parser
     # (`pagedjax.serving.tools.TOOL_PARSERS`); None: "auto" is refused with a 400.
     tool_call_parser: str | None = None
+    # vLLM's `--enable-prompt-tokens-details`: usage carries `prompt_tokens_details` with the
+    # prompt tokens served from the prefix cache (`cached_tokens`), as OpenAI's API reports.
+    enable_prompt_tokens_details: bool = False
     # Requests accepted but without a first token yet; more get RESOURCE_EXHAUSTED / HTTP 429
     # instead of an unbounded queue (None: unlimited).
     max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
@@ -347,7 +350,8 @@ async def run_server(opts: ServerOptions, engine=None, stop: asyncio.Event | Non
 
         http = HttpFrontDoor(metrics.registry, opts.host, opts.http_port, api_key=opts.api_key,
                              limits=opts.http_limits,
-                             tool_parser=make_parser(opts.tool_call_parser))
+                             tool_parser=make_parser(opts.tool_call_parser),
+                             prompt_tokens_details=opts.enable_prompt_tokens_details)
         ports["http_port"] = await http.start()
     if opts.port_file:
         # Atomically: a reader polling for the file never sees it empty or half-written.

@@ -29,7 +29,8 @@ class ServerProcess:
         # metrics port on request.
         cmd = [sys.executable, "-m", "pagedjax", "serve", str(model), "--port", "0",
                "--grpc-port", "0", "--metrics-port", "0", "--port-file", str(self.port_file),
-               "--enable-auto-tool-choice", "--tool-call-parser", "hermes", *ENGINE_ARGS, *extra]
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+               "--enable-prompt-tokens-details", *ENGINE_ARGS, *extra]
         env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         self._client: Client | None = None

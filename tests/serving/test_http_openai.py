@@ -46,6 +46,41 @@ def test_completions_match_offline(oai, model, offline):
         assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
 
 
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(oai, model):
+    """`--enable-prompt-tokens-details` (the shared server's): usage carries
+    `prompt_tokens_details.cached_tokens`, 0 for a new prompt and its full 16-token blocks
+    when repeated (prefix caching is on by default), streamed usage included."""
+    prompt = ("A ledger of seventeen lighthouses, each with its keeper's name, its lamp's "
+              "colour and the year its light first shone over the northern strait:")
+    kw = dict(model=model, prompt=prompt, max_tokens=2, temperature=0.0)
+    first = oai.completions.create(**kw)
+    again = oai.completions.create(**kw)
+    n = first.usage.prompt_tokens
+    assert n >= 32 and again.usage.prompt_tokens == n
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    want = min(n // 16 * 16, n - 1)  # full blocks; the last prompt token is always computed
+    assert again.usage.prompt_tokens_details.cached_tokens == want
+    chunks = list(oai.completions.create(**kw, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want
+    chat = [{"role": "user", "content": prompt}]
+    oai.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0.0)
+    got = oai.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0.0)
+    m = got.usage.prompt_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens == min(m // 16 * 16, m - 1) > 0
+
+
+def test_usage_has_no_prompt_tokens_details_unless_asked():
+    from prometheus_client import CollectorRegistry
+
+    from pagedjax.serving.http import HttpFrontDoor
+
+    off = HttpFrontDoor(CollectorRegistry(), "127.0.0.1", 0)._usage(5, 3, 4)
+    assert off == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    on = HttpFrontDoor(CollectorRegistry(), "127.0.0.1", 0, prompt_tokens_details=True)
+    assert on._usage(5, 3, 4)["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
 def test_completion_logprobs(oai, model, offline):
     sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
     want = offline.generate(PROMPTS[2], sp, use_tqdm=False)[0].outputs[0]

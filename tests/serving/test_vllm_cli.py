@@ -40,6 +40,11 @@ def test_serve_options_like_vllm(demo_gguf):
     o = serve_options(build_parser().parse_args(
         ["serve", str(demo_gguf), "--scheduling-policy", "priority", "--max-model-len", "64"]))
     assert o.engine_kwargs == {"scheduling_policy": "priority", "max_model_len": 64}
+    # usage.prompt_tokens_details: off unless asked, as vLLM's flag.
+    assert o.enable_prompt_tokens_details is False
+    assert serve_options(build_parser().parse_args(
+        ["serve", str(demo_gguf), "--enable-prompt-tokens-details", "--max-model-len", "64"])
+    ).enable_prompt_tokens_details is True
 
 
 def test_python_dash_m():
