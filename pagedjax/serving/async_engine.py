@@ -565,6 +565,15 @@ class AsyncEngine:
         self._wake.set()
         return True
 
+    async def reset_prefix_cache_async(self) -> bool:
+        """Forget the engine's prefix cache (vLLM's `/reset_prefix_cache`), on the engine
+        thread between two steps, after every command queued before it: requests submitted
+        after this returns are computed in full."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("reset_prefix_cache", done))
+        self._wake.set()
+        return await asyncio.wrap_future(done)
+
     def get_stats(self):
         """The `EngineStats` published after the engine thread's latest step."""
         return self._stats
@@ -608,6 +617,15 @@ class AsyncEngine:
         while i < len(cmds):  # in order; a run of admissions goes to the engine at once
             if cmds[i][0] == "abort":
                 self.engine.abort_request(cmds[i][1])
+                i += 1
+                continue
+            if cmds[i][0] == "reset_prefix_cache":
+                done = cmds[i][1]
+                try:
+                    done.set_result(bool(self.engine.reset_prefix_cache()))
+                except Exception as exc:  # the caller hears of it; serving goes on
+                    logger.exception("resetting the prefix cache raised")
+                    done.set_exception(exc)
                 i += 1
                 continue
             j = i

@@ -177,6 +177,8 @@ def _child_main(conn, factory: Callable, args: tuple) -> None:
                         engine.abort_request(cmd[2], withdraw=cmd[3])
                     elif cmd[0] == "stop_samples":
                         engine.stop_samples(cmd[2])
+                    elif cmd[0] == "reset_prefix_cache":
+                        engine.reset_prefix_cache()
                     elif cmd[0] == "add":
                         results = [add_in_order(engine, items, params, cmd[3])
                                    for items, params in cmd[2]]
@@ -502,6 +504,11 @@ class EngineProcess:
                 self._send("abort", ids, withdraw)
             except EngineDied:
                 pass
+
+    def reset_prefix_cache(self) -> bool:
+        """Sent to the child, which applies it before any command sent after it."""
+        self._send("reset_prefix_cache")
+        return True
 
     def has_unfinished_requests(self) -> bool:
         queued = bool(self._deferred) or not self._outs.empty()

@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -90,14 +91,19 @@ class _ApiKeyMiddleware:
         self.app, self.key = app, key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and (scope["path"].startswith("/v1")
-                                        or scope["path"] in ("/tokenize", "/detokenize")):
+        if scope["type"] == "http" and (scope["path"].startswith("/v1") or scope["path"] in (
+                "/tokenize", "/detokenize", "/reset_prefix_cache")):
             auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if not bearer_ok(auth, self.key):
                 resp = error_response(401, UNAUTHENTICATED_MESSAGE, "authentication_error")
                 await resp(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def dev_mode() -> bool:
+    """Development endpoints on (`/reset_prefix_cache`), as vLLM's $VLLM_SERVER_DEV_MODE."""
+    return "1" in (os.environ.get("PAGEDJAX_SERVER_DEV_MODE"), os.environ.get("VLLM_SERVER_DEV_MODE"))
 
 
 def build_app(front: HttpFrontDoor) -> FastAPI:
@@ -141,6 +147,17 @@ def build_app(front: HttpFrontDoor) -> FastAPI:
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics():
         return Response(generate_latest(front.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if dev_mode():
+        @app.post("/reset_prefix_cache", response_class=Response)
+        async def reset_prefix_cache():
+            """vLLM's development endpoint: forget every cached block, so repeated benchmark
+            prompts are computed again. Only with $PAGEDJAX_SERVER_DEV_MODE (or vLLM's
+            $VLLM_SERVER_DEV_MODE) set to 1: any client could otherwise slow everyone's
+            requests. Behind the API key when there is one."""
+            front.engine()  # 503 while loading
+            await asyncio.wait_for(front.aengine.reset_prefix_cache_async(), 60)
+            return Response(status_code=200)
 
     @app.get("/version")
     async def version():

@@ -31,7 +31,8 @@ class ServerProcess:
                "--grpc-port", "0", "--metrics-port", "0", "--port-file", str(self.port_file),
                "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                "--enable-prompt-tokens-details", *ENGINE_ARGS, *extra]
-        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+        env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+                   PAGEDJAX_SERVER_DEV_MODE="1")  # /reset_prefix_cache
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         self._client: Client | None = None
 

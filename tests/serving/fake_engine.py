@@ -48,6 +48,11 @@ class FakeEngine:
             raise ValueError(f"{field}: empty prompt")
 
     healthy = True
+    resets = 0  # `reset_prefix_cache` calls
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return True
 
     def add_request(self, request_id, prompt, params=None, prompt_token_ids=None, arrival_time=None,
                     strict_limits=False, output_kind="cumulative", priority=0):
@@ -134,6 +139,24 @@ class StepStampEngine(FakeEngine):
     def _output(self, rid, r, finished, reason=None, error=None):
         out = super()._output(rid, r, finished, reason, error)
         out.num_cached_tokens = self.added_at.get(rid, -1)
+        return out
+
+
+class ResetStampEngine(FakeEngine):
+    """Reports, as each output's `num_cached_tokens`, how many prefix-cache resets the engine
+    had applied when its request was added."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.resets_at_add: dict[str, int] = {}
+
+    def add_request(self, request_id, *a, **k):
+        super().add_request(request_id, *a, **k)
+        self.resets_at_add[request_id] = self.resets
+
+    def _output(self, rid, r, finished, reason=None, error=None):
+        out = super()._output(rid, r, finished, reason, error)
+        out.num_cached_tokens = self.resets_at_add.get(rid, -1)
         return out
 
 

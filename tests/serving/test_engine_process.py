@@ -18,6 +18,7 @@ from tests.serving.fake_engine import (
     FailingStepEngine,
     FakeEngine,
     PriorityStampEngine,
+    ResetStampEngine,
     StepStampEngine,
     failing_factory,
 )
@@ -177,6 +178,32 @@ def test_priority_reaches_the_child_for_text_and_text_free_requests():
     finally:
         a.shutdown()
         assert p.close() == 0
+
+
+@pytest.mark.parametrize("in_child", [False, True])
+def test_a_prefix_cache_reset_reaches_the_engine_before_later_requests(in_child):
+    """`AsyncEngine.reset_prefix_cache_async` (the dev `/reset_prefix_cache`): applied on the
+    engine's side, in the engine process's child too, before any request submitted after it
+    returns; requests before it see none."""
+    p = EngineProcess(ResetStampEngine, 0.002) if in_child else ResetStampEngine(0.002)
+    a = AsyncEngine(p).start()
+    try:
+        async def seen(rid):
+            s = await a.add_request_async(rid, "hi", {"max_tokens": 2}, delta=True)
+            return {o.num_cached_tokens async for o in s}
+
+        async def main():
+            before = await seen("before")
+            assert await a.reset_prefix_cache_async() is True
+            after = await seen("after")
+            await a.reset_prefix_cache_async()
+            return before, after, await seen("twice")
+
+        assert asyncio.run(main()) == ({0}, {1}, {2})
+    finally:
+        a.shutdown()
+        if in_child:
+            assert p.close() == 0
 
 
 def test_a_burst_of_clients_is_admitted_between_two_steps_not_one_a_step():

@@ -46,7 +46,7 @@ def test_completions_match_offline(oai, model, offline):
         assert chunks[-1].usage.completion_tokens == got.usage.completion_tokens
 
 
-def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(oai, model):
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(server, oai, model):
     """`--enable-prompt-tokens-details` (the shared server's): usage carries
     `prompt_tokens_details.cached_tokens`, 0 for a new prompt and its full 16-token blocks
     when repeated (prefix caching is on by default), streamed usage included."""
@@ -63,11 +63,33 @@ def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(oai, model):
     chunks = list(oai.completions.create(**kw, stream=True,
                                          stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == want
+    # The dev endpoint (the shared server has $PAGEDJAX_SERVER_DEV_MODE=1): the next run of
+    # the same prompt computes it all.
+    base = f"http://127.0.0.1:{server.ports['http_port']}"
+    assert httpx.post(f"{base}/reset_prefix_cache", timeout=60).status_code == 200
+    assert oai.completions.create(**kw).usage.prompt_tokens_details.cached_tokens == 0
     chat = [{"role": "user", "content": prompt}]
     oai.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0.0)
     got = oai.chat.completions.create(model=model, messages=chat, max_tokens=1, temperature=0.0)
     m = got.usage.prompt_tokens
     assert got.usage.prompt_tokens_details.cached_tokens == min(m // 16 * 16, m - 1) > 0
+
+
+def test_reset_prefix_cache_is_a_dev_endpoint_behind_the_api_key(monkeypatch):
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from pagedjax.serving.http import HttpFrontDoor
+
+    for var in ("PAGEDJAX_SERVER_DEV_MODE", "VLLM_SERVER_DEV_MODE"):
+        monkeypatch.delenv(var, raising=False)
+    off = HttpFrontDoor(CollectorRegistry(), "127.0.0.1", 0).app
+    assert TestClient(off).post("/reset_prefix_cache").status_code == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # vLLM's variable works too
+    on = TestClient(HttpFrontDoor(CollectorRegistry(), "127.0.0.1", 0, api_key="k").app)
+    assert on.post("/reset_prefix_cache").status_code == 401
+    # Authenticated, before a model is loaded: not ready.
+    assert on.post("/reset_prefix_cache", headers={"Authorization": "Bearer k"}).status_code == 503
 
 
 def test_usage_has_no_prompt_tokens_details_unless_asked():
