@@ -67,6 +67,8 @@ def test_a_prompt_over_the_budget_runs_in_chunks_and_a_repeat_hits_the_cache(tin
     off.generate([short], sp, use_tqdm=False)
     assert off.generate([short], sp, use_tqdm=False)[0].num_cached_tokens == 0
     assert not off.engine.has_unfinished_requests()
+    off.engine.block_manager.check_invariants()
+    assert off.engine.block_manager.get_num_free_gpu_blocks() == off.engine.runner.num_gpu_blocks
 
 
 def test_the_serve_flags_switch_them_off(tmp_path):
