@@ -310,6 +310,14 @@ class LLMEngine:
         self._cache_broken = False
         self.prompt_tokens_total = 0
         self.last_step_tokens = 0
+        # Ids of requests not scheduled yet, and of requests that want prompt logprobs: the
+        # step's passes for them run only while there are any (a decode step's 256 entries
+        # would each be looked up for nothing). Pruned of departed requests as they are read.
+        self._unscheduled: set[str] = set()
+        self._prompt_lp_ids: set[str] = set()
+        # Ids of requests with an output after every step that advances them (`streams`):
+        # with none, a step's outputs are those of the groups it finished.
+        self._streaming_ids: set[str] = set()
 
     # The KV manager and scheduler can be replaced on an idle engine (bench/paper swaps kv
     # policies); the modules that use them follow.
@@ -549,6 +557,11 @@ class LLMEngine:
                            allowed_mask=allowed, bad_words=bad_words)
         req.register(seq, 0)
         self._requests[request_id] = req
+        self._unscheduled.add(request_id)
+        if p.prompt_logprobs is not None:
+            self._prompt_lp_ids.add(request_id)
+        if req.streams:
+            self._streaming_ids.add(request_id)
 
     def _token_rules(self, p: SamplingParams) -> tuple[np.ndarray | None, list[list[int]]]:
         """`allowed_token_ids` as a packed bitmask, and `bad_words` as token sequences (each
@@ -735,13 +748,22 @@ class LLMEngine:
         self.num_steps += 1
         self.last_step_tokens = sched.num_batched_tokens
         self.scheduler.update_after_step(sched)
-        for s in sched.scheduled:  # first chunk of a request: what the prefix cache skipped
-            req = self._requests.get(s.request_id)
-            if req is not None and req.num_cached_tokens is None:
-                req.num_cached_tokens = s.start_pos
-                req.first_scheduled_time = time.monotonic()
-                self.prompt_tokens_total += len(req.prompt_token_ids)
+        if self._unscheduled:
+            self._first_chunks(sched)
         return launched
+
+    def _first_chunks(self, sched) -> None:
+        """Requests scheduled for the first time: what the prefix cache skipped, and when."""
+        new, requests = self._unscheduled, self._requests
+        for s in sched.scheduled:
+            if s.request_id in new:
+                new.discard(s.request_id)
+                req = requests.get(s.request_id)
+                if req is not None and req.num_cached_tokens is None:
+                    req.num_cached_tokens = s.start_pos
+                    req.first_scheduled_time = time.monotonic()
+                    self.prompt_tokens_total += len(req.prompt_token_ids)
+        new.intersection_update(requests.keys())
 
     def _step_failed(self, sched, exc: Exception, *, swapped: bool = True) -> list[RequestOutput]:
         """A step raised (launching it, or collecting its results): its requests fail, the
@@ -799,6 +821,13 @@ class LLMEngine:
                                     if not s.is_finished()})
         requests, make_output = self._requests, self.outputs.make_output
         rows, delta_row = self.pipe_rows, OutputProcessor.delta_row
+        streaming = self._streaming_ids
+        if streaming:
+            streaming.intersection_update(requests.keys())
+        if not streaming:
+            # Only final outputs: those of the advanced requests this step finished, each
+            # in `done` (`LLM.generate`'s steps, without a pass over every request).
+            touched = [g.request_id for g in done if g.request_id in touched]
         for rid in touched:
             req = requests.get(rid)
             if req is None:
@@ -852,20 +881,21 @@ class LLMEngine:
         the logits row of each sampled row: a fresh prompt of an n>1 request has one logits
         row and fans out into n sampled rows, so the step's shape never depends on n."""
         rows_per_seq, row_info, row_src = [], [], []
+        add_info, add_src, add_rows = row_info.append, row_src.append, rows_per_seq.append
         n_logits = 0
         requests = self._requests
         for s in sched.scheduled:
             if not s.needs_logits:
-                rows_per_seq.append(0)
+                add_rows(0)
                 continue
             req = requests[s.request_id]
             seqs = req.group.seqs
-            if len(seqs) == 1 and not s.spec_token_ids and req.num_samples == 1:
+            if req.one_sample and len(seqs) == 1 and not s.spec_token_ids:
                 # The common row: one sequence, one sample (the hot path of a decode step).
                 seq = seqs[0]
-                row_info.append((req, seq, req.seq_index[seq.seq_id], False))
-                row_src.append(n_logits)
-                rows_per_seq.append(1)
+                add_info((req, seq, req.seq_index[seq.seq_id], False))
+                add_src(n_logits)
+                add_rows(1)
                 n_logits += 1
                 continue
             fan_out = (not req.is_beam and len(seqs) == 1 and req.num_samples > 1
@@ -891,6 +921,9 @@ class LLMEngine:
         for prompt logprobs; positions already scored (e.g. before a recompute) are skipped."""
         rows: list[int] = []
         plan: list[tuple[RequestState, int]] = []
+        if not self._prompt_lp_ids:
+            return rows, plan
+        self._prompt_lp_ids.intersection_update(self._requests.keys())
         offset = 0
         for s in sched.scheduled:
             req = self._requests.get(s.request_id)
@@ -960,7 +993,8 @@ class LLMEngine:
         inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
                                    self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
                                    plan=self.runner.shape_plan, batch=self.input_batch,
-                                   num_groups=self.runner.num_kv_groups, spec_lens=spec_lens)
+                                   num_groups=self.runner.num_kv_groups, spec_lens=spec_lens,
+                                   num_tokens=sched.num_batched_tokens)
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
         plain = self._plain_greedy(row_info) if row_info else 0

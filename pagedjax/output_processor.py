@@ -89,6 +89,7 @@ class RequestState:
         # And wants no logprob at all, one sample: its tokens may come from the screened LM
         # head, which computes none (`LLMEngine._plain_greedy`).
         self.screenable = self.plain_greedy and p.logprobs is None and self.num_samples == 1
+        self.one_sample = self.num_samples == 1  # n and best_of never change
         # Its deltas may go to the engine process's pipe as rows (`OutputProcessor.delta_row`).
         self.pipe_row = (self.text_free and self.num_samples == 1 and not self.is_beam
                          and p.prompt_logprobs is None)

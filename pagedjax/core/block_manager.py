@@ -70,6 +70,8 @@ NULL_BLOCK = -1
 # its KV manager), so equal versions always mean the same table.
 _TABLE_VERSIONS = itertools.count()
 
+_NEVER = 1 << 62  # `Sequence.publish_at` of a sequence that publishes nothing
+
 
 class _SeqBlocks:
     """Block-manager side state of one sequence."""
@@ -136,6 +138,10 @@ class BlockManager:
         self.gpu = gpu_pool or BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu = cpu_pool or BlockPool(num_cpu_blocks, enable_caching=False)
         self._tag: tuple = () if cache_tag is None else (("kv_group", cache_tag),)
+        # Whether this manager keeps `Sequence.publish_at` (the scheduler's gate on
+        # `mark_blocks_computed`): not a hybrid model's group, whose sibling groups publish
+        # the same sequence's blocks at their own pace.
+        self._gate = cache_tag is None
         self._seqs: dict[int, _SeqBlocks] = {}
         self._handles: dict[int, PrefixHandle] = {}
         self._pending_handles: set[int] = set()
@@ -294,6 +300,7 @@ class BlockManager:
         st = _SeqBlocks(table, list(hits), extra, next(self._versions))
         st.released = min(dead, len(hits))
         self._seqs[seq.seq_id] = st
+        seq.publish_at = 0
 
     def _fill(self, seq: Sequence) -> None:
         """Allocate the rest of a new table: every token (windowed: nothing, the first
@@ -434,10 +441,12 @@ class BlockManager:
         child.publish = st.publish
         child.released = st.released
         self._seqs[child_seq.seq_id] = child
+        child_seq.publish_at = 0
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references, tail first so tail blocks are evicted first."""
         st = self._seqs.pop(seq.seq_id, None)
+        seq.publish_at = 0
         if st is None:
             return
         pool = self.cpu if st.on_cpu else self.gpu
@@ -485,6 +494,8 @@ class BlockManager:
             st.version = next(self._versions)
             st.on_cpu = True
             st.chain = []  # blocks change on swap-in; republish from scratch
+        for seq in group.seqs:
+            seq.publish_at = 0
         return list(mapping.items())
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
@@ -525,11 +536,22 @@ class BlockManager:
 
     # -- prefix cache -----------------------------------------------------------
     def mark_blocks_computed(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
-        """Publish the sequence's full blocks whose KV is now written (call after the step)."""
+        """Publish the sequence's full blocks whose KV is now written (call after the step).
+
+        Sets ``seq.publish_at``, the computed length below which another call would publish
+        nothing (a block fills once every ``block_size`` tokens): the scheduler skips the
+        call until then, and every change of the sequence's blocks here (a new table, a
+        fork, a free, a swap) resets it to 0."""
         if not self.enable_prefix_caching:
+            if self._gate:
+                seq.publish_at = _NEVER
             return
         st = self._seqs.get(seq.seq_id)
-        if st is None or st.on_cpu or not st.publish:
+        if st is None or st.on_cpu:
+            return
+        if not st.publish:  # the cache was reset under it: only a new table publishes again
+            if self._gate:
+                seq.publish_at = _NEVER
             return
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
@@ -537,6 +559,8 @@ class BlockManager:
         chain = st.chain
         n_full = num_computed_tokens // bs
         if len(chain) >= n_full:
+            if self._gate:
+                seq.publish_at = (len(chain) + 1) * bs
             return
         n_full = min(n_full, len(st.table))
         parent = chain[-1] if chain else None
@@ -551,6 +575,8 @@ class BlockManager:
                 break
             chain.append(entry)
             parent = entry
+        if self._gate:  # a chain stuck short of the full blocks (evicted parent) leaves it low
+            seq.publish_at = (len(chain) + 1) * bs
         if self._pending_handles:
             for hid in list(self._pending_handles):
                 self._try_pin(self._handles[hid])

@@ -285,7 +285,11 @@ class Scheduler:
         if self._finished_elsewhere:
             done += self._free_finished_elsewhere()
         for g in self.running:
-            for seq in g.seqs:
+            seqs = g.seqs
+            if len(seqs) == 1 and seqs[0].status._value_ < _FIRST_FINISHED:
+                keep.append(g)  # a lone running sequence: most groups of every step
+                continue
+            for seq in seqs:
                 if seq.status.is_finished:
                     self.bm.free(seq)
             if g.is_finished():
@@ -412,7 +416,11 @@ class Scheduler:
             n = seq.num_computed_tokens = seq.num_computed_tokens + len(s.token_ids)
             # Only known tokens are hashed: a block completed by a pending token is
             # published by a later step, once its id is known.
-            mark(seq, min(n, len(seq.prompt_token_ids) + len(seq.output_token_ids)))
+            m = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            if n < m:
+                m = n
+            if m >= seq.publish_at:  # else no block filled since the last call: nothing to do
+                mark(seq, m)
 
     def schedule(self) -> SchedulerOutput:
         st = _Step(self.config.max_num_batched_tokens)
@@ -548,35 +556,63 @@ class Scheduler:
         return need <= self.bm.get_num_free_gpu_blocks()
 
     def _decode_fast(self, st: _Step, g: SequenceGroup) -> bool:
-        """Schedule a lone decoding sequence whose next slot is in place or takes one free
-        block (`BlockManager.decode_slot`): what `_plan`, `_fits_blocks` and `_emit` would do
-        for it, without their general work (the host's per-step cost at hundreds of
-        sequences). False, having changed nothing, for anything else."""
-        seq = g.seqs[0]
-        if seq.status is not SequenceStatus.RUNNING:
-            return False
-        start = seq.num_computed_tokens
-        prompt, output = seq.prompt_token_ids, seq.output_token_ids
-        p = len(prompt)
-        known = p + len(output)
-        if known + seq.num_pending - start != 1 or st.num_seqs + g.n > self.config.max_num_seqs:
-            return False
+        """`_decode_run` for one group: True if it took the fast path."""
+        queue = deque((g,))
+        self._decode_run(st, queue, [])
+        return not queue
+
+    def _decode_run(self, st: _Step, queue: deque[SequenceGroup], keep: list[SequenceGroup]
+                    ) -> None:
+        """Schedule the lone decoding sequences at the head of ``queue`` whose next slot is in
+        place or takes one free block (`BlockManager.decode_slot`): what `_plan`,
+        `_fits_blocks` and `_emit` would do for each, without their general work (the host's
+        per-step cost at hundreds of sequences), in one loop, the step's counters kept in
+        locals. Each is popped and added to ``keep``; the run stops, having changed nothing
+        for it, at the first group that needs more (left at the head) or when the budget is
+        spent. An exception leaves the group that raised at the head, for the caller to fail."""
         decode_slot = getattr(self.bm, "decode_slot", None)  # the hybrid manager has none
-        ref = decode_slot(seq) if decode_slot is not None else None
-        if ref is None:
-            return False
-        # The token at `start` (`get_token_slice`, inlined), or a pending one.
-        ids = [(output[start - p] if start >= p else prompt[start]) if start < known
-               else PENDING_TOKEN]
+        if decode_slot is None or self.proposer is not None:
+            return
         out = st.out
-        out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, ref[0], True,
-                                          ref[1]))
-        out.seqs.append(seq)
-        st.budget -= 1
-        out.num_batched_tokens += 1
-        st.num_seqs += g.n
-        out.scheduled_groups.append(g)
-        return True
+        add_sched, add_seq, add_group = out.scheduled.append, out.seqs.append, \
+            out.scheduled_groups.append
+        take, kept = queue.popleft, keep.append
+        running = SequenceStatus.RUNNING
+        room = room0 = self.config.max_num_seqs - st.num_seqs  # sequence slots left
+        budget = st.budget
+        try:
+            while queue and budget > 0:
+                g = queue[0]
+                seqs = g.seqs
+                if len(seqs) != 1:
+                    break
+                seq = seqs[0]
+                if seq.status is not running:
+                    break
+                start = seq.num_computed_tokens
+                prompt, output = seq.prompt_token_ids, seq.output_token_ids
+                p = len(prompt)
+                known = p + len(output)
+                if known + seq.num_pending - start != 1 or g.n > room:
+                    break
+                ref = decode_slot(seq)
+                if ref is None:
+                    break
+                take()
+                # The token at `start` (`get_token_slice`, inlined), or a pending one.
+                ids = [(output[start - p] if start >= p else prompt[start]) if start < known
+                       else PENDING_TOKEN]
+                add_sched(ScheduledSeq(seq.seq_id, g.request_id, ids, start, ref[0], True,
+                                       ref[1]))
+                add_seq(seq)
+                add_group(g)
+                kept(g)
+                budget -= 1
+                room -= g.n
+        finally:
+            out.num_batched_tokens += st.budget - budget  # one token each
+            st.budget = budget
+            st.num_seqs += room0 - room
 
     def _schedule_one_running(
         self, st: _Step, g: SequenceGroup, victims: deque[SequenceGroup] | _VictimPool
@@ -609,15 +645,18 @@ class Scheduler:
     def _schedule_running(self, st: _Step, ordered: list[SequenceGroup], keep: list[SequenceGroup]) -> None:
         """FCFS over running groups in priority order; the tail serves as the victim pool."""
         queue = deque(ordered)  # popping from the right takes the latest unscheduled arrival
-        decode_fast = self._decode_fast if self.proposer is None else None
+        decode_run = self._decode_run
         while queue:
+            try:
+                # Lone decoding sequences (most of a step) straight to the fast path.
+                decode_run(st, queue, keep)
+            except Exception as exc:  # the group that raised is at the head
+                self._fail_group(st, queue.popleft(), exc)
+                continue
+            if not queue:
+                break
             g = queue.popleft()
             try:
-                # A lone decoding sequence (most of a step) straight to the fast path.
-                if decode_fast is not None and len(g.seqs) == 1 and st.budget > 0 \
-                        and decode_fast(st, g):
-                    keep.append(g)
-                    continue
                 res = self._schedule_one_running(st, g, queue)
             except Exception as exc:
                 self._fail_group(st, g, exc)

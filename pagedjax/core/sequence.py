@@ -65,6 +65,7 @@ class Sequence:
         "status",
         "num_pending",
         "spec_token_ids",
+        "publish_at",
     )
 
     def __init__(self, seq_id: int, prompt_token_ids: Iterable[int]) -> None:
@@ -79,6 +80,10 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_pending = 0  # sampled on the device, not yet applied (async scheduling)
         self.spec_token_ids: list[int] = []  # draft tokens of the step being scheduled
+        # The BlockManager's gate for `mark_blocks_computed`: fewer known computed tokens than
+        # this cannot fill a block it has not published yet, so the call would do nothing
+        # (0: call it). Owned by the KV manager, which resets it whenever the blocks change.
+        self.publish_at = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,7 +50,8 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
                       plan: ShapePlan | None = None,
                       batch: InputBatch | None = None,
                       num_groups: int = 1,
-                      spec_lens: list[int] | None = None) -> StepInputs:
+                      spec_lens: list[int] | None = None,
+                      num_tokens: int | None = None) -> StepInputs:
     """Flatten scheduled sequences into a ragged token batch.
 
     `rows_per_seq[i]` is how many sampled rows sequence i needs (0 when it is mid-prefill,
@@ -61,7 +62,9 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     persistent `InputBatch`) supplies the block tables by deltas; without it each table is
     copied whole. `spec_lens[i]` > 0 (speculative decoding): sequence i ends with that many
     draft tokens and its `1 + spec_lens[i]` logits rows are its last token positions, one
-    each, instead of copies of the last one. `num_groups` > 1 (a hybrid model's KV-cache
+    each, instead of copies of the last one. `num_tokens`: the step's token count when the
+    caller knows it (`SchedulerOutput.num_batched_tokens`), which spares a decode step
+    counting. `num_groups` > 1 (a hybrid model's KV-cache
     groups, `core.kv_groups`): block tables are `[G, S, M]` and slot mappings `[G, T]`, one
     per group; a sequence's `block_table` is then one table per group (a plain list, as
     hand-built steps give, is used for every group).
@@ -69,7 +72,10 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     overhead is on the critical path of every step).
     """
     num_seqs = len(scheduled)
-    q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int32, num_seqs)
+    if num_tokens == num_seqs:  # a decode step (every entry has at least one token)
+        q_lens = np.ones(num_seqs, np.int32)
+    else:
+        q_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int32, num_seqs)
     start_pos = np.fromiter((s.start_pos for s in scheduled), np.int32, num_seqs)
     total = int(q_lens.sum())
     decode_only = total == num_seqs

@@ -1,4 +1,4 @@
-"""`Scheduler._decode_fast` (with `BlockManager.decode_slot`) is only a shortcut: random
+"""`Scheduler._decode_run` (with `BlockManager.decode_slot`) is only a shortcut: random
 workloads scheduled with it and with it turned off give the same steps, block for block
 (tables, versions, copies, swaps, preemptions), and the same outputs; and it does run."""
 
@@ -24,16 +24,19 @@ def _trace(out, versions: dict) -> tuple:
 
 def _run(requests, cfg, fast: bool) -> tuple[list, dict, int]:
     taken = 0
-    real = Scheduler._decode_fast
+    real = Scheduler._decode_run
 
-    def counted(self, st_, g):
+    def counted(self, st_, queue, keep):
         nonlocal taken
-        ok = real(self, st_, g) if fast else False
-        taken += ok
-        return ok
+        if fast:
+            before = len(queue)
+            try:
+                real(self, st_, queue, keep)
+            finally:
+                taken += before - len(queue)
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(Scheduler, "_decode_fast", counted)
+        m.setattr(Scheduler, "_decode_run", counted)
         e = FakeEngine(**cfg)
         pending = list(requests)
         traces, versions = [], {}
