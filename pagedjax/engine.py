@@ -54,7 +54,7 @@ from pagedjax.core import (
 )
 from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.policies import make_kv_manager, make_scheduler
-from pagedjax.core.scheduler import PENDING_TOKEN
+from pagedjax.core.scheduler import PENDING_TOKEN, new_tuple
 from pagedjax.core.sequence import SequenceStatus
 from pagedjax.input_processor import OUTPUT_KINDS, InputProcessor, check_priority
 from pagedjax.output_processor import OutputProcessor, RequestState
@@ -1308,6 +1308,7 @@ class LLMEngine:
         pending = fl.pending_rows
         sampled: list[SampledToken] = []
         rows: list[tuple[RequestState, int]] = []
+        add_sampled, add_row = sampled.append, rows.append
         spec = fl.spec_rows
         # A drafted sequence's j-th token goes in round j: every stop (token, length, stop
         # string) is then found after the same token as without speculation, and the tokens
@@ -1338,10 +1339,10 @@ class LLMEngine:
                                                             token_ids[r0 + j], logprobs[r0 + j]))
                         later[j - 1][1].append((req, r0 + j))
                 continue
-            sampled.append(SampledToken(req.request_id, seq, token_ids[r], logprobs[r],
-                                        index if fan_out else 0,
-                                        bool(pending) and pending.get(seq.seq_id) == r))
-            rows.append((req, r))
+            add_sampled(new_tuple(SampledToken, (
+                req.request_id, seq, token_ids[r], logprobs[r], index if fan_out else 0,
+                bool(pending) and pending.get(seq.seq_id) == r, 0)))
+            add_row((req, r))
         for tokens, token_rows in [(sampled, rows), *later]:
             applied = self.scheduler.update_from_output(tokens, self._new_seq_id)
             for a in applied if forks else ():

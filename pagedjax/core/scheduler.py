@@ -26,6 +26,7 @@ import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pagedjax.core.block_manager import AllocStatus, BlockManager
 from pagedjax.core.sequence import (
@@ -40,6 +41,9 @@ from pagedjax.core.sequence import (
 logger = logging.getLogger(__name__)
 
 _PRIORITY = operator.attrgetter("priority")  # `Scheduler._priority`, as a C-level sort key
+
+# A named tuple made from its fields' tuple in C, without the class's Python `__new__`.
+new_tuple = tuple.__new__
 
 # Token id of a scheduled token that a step still running on the device is sampling: the
 # runner takes its id from that step's sampler output (async scheduling).
@@ -109,9 +113,10 @@ class SchedulerOutput:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
-@dataclass(slots=True)
-class SampledToken:
-    """One sampled token for `Scheduler.update_from_output` to apply."""
+class SampledToken(NamedTuple):
+    """One sampled token for `Scheduler.update_from_output` to apply. A named tuple, which
+    the engine's per-row loop makes with ``tuple.__new__`` (`new_tuple`): a few hundred are
+    made every step, and a dataclass's ``__init__`` is a Python call."""
 
     request_id: str
     seq: Sequence  # the sequence whose logits row was sampled
@@ -124,9 +129,9 @@ class SampledToken:
     rejected: int = 0
 
 
-@dataclass(slots=True)
-class AppliedToken:
-    """A token the scheduler appended: to which sequence, and whether it finished it."""
+class AppliedToken(NamedTuple):
+    """A token the scheduler appended: to which sequence, and whether it finished it (a named
+    tuple, made per token with ``tuple.__new__``, as `SampledToken`)."""
 
     index: int  # position in the list given to `update_from_output`
     group: SequenceGroup
@@ -311,6 +316,7 @@ class Scheduler:
         Blocks are freed by `free_finished_seq_groups`, after the output processor had its
         chance to stop more sequences (stop strings, `stop_seq`)."""
         applied: list[AppliedToken] = []
+        add = applied.append
         groups = self._groups
         max_len = self.config.max_model_len
         children: dict[int, Sequence] = {}
@@ -352,7 +358,7 @@ class Scheduler:
             elif (g.max_tokens is not None and n_out >= g.max_tokens) \
                     or len(seq.prompt_token_ids) + n_out >= max_len:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
-            applied.append(AppliedToken(i, g, seq, bool(children) and i in children, reason))
+            add(new_tuple(AppliedToken, (i, g, seq, bool(children) and i in children, reason)))
         return applied
 
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:

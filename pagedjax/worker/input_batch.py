@@ -110,23 +110,27 @@ class InputBatch:
         groups = self.num_groups
         mirrored, written = self._version, self._written
         out = []
+        add = out.append
+        if groups == 1:  # one loop of its own: it runs for every sequence of every step
+            for s in scheduled:
+                r = row_of.get(s.seq_id)
+                if r is None:
+                    r = self._assign(s.seq_id)
+                v = s.table_version
+                if v < 0 or mirrored[r][0] != v or len(s.block_table) != written[r][0]:
+                    self._update(r, 0, s.block_table, v, s.seq_id)
+                add(r)  # else mirrored already: most rows of a decode step
+            return out
         for s in scheduled:
             r = row_of.get(s.seq_id)
             if r is None:
                 r = self._assign(s.seq_id)
-            if groups == 1:
-                v = s.table_version
-                if v >= 0 and mirrored[r][0] == v and len(s.block_table) == written[r][0]:
-                    out.append(r)  # mirrored already: most rows of a decode step
-                    continue
-                self._update(r, 0, s.block_table, v, s.seq_id)
-            else:
-                tables, versions = s.block_table, s.table_version
-                if not isinstance(tables, tuple):  # one table for every group
-                    tables, versions = (tables,) * groups, (-1,) * groups
-                for g in range(groups):
-                    self._update(r, g, tables[g], versions[g], s.seq_id)
-            out.append(r)
+            tables, versions = s.block_table, s.table_version
+            if not isinstance(tables, tuple):  # one table for every group
+                tables, versions = (tables,) * groups, (-1,) * groups
+            for g in range(groups):
+                self._update(r, g, tables[g], versions[g], s.seq_id)
+            add(r)
         return out
 
     def _update(self, r: int, g: int, table: list[int], v: int, seq_id: int) -> None:
