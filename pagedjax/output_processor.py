@@ -152,6 +152,8 @@ class OutputProcessor:
                 # This row's token (a speculative step appends several per sequence).
                 entry[top[2][r]] = top[3][r]
                 req.logprobs[seq.seq_id].append(entry)
+            if req.lazy_text and seq.status is running:
+                continue  # no text, no stop string: nothing to do before it finishes
             state = req.detok[seq.seq_id]
             out_ids = seq.output_token_ids
             total = len(seq.prompt_token_ids) + len(out_ids)

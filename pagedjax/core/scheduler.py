@@ -213,6 +213,8 @@ class Scheduler:
             raise ValueError(f"request {group.request_id!r} rejected: {reason}")
         for seq in group.get_unfinished_seqs():
             seq.status = SequenceStatus.WAITING
+        group.output_limit = min(group.output_limit,
+                                 self.config.max_model_len - len(group.seqs[0].prompt_token_ids))
         self._groups[group.request_id] = group
         if self.config.policy == "priority":
             group.priority = (group.request_priority, group.arrival_time, next(self._counter))
@@ -318,7 +320,6 @@ class Scheduler:
         applied: list[AppliedToken] = []
         add = applied.append
         groups = self._groups
-        max_len = self.config.max_model_len
         children: dict[int, Sequence] = {}
         special = [i for i, t in enumerate(tokens) if t.fork_index > 0 or t.rejected]
         for i in special:  # fork first: children copy the parent's pre-step state
@@ -351,12 +352,10 @@ class Scheduler:
             n_out = len(out)
             stops = g.stops
             # `TokenStops.check` only for a token that may stop it (most tokens cannot).
-            stopped, reason = (stops.check(tok, n_out)
-                               if tok in stops.eos_ids or tok in stops.stop_ids else _GO_ON)
+            stopped, reason = stops.check(tok, n_out) if tok in stops.any_ids else _GO_ON
             if stopped:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
-            elif (g.max_tokens is not None and n_out >= g.max_tokens) \
-                    or len(seq.prompt_token_ids) + n_out >= max_len:
+            elif n_out >= g.output_limit:  # max_tokens, or max_model_len
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
             add(new_tuple(AppliedToken, (i, g, seq, bool(children) and i in children, reason)))
         return applied

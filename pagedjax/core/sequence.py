@@ -156,6 +156,11 @@ class TokenStops:
     eos_ids: frozenset[int] = frozenset()  # empty when the request ignores EOS
     stop_ids: frozenset[int] = frozenset()  # the request's stop_token_ids
     min_tokens: int = 0  # EOS and stop ids end a sequence only after this many tokens
+    # Both sets in one: the scheduler's test of every appended token.
+    any_ids: frozenset[int] = dataclasses.field(init=False, default=frozenset())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "any_ids", self.eos_ids | self.stop_ids)
 
     def check(self, token: int, num_output_tokens: int) -> tuple[bool, int | None]:
         """(stopped, stop reason) for `token`, the sequence's `num_output_tokens`-th output
@@ -210,6 +215,9 @@ class SequenceGroup:
         self.cache_salt = cache_salt
         self.model_id = model_id
         self.stops = stops or TokenStops()
+        # Output tokens that finish a sequence by length: `max_tokens`, lowered by the
+        # scheduler to what `max_model_len` leaves after the prompt when it queues the group.
+        self.output_limit = max_tokens if max_tokens is not None else 1 << 62
         self.request_priority = request_priority
         self.read_prefix_cache = read_prefix_cache
         # The scheduler's sort key, set when it queues the group; smaller = higher priority:
