@@ -4,6 +4,7 @@ p99 at 256 sequences).
     .venv/bin/python bench/host_overhead.py [--seqs 32,128,256,1024] [--steps 200]
     .venv/bin/python bench/host_overhead.py --compare-gc 2 --seqs 256,1024   # gc.freeze A/B
     .venv/bin/python bench/host_overhead.py --phases --seqs 256   # ms per step, by stage
+    .venv/bin/python bench/host_overhead.py --calls --seqs 256   # Python calls per step
     .venv/bin/python bench/host_overhead.py --compare-gc-threshold 10000 --reps 3 --seqs 256
 
 `LLMEngine.step()` runs for real (scheduling, block tables, step input arrays, sampling
@@ -170,9 +171,51 @@ class _Phases:
             setattr(obj, attr, f)
 
 
+class _Calls:
+    """Counts the Python-level function calls (C functions included) of the timed steps with
+    cProfile while `on`: a measure of host work per step that a host's speed does not move.
+    The VM this benchmark runs on switches between speed modes ~1.5x apart within minutes,
+    which makes small timing A/Bs of the host step unreliable; calls per step are exact."""
+
+    def __init__(self) -> None:
+        import cProfile
+
+        self.profile, self._on = cProfile.Profile(), False
+
+    @property
+    def on(self) -> bool:
+        return self._on
+
+    @on.setter
+    def on(self, value: bool) -> None:
+        self._on = value
+        (self.profile.enable if value else self.profile.disable)()
+
+    def per_step(self, steps: int, top: int = 12) -> dict:
+        import pstats
+
+        st = pstats.Stats(self.profile)
+        rows = sorted(((v[1], f"{Path(k[0]).name}:{k[2]}") for k, v in st.stats.items()),
+                      reverse=True)[:top]
+        return {"calls_per_step": st.total_calls / steps,
+                "top_calls_per_step": {name: n / steps for n, name in rows}}
+
+
+def _commit() -> str:
+    """The tree measured: its HEAD, and "+changes" when it differs from HEAD."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True,
+                              text=True).stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             output_kind: str = "cumulative", freeze_gc: bool = True,
-            phases: _Phases | None = None, gc_threshold: int | None = None) -> dict:
+            phases: _Phases | _Calls | None = None, gc_threshold: int | None = None) -> dict:
     import gc
 
     import pagedjax.engine as eng_mod
@@ -338,6 +381,10 @@ def main() -> None:
                     help="instead: ms per step by stage (each stage's wall time summed over "
                          "the timed steps; stages wrapped, so the total runs a little slower), "
                          "--kinds x --mixes, written to host_overhead_phases.json")
+    ap.add_argument("--calls", action="store_true",
+                    help="instead: Python function calls per step (cProfile; the host's speed "
+                         "does not move it), --kinds x --mixes, written to "
+                         "host_overhead_calls.json")
     ap.add_argument("--metadata", action="store_true",
                     help="instead: sampling metadata row by row vs from the persistent "
                          "SamplingBatch at --seqs rows, --reps rounds, written to "
@@ -402,6 +449,24 @@ def main() -> None:
                            "interleaved (bench/host_overhead.py --compare-gc)",
                    "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
                    "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(), "rows": rows},
+                  open(out, "w"), indent=1)
+        return
+    if args.calls:
+        rows = []
+        for kind in args.kinds.split(","):
+            for mix in args.mixes.split(","):
+                for n in map(int, args.seqs.split(",")):
+                    calls = _Calls()
+                    r = {**measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze,
+                                   calls), **calls.per_step(args.steps)}
+                    rows.append(r)
+                    print(f"{kind} {mix} {n} seqs: {r['calls_per_step']:.0f} calls per step")
+        out = Path(args.out).with_name("host_overhead_calls.json")
+        json.dump({"what": "Python function calls per decode step, device stubbed "
+                           "(bench/host_overhead.py --calls; times are under the profiler)",
+                   "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
+                   "commit": _commit(), "load_avg_1m_at_start": load,
+                   "cpu_count": os.cpu_count(), "rows": rows},
                   open(out, "w"), indent=1)
         return
     if args.phases:

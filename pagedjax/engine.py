@@ -880,6 +880,25 @@ class LLMEngine:
         """Logits rows per scheduled sequence (1 if it samples, else 0), the sampled rows, and
         the logits row of each sampled row: a fresh prompt of an n>1 request has one logits
         row and fans out into n sampled rows, so the step's shape never depends on n."""
+        # A decode step at scale: one sampled row per entry, each one sequence's one sample,
+        # all three lists made in one pass (else the general pass below, from the start).
+        requests = self._requests
+        row_info = []
+        add_info = row_info.append
+        for s in sched.scheduled:
+            if s.needs_logits and not s.spec_token_ids:
+                req = requests[s.request_id]
+                seqs = req.group.seqs
+                if req.one_sample and len(seqs) == 1:
+                    seq = seqs[0]
+                    add_info((req, seq, req.seq_index[seq.seq_id], False))
+                    continue
+            return self._rows_for_general(sched)
+        n = len(row_info)
+        return [1] * n, row_info, list(range(n))
+
+    def _rows_for_general(self, sched) -> tuple[list[int], list[tuple], list[int]]:
+        """`_rows_for` for any step: prefill chunks, fan-outs, several sequences, drafts."""
         rows_per_seq, row_info, row_src = [], [], []
         add_info, add_src, add_rows = row_info.append, row_src.append, rows_per_seq.append
         n_logits = 0

@@ -335,16 +335,18 @@ class Scheduler:
                     and t.seq.status not in _FINISHED:
                 t.seq.num_computed_tokens -= t.rejected
                 self.bm.trim(t.seq, t.seq.num_computed_tokens + 1)
-        for i, t in enumerate(tokens):
-            g = groups.get(t.request_id)
+        forked = bool(children)
+        # Unpacked in C: the loop runs for every token of every step.
+        for i, (rid, seq, tok, lp, _, pending, _) in enumerate(tokens):
+            g = groups.get(rid)
             if g is None:
                 continue
-            seq = children.get(i, t.seq) if children else t.seq
+            if forked:
+                seq = children.get(i, seq)
             if seq.status in _FINISHED:
                 continue
-            if t.pending:
+            if pending:
                 seq.num_pending -= 1
-            tok, lp = t.token_id, t.logprob
             out = seq.output_token_ids
             out.append(tok)  # `Sequence.append_token`, inlined: once per token of every step
             seq.output_logprobs.append(lp)
@@ -357,7 +359,7 @@ class Scheduler:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
             elif n_out >= g.output_limit:  # max_tokens, or max_model_len
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
-            add(new_tuple(AppliedToken, (i, g, seq, bool(children) and i in children, reason)))
+            add(new_tuple(AppliedToken, (i, g, seq, forked and i in children, reason)))
         return applied
 
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:

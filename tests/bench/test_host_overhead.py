@@ -40,6 +40,26 @@ def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_t
     assert sched_mod.Scheduler.__dict__["schedule"] is before
 
 
+def test_calls_count_the_timed_steps_only(demo_gguf, demo_tokenizer):
+    """`--calls`: the count covers the timed steps (twice the steps, about twice the calls;
+    a step's count grows with its sequences), and the profiler is off after."""
+    from bench.host_overhead import _Calls
+
+    config = read_config(str(demo_gguf))
+    counts = {}
+    for n, steps in ((2, 3), (8, 3), (8, 6)):
+        calls = _Calls()
+        measure(n, steps, "greedy", demo_tokenizer, config, output_kind="final_only",
+                freeze_gc=False, phases=calls)
+        assert not calls.on
+        r = calls.per_step(steps)
+        counts[n, steps] = r["calls_per_step"] * steps
+        assert r["top_calls_per_step"] and max(r["top_calls_per_step"].values()) \
+            <= r["calls_per_step"]
+    assert counts[8, 3] > counts[2, 3]
+    assert 1.6 < counts[8, 6] / counts[8, 3] < 2.4  # per step, not per run
+
+
 def test_metadata_ab_times_both_builds():
     """`--metadata`: both builds run on the same rows (and agree: the engine's test checks
     that field by field)."""
