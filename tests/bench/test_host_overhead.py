@@ -85,3 +85,20 @@ def test_gc_threshold_round_sets_the_young_generation_and_restores_it(demo_gguf,
     assert a["gc_gen0_threshold"] == max(before[0], YOUNG_GC_THRESHOLD)
     assert b["gc_gen0_threshold"] == 1234
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
+
+
+def test_ab_summary_groups_runs_by_configuration_and_version():
+    """`bench/host_overhead_ab.py`: each configuration's runs on each side, and the median
+    of the runs' medians."""
+    from bench.host_overhead_ab import summarize
+
+    def run(version, med):
+        return {"version": version, "rows": [
+            {"output_kind": "final_only", "mix": "greedy", "num_seqs": 256, "median_ms": med,
+             "p99_ms": med + 1}]}
+
+    s = summarize([run("base", 2.0), run("new", 1.0), run("new", 1.4), run("base", 3.0),
+                   run("base", 2.2)])
+    side = s["final_only greedy 256"]
+    assert side["base"]["median_ms"] == [2.0, 3.0, 2.2] and side["base"]["median_of_runs_ms"] == 2.2
+    assert side["new"]["p99_ms"] == [2.0, 2.4] and side["new"]["median_of_runs_ms"] == 1.2
