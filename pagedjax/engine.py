@@ -31,6 +31,7 @@ import functools
 import gc
 import itertools
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -102,6 +103,13 @@ logger = logging.getLogger(__name__)
 # Plain greedy batches sample through `sample_greedy`; PAGEDJAX_GREEDY_FAST_PATH=0 sends them
 # through `sample` (`bench/offline_throughput.py --engines pagedjax,pagedjax-sampler-full`).
 GREEDY_FAST_PATH = os.environ.get("PAGEDJAX_GREEDY_FAST_PATH", "1") != "0"
+# Fields read by `map` in C, for every entry or row of a step: no Python frame per sequence.
+_REQUEST_ID = operator.attrgetter("request_id")
+_FIRST = operator.itemgetter(0)
+_SEQ_ID, _NEEDS_LOGITS, _SPEC_IDS = (operator.attrgetter(a) for a in (
+    "seq_id", "needs_logits", "spec_token_ids"))
+_PLAIN_GREEDY, _SCREENABLE, _MIN_TOKENS = (operator.attrgetter(a) for a in (
+    "plain_greedy", "screenable", "min_tokens"))
 
 
 def _warn_near_map_limit() -> bool:
@@ -197,6 +205,9 @@ class _InFlight:
     spec_rows: dict[int, tuple[int, tuple[int, ...]]] = dataclasses.field(default_factory=dict)
     # Of those, the sequences whose drafts follow a guess of their pending token (async).
     guessed: set[int] = dataclasses.field(default_factory=set)
+    # Every row is the one token of a plain request's lone sequence (`LLMEngine._rows_for`):
+    # its tokens take `_apply_plain`.
+    plain: bool = False
     # The next step cannot be scheduled before this one's tokens are applied: beams and
     # fan-outs fork on the host. (Penalised rows get their pending token into the sampler's
     # history on the device: `ModelRunner.merge_pending_history`.)
@@ -289,6 +300,10 @@ class LLMEngine:
             self.runner.enable_device_histories(slots, self.max_model_len)
             self.history_slots = HistorySlots(slots, self.max_model_len)
         # ... and their sampling parameters, written once per (sequence, sample index).
+        # Sequence id -> its sampled row's (request, sequence, sample index, fan-out), for
+        # plain sequences (`_rows_for`); dropped when they end, cleared when it outgrows
+        # 4 x max_num_seqs (aborted ones are not dropped one by one).
+        self._plain_rows: dict[int, tuple] = {}
         self.sampling_batch = SamplingBatch(config.vocab_size, 4 * self.runner.shape_plan.seq_cap,
                                             eos_token_ids=sorted(self.eos_token_ids),
                                             engine_seed=ec.seed)
@@ -809,6 +824,9 @@ class LLMEngine:
         done = self.scheduler.free_finished_seq_groups()
         ended = [s.seq_id for g in done for s in g.seqs] + self.beams.take_dropped()
         if ended:
+            plain = self._plain_rows
+            for sid in ended:
+                plain.pop(sid, None)
             self.input_batch.release(ended)
             self.sampling_batch.release(ended)
             if self.history_slots is not None:
@@ -876,26 +894,35 @@ class LLMEngine:
         logger.info("KV cache rebuilt; serving again")
         return True
 
-    def _rows_for(self, sched) -> tuple[list[int], list[tuple], list[int]]:
-        """Logits rows per scheduled sequence (1 if it samples, else 0), the sampled rows, and
-        the logits row of each sampled row: a fresh prompt of an n>1 request has one logits
-        row and fans out into n sampled rows, so the step's shape never depends on n."""
-        # A decode step at scale: one sampled row per entry, each one sequence's one sample,
-        # all three lists made in one pass (else the general pass below, from the start).
-        requests = self._requests
-        row_info = []
-        add_info = row_info.append
-        for s in sched.scheduled:
-            if s.needs_logits and not s.spec_token_ids:
-                req = requests[s.request_id]
-                seqs = req.group.seqs
-                if req.one_sample and len(seqs) == 1:
+    def _rows_for(self, sched) -> tuple[list[int], list[tuple], list[int], bool]:
+        """Logits rows per scheduled sequence (1 if it samples, else 0), the sampled rows, the
+        logits row of each sampled row, and whether every row is plain (`_apply_plain`): a
+        fresh prompt of an n>1 request has one logits row and fans out into n sampled rows,
+        so the step's shape never depends on n."""
+        # A decode step at scale: one sampled row per entry, each one sequence's one sample
+        # (`RequestState.plain_row`), else the general pass below. A plain sequence's row is
+        # the same every step (it never forks), so it is kept by sequence id
+        # (`_plain_rows`, dropped when the sequence ends) and a step's rows are looked up
+        # in C; only a sequence's first plain step takes the Python loop.
+        scheduled = sched.scheduled
+        if not all(map(_NEEDS_LOGITS, scheduled)) or any(map(_SPEC_IDS, scheduled)):
+            return (*self._rows_for_general(sched), False)
+        cache = self._plain_rows
+        if len(cache) > 4 * self.engine_config.max_num_seqs:  # ends that were never dropped
+            cache.clear()
+        row_info = list(map(cache.get, map(_SEQ_ID, scheduled)))
+        if None in row_info:
+            requests = self._requests
+            for i, s in enumerate(scheduled):
+                if row_info[i] is None:
+                    req = requests[s.request_id]
+                    seqs = req.group.seqs
+                    if not (req.plain_row and len(seqs) == 1):
+                        return (*self._rows_for_general(sched), False)
                     seq = seqs[0]
-                    add_info((req, seq, req.seq_index[seq.seq_id], False))
-                    continue
-            return self._rows_for_general(sched)
+                    row_info[i] = cache[s.seq_id] = (req, seq, req.seq_index[seq.seq_id], False)
         n = len(row_info)
-        return [1] * n, row_info, list(range(n))
+        return [1] * n, row_info, list(range(n)), True
 
     def _rows_for_general(self, sched) -> tuple[list[int], list[tuple], list[int]]:
         """`_rows_for` for any step: prefill chunks, fan-outs, several sequences, drafts."""
@@ -1005,7 +1032,7 @@ class LLMEngine:
         """Build the step's inputs, run the model and the sampler on the device; no sync.
         Tokens this step samples become the sequences' pending tokens, so the next step can
         be scheduled before they are known (`needs_sync` says when it cannot)."""
-        rows_per_seq, row_info, row_src = self._rows_for(sched)
+        rows_per_seq, row_info, row_src, plain_rows = self._rows_for(sched)
         p_rows, p_plan = self._prompt_rows(sched)
         spec_lens = ([len(s.spec_token_ids) for s in sched.scheduled]
                      if self.spec_config is not None else None)
@@ -1024,12 +1051,12 @@ class LLMEngine:
             out = sample_greedy_hidden(hidden, self._sample_src(len(row_info), row_src, inputs),
                                        self.runner.head_screen, self.runner.head_panels,
                                        num_logprobs=MAX_LOGPROBS)
-            fl = _InFlight(sched, scored=None, p_plan=p_plan)
+            fl = _InFlight(sched, scored=None, p_plan=p_plan, plain=plain_rows)
             fl.row_info, fl.out = row_info, out
             return self._mark_pending(fl, out) if self.runner.feed_tokens else fl
         logits = self.runner.execute(inputs)
         scored = self._score_prompt(logits, sum(rows_per_seq), p_plan) if p_plan else None
-        fl = _InFlight(sched, scored=scored, p_plan=p_plan)
+        fl = _InFlight(sched, scored=scored, p_plan=p_plan, plain=plain_rows)
         if not row_info:
             return fl
         src = self._sample_src(len(row_info), row_src, inputs)
@@ -1044,7 +1071,7 @@ class LLMEngine:
         on_device = self.history_slots is not None
         hist = self.input_batch.histories
         rows = [(req.params, SeqSamplingState(
-                    *(hist(seq) if req.params.uses_penalties and not on_device
+                    *(hist(seq) if not on_device and req.penalised
                       else (seq.prompt_token_ids, seq.output_token_ids)),
                     req.counter, index, seq.num_pending))
                 for req, seq, index, _ in row_info]
@@ -1130,16 +1157,17 @@ class LLMEngine:
         screened LM head (`ModelRunner.head_screen`, `RequestState.screenable`)."""
         if not GREEDY_FAST_PATH or self.spec_config is not None:
             return 0
-        screen = 2
-        for req, seq, _index, _fan_out in row_info:
-            if not req.plain_greedy:
-                return 0
-            min_tokens = req.params.min_tokens
-            if min_tokens and len(seq.output_token_ids) + seq.num_pending < min_tokens:
-                return 0  # its stop tokens are banned until then
-            if not req.screenable:
-                screen = 1
-        return screen
+        # Passes of `map` in C over the requests' flags, set once per request: this runs for
+        # every row of every step.
+        reqs = list(map(_FIRST, row_info))
+        if not all(map(_PLAIN_GREEDY, reqs)):
+            return 0
+        if any(map(_MIN_TOKENS, reqs)):
+            for req, seq, _index, _fan_out in row_info:
+                min_tokens = req.min_tokens
+                if min_tokens and len(seq.output_token_ids) + seq.num_pending < min_tokens:
+                    return 0  # its stop tokens are banned until then
+        return 2 if all(map(_SCREENABLE, reqs)) else 1
 
     def _mark_pending(self, fl: _InFlight, out: SamplerOutput) -> _InFlight:
         """Async scheduling: the tokens this step samples become their sequences' pending
@@ -1260,7 +1288,7 @@ class LLMEngine:
         sequence's rows 1..k get their drafts after its outputs (and its pending token, which
         `_feed_pending_history` writes in next), as the host-packed rows hold them."""
         b = meta.temperature.shape[0]
-        seqs = [seq if req.params.uses_penalties else None for req, seq, _, _ in row_info]
+        seqs = [seq if req.penalised else None for req, seq, _, _ in row_info]
         slots, p_lens, o_lens, idx, val = self.history_slots.step(seqs, b)
         patches = []
         for r0, drafts in fl.spec_rows.values():
@@ -1284,7 +1312,7 @@ class LLMEngine:
         its output history on the device, after the tokens the host knows."""
         cols = None
         for r, (req, seq, _index, _fan_out) in enumerate(row_info):
-            if not (seq.num_pending and req.params.uses_penalties):
+            if not (seq.num_pending and req.penalised):
                 continue
             src = prev.pending_rows.get(seq.seq_id) if prev is not None else None
             if src is None:
@@ -1322,7 +1350,10 @@ class LLMEngine:
         them (forks, token stops, lengths); the output processor then detokenizes, finds
         stop strings and reports those stops back. Beam groups advance on the host."""
         row_info = fl.row_info
-        touched = {s.request_id for s in fl.sched.scheduled}
+        touched = set(map(_REQUEST_ID, fl.sched.scheduled))
+        if fl.plain and beams is None and not fl.spec_rows:
+            self._apply_plain(fl, out)
+            return touched
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
         pending = fl.pending_rows
         sampled: list[SampledToken] = []
@@ -1387,6 +1418,15 @@ class LLMEngine:
                 self.beams.advance(req, live_beams, c.parent[:k], c.token_ids[:k],
                                     c.cum_logprobs[:k], c.valid[:k])
         return touched
+
+    def _apply_plain(self, fl: _InFlight, out) -> None:
+        """`_apply_samples` for a step of plain rows (most decode steps): no fork, draft,
+        grammar or beam, so the scheduler takes the rows as they are
+        (`Scheduler.update_from_rows`), without a `SampledToken` made and checked for each."""
+        applied = self.scheduler.update_from_rows(
+            fl.row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows)
+        for req, seq in self.outputs.process(applied, None, out, fl.row_info):
+            self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
 
     def _accept(self, drafts: tuple[int, ...], sampled: list[int]) -> int:
         """Accepted drafts (`pagedjax.spec.verify`), counted for the metrics."""

@@ -75,6 +75,8 @@ class RequestState:
                             or (p.best_of is not None and p.best_of > p.n))
         self.has_stop_strings = p.has_stop_strings  # read for every token
         self.is_beam = p.use_beam_search
+        self.penalised = p.uses_penalties  # read for every row of a sampled step
+        self.min_tokens = p.min_tokens
         # Nothing reads its text before its final output (no per-step output, no stop
         # string to find): each sequence is decoded once, when it finishes or the output is
         # made, not a token at a time, which takes detokenization off every step's host time.
@@ -90,6 +92,9 @@ class RequestState:
         # head, which computes none (`LLMEngine._plain_greedy`).
         self.screenable = self.plain_greedy and p.logprobs is None and self.num_samples == 1
         self.one_sample = self.num_samples == 1  # n and best_of never change
+        # Its decode rows take the engine's plain path (`LLMEngine._apply_plain`): one sample,
+        # no beam, no grammar to advance, so a token only ever appends to its one sequence.
+        self.plain_row = self.one_sample and not self.is_beam and self.grammar is None
         # Its deltas may go to the engine process's pipe as rows (`OutputProcessor.delta_row`).
         self.pipe_row = (self.text_free and self.num_samples == 1 and not self.is_beam
                          and p.prompt_logprobs is None)
@@ -121,12 +126,15 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.generation_tokens_total = 0
 
-    def process(self, applied: list[AppliedToken], rows: list[tuple[RequestState, int]],
-                out) -> list[tuple[RequestState, Sequence]]:
+    def process(self, applied: list[AppliedToken], rows: list[tuple[RequestState, int]] | None,
+                out, row_info: list[tuple] | None = None) -> list[tuple[RequestState, Sequence]]:
         """The host side of tokens the scheduler appended (`Scheduler.update_from_output`):
         logprobs, first-token times, one batched detokenization of every sequence that got a
         token, then stop strings. Returns the sequences a stop string finished, for the
-        scheduler to stop; records every finished sequence's stop reason."""
+        scheduler to stop; records every finished sequence's stop reason. ``rows`` holds each
+        token's request and sampler row; None: token i is row i, of ``row_info[i]``'s request
+        (`Scheduler.update_from_rows`)."""
+        plain = rows is None
         now = time.monotonic()
         items = []
         # (item, token, request, released length before): sequences with stop strings or no
@@ -137,14 +145,19 @@ class OutputProcessor:
         running = SequenceStatus.RUNNING
         append_token = self.detokenizer.append_token
         for a in applied:
-            req, r = rows[a.index]
+            if plain:  # no (request, row) pair made per token
+                r = a.index
+                req = row_info[r][0]
+            else:
+                req, r = rows[a.index]
             seq = a.seq
             p = req.params
             if req.first_token_time is None:
                 req.first_token_time = now
             if p.logprobs is not None:
                 if top is None:
-                    width = max(rows[b.index][0].params.logprobs or 0 for b in applied)
+                    width = max((row_info if plain else rows)[b.index][0].params.logprobs or 0
+                                for b in applied)
                     top = (out.topk_ids[:, :width].tolist(), out.topk_logprobs[:, :width].tolist(),
                            out.token_ids.tolist(), out.logprobs.tolist())
                 k = p.logprobs

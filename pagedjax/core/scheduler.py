@@ -71,8 +71,11 @@ class SchedulerConfig:
             raise ValueError("staging_size must be >= 1")
 
 
-@dataclass(slots=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
+    """One sequence's share of a step. A named tuple, which the decode fast path makes with
+    ``tuple.__new__`` (`new_tuple`): one per sequence of every step, and a dataclass's
+    ``__init__`` is a Python call."""
+
     seq_id: int
     request_id: str
     token_ids: list[int]  # the Δ tokens to compute this step
@@ -95,8 +98,12 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     scheduled_groups: list[SequenceGroup] = field(default_factory=list)
-    # The scheduler's own: the sequence of each `scheduled` entry, for `update_after_step`.
-    seqs: list[Sequence] = field(default_factory=list)
+    # The scheduler's own, for `update_after_step`: the general path's sequences and their
+    # token counts, advanced once the step is launched; and the decode fast path's
+    # (`Scheduler._decode_run`, advanced when scheduled, as vLLM V1's scheduler does) whose
+    # computed length reached their `publish_at`, with the known length to publish.
+    advance: list[tuple[Sequence, int]] = field(default_factory=list)
+    publish: list[tuple[Sequence, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Runner order before the step: swap out, then swap in, then copies.
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
@@ -362,6 +369,38 @@ class Scheduler:
             add(new_tuple(AppliedToken, (i, g, seq, forked and i in children, reason)))
         return applied
 
+    def update_from_rows(self, rows: list[tuple], token_ids: list[int], logprobs: list[float],
+                         pending: dict[int, int]) -> list[AppliedToken]:
+        """`update_from_output` for a step whose row i is the one token of ``rows[i]``: the
+        row's owner (any object with a ``group``), its group's lone sequence, and two fields
+        this ignores (the engine's row info). No fork, no draft: each token appends to its
+        sequence, checked as there. ``pending``: sequence id -> row, for rows whose token
+        the sequence holds as pending (async scheduling). A sequence that finished or was
+        aborted meanwhile drops its token: its group may be gone, or its id reused."""
+        applied: list[AppliedToken] = []
+        add = applied.append
+        i = -1
+        for (owner, seq, _, _), tok, lp in zip(rows, token_ids, logprobs):
+            i += 1
+            if seq.status._value_ >= _FIRST_FINISHED:
+                continue
+            if pending and pending.get(seq.seq_id) == i:
+                seq.num_pending -= 1
+            out = seq.output_token_ids
+            out.append(tok)
+            seq.output_logprobs.append(lp)
+            seq.cumulative_logprob += lp
+            n_out = len(out)
+            g = owner.group
+            stops = g.stops
+            stopped, reason = stops.check(tok, n_out) if tok in stops.any_ids else _GO_ON
+            if stopped:
+                self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
+            elif n_out >= g.output_limit:
+                self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
+            add(new_tuple(AppliedToken, (i, g, seq, False, reason)))
+        return applied
+
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:
         """Finish a sequence for a reason the scheduler cannot see (a stop string in its
         text); its blocks are freed by the next `free_finished_seq_groups`."""
@@ -415,12 +454,17 @@ class Scheduler:
 
     # -- step ----------------------------------------------------------------
     def update_after_step(self, output: SchedulerOutput) -> None:
-        """The step ran: advance num_computed_tokens and publish newly full blocks."""
+        """The step was launched: advance num_computed_tokens (of the general path's
+        sequences: the decode fast path advanced its own when it scheduled them) and publish
+        newly full blocks."""
         mark = self.bm.mark_blocks_computed
-        for s, seq in zip(output.scheduled, output.seqs, strict=True):
-            if seq.status._value_ >= _FIRST_FINISHED:  # e.g. aborted meanwhile
+        for seq, m in output.publish:
+            if seq.status._value_ < _FIRST_FINISHED:  # else e.g. aborted meanwhile
+                mark(seq, m)
+        for seq, d in output.advance:
+            if seq.status._value_ >= _FIRST_FINISHED:
                 continue
-            n = seq.num_computed_tokens = seq.num_computed_tokens + len(s.token_ids)
+            n = seq.num_computed_tokens = seq.num_computed_tokens + d
             # Only known tokens are hashed: a block completed by a pending token is
             # published by a later step, once its id is known.
             m = len(seq.prompt_token_ids) + len(seq.output_token_ids)
@@ -547,7 +591,7 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq.seq_id, g.request_id, ids, start, table,
                                               bool(spec) or end == known + seq.num_pending,
                                               version, tuple(spec)))
-            out.seqs.append(seq)
+            out.advance.append((seq, d))
             st.budget -= d
             out.num_batched_tokens += d
         # A lone prompt of an n>1 request fans out into n sampled rows when its prefill ends:
@@ -581,8 +625,8 @@ class Scheduler:
         if decode_slot is None or self.proposer is not None:
             return
         out = st.out
-        add_sched, add_seq, add_group = out.scheduled.append, out.seqs.append, \
-            out.scheduled_groups.append
+        add_sched, add_group, add_publish = out.scheduled.append, out.scheduled_groups.append, \
+            out.publish.append
         take, kept = queue.popleft, keep.append
         running = SequenceStatus.RUNNING
         room = room0 = self.config.max_num_seqs - st.num_seqs  # sequence slots left
@@ -607,11 +651,19 @@ class Scheduler:
                     break
                 take()
                 # The token at `start` (`get_token_slice`, inlined), or a pending one.
-                ids = [(output[start - p] if start >= p else prompt[start]) if start < known
-                       else PENDING_TOKEN]
-                add_sched(ScheduledSeq(seq.seq_id, g.request_id, ids, start, ref[0], True,
-                                       ref[1]))
-                add_seq(seq)
+                if start < known:
+                    ids = [output[start - p] if start >= p else prompt[start]]
+                    m = start + 1  # known tokens computed after the step
+                else:
+                    ids = [PENDING_TOKEN]
+                    m = known
+                add_sched(new_tuple(ScheduledSeq, (seq.seq_id, g.request_id, ids, start, ref[0],
+                                                   True, ref[1], ())))
+                # Advanced now (`update_after_step` only publishes): nothing reads it
+                # before the step is launched, and a step that fails aborts its groups.
+                seq.num_computed_tokens = start + 1
+                if m >= seq.publish_at:  # a block filled: published once the step is launched
+                    add_publish((seq, m))
                 add_group(g)
                 kept(g)
                 budget -= 1
@@ -855,9 +907,10 @@ class Scheduler:
         other groups of the step are unaffected."""
         logger.exception("scheduling request %s failed", g.request_id)
         out = st.out
-        keep = [i for i, s in enumerate(out.scheduled) if s.request_id != g.request_id]
-        out.scheduled = [out.scheduled[i] for i in keep]
-        out.seqs = [out.seqs[i] for i in keep]  # kept parallel to `scheduled`
+        out.scheduled = [s for s in out.scheduled if s.request_id != g.request_id]
+        mine = {id(seq) for seq in g.seqs}
+        out.advance = [x for x in out.advance if id(x[0]) not in mine]
+        out.publish = [x for x in out.publish if id(x[0]) not in mine]
         out.scheduled_groups = [x for x in out.scheduled_groups if x is not g]
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
         st.budget = self.config.max_num_batched_tokens - out.num_batched_tokens

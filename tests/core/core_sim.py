@@ -80,6 +80,9 @@ class FakeEngine:
             dst_store[d] = dict(snap[s])
 
     def step(self) -> SchedulerOutput:
+        # The decode fast path advances its sequences when it schedules them: each entry's
+        # start is checked against the length computed before the step.
+        computed = {sid: q.num_computed_tokens for sid, q in self.seqs.items()}
         out = self.sched.schedule()
         self.outputs.append(out)
         budget = self.sched.config.max_num_batched_tokens
@@ -96,7 +99,9 @@ class FakeEngine:
         for s in out.scheduled:
             seq = self.seqs[s.seq_id]
             toks = seq.get_token_ids()
-            assert s.start_pos == seq.num_computed_tokens
+            # (or, admitted this step, where the prefix cache left it)
+            assert s.start_pos == computed[s.seq_id] or computed[s.seq_id] == 0, \
+                (s, computed[s.seq_id])
             assert s.token_ids == toks[s.start_pos : s.start_pos + len(s.token_ids)]
             assert len(s.block_table) * bs >= s.start_pos + len(s.token_ids)
             for p in range(s.start_pos):  # attention reads
@@ -126,6 +131,9 @@ class FakeEngine:
                 self.mirror[:] = 0
                 self.dbatch.invalidate()
         self.sched.update_after_step(out)
+        for s in out.scheduled:  # every entry advanced by its tokens, whichever path took it
+            seq = self.seqs[s.seq_id]
+            assert seq.num_computed_tokens == s.start_pos + len(s.token_ids), s
         sampled = []
         for s in out.scheduled:
             if not s.needs_logits:

@@ -412,7 +412,8 @@ def test_exceptions_while_scheduling_fail_only_their_group(mode, policy, seed):
 def test_a_group_failing_halfway_keeps_the_step_sequences_aligned():
     """A two-sequence group whose second sequence's slots raise after its first was emitted:
     `_fail_group` drops the group's entries, and the step's own sequence list
-    (`SchedulerOutput.seqs`, which `update_after_step` walks) stays parallel to `scheduled`."""
+    (`SchedulerOutput.advance` and `publish`, which `update_after_step` walks) keeps none of
+    the failed group's sequences."""
     e = FakeEngine(num_gpu_blocks=16, block_size=4)
     e.add("ok", [1, 2, 3], max_tokens=6)
     g = e.add("forked", [4, 5, 6, 7, 8], max_tokens=6)
@@ -432,7 +433,8 @@ def test_a_group_failing_halfway_keeps_the_step_sequences_aligned():
     e.bm.append_slots = append_slots
     out = e.sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["ok"]
-    assert [s.seq_id for s in out.scheduled] == [q.seq_id for q in out.seqs]
+    walked = {q.seq_id for q, _ in out.advance + out.publish}
+    assert not walked & {parent.seq_id, child.seq_id}
     assert [x.request_id for x, _ in out.failed] == ["forked"]
-    e.sched.update_after_step(out)  # walks `seqs`: must not raise
+    e.sched.update_after_step(out)  # walks `advance`: must not raise
     assert e.seqs[out.scheduled[0].seq_id].num_computed_tokens == 4

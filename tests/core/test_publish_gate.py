@@ -29,7 +29,7 @@ def _run(requests, cfg, gate: bool) -> tuple[list, dict, list, int]:
         nonlocal skipped
         real_after(self, out)
         bm = self.bm
-        for seq in out.seqs:
+        for seq in (e.seqs[s.seq_id] for s in out.scheduled):
             blocks = bm._seqs.get(seq.seq_id)
             m = min(seq.num_computed_tokens, seq.num_total_tokens)
             if blocks is None or seq.status.is_finished or m >= seq.publish_at:

@@ -149,3 +149,73 @@ def test_an_aborted_group_finished_elsewhere_leaves_a_new_request_of_its_id_alon
     assert sched.has_unfinished_seqs() and sched.abort_seq_group("r")  # still known
     assert sched.bm.get_num_free_gpu_blocks() == 16 and sched.bm.get_num_free_cpu_blocks() == 16
     sched.bm.check_invariants()
+
+
+class _Owner:
+    """The engine's row owner as `update_from_rows` reads it: only its group."""
+
+    def __init__(self, group: SequenceGroup) -> None:
+        self.group = group
+
+
+def _twins(specs, max_len):
+    """Two schedulers holding the same lone-sequence groups, one per spec."""
+    out = []
+    for _ in range(2):
+        sched = Scheduler(SchedulerConfig(max_model_len=max_len, max_num_seqs=16),
+                          BlockManager(64, 0, 4))
+        groups = []
+        for i, (prompt_len, max_tokens, eos, stop, min_tokens) in enumerate(specs):
+            seq = Sequence(i, list(range(3, 3 + prompt_len)))
+            g = SequenceGroup(f"r{i}", [seq], 0.0, max_tokens=max_tokens,
+                              stops=TokenStops(eos, stop, min_tokens))
+            sched.add_seq_group(g)
+            groups.append(g)
+        out.append((sched, groups))
+    return out
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(specs=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 12),
+                                st.frozensets(st.integers(0, 9), max_size=2),
+                                st.frozensets(st.integers(0, 9), max_size=2),
+                                st.integers(0, 4)), min_size=1, max_size=6),
+       steps=st.lists(st.lists(st.tuples(st.integers(0, 9), st.booleans()), min_size=6,
+                               max_size=6), min_size=1, max_size=14),
+       aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 5)), max_size=3),
+       max_len=st.integers(12, 30))
+def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len):
+    """`update_from_rows` (the engine's plain decode steps) applies a step's rows exactly as
+    `update_from_output` applies them as `SampledToken`s: the same tokens kept, logprobs,
+    statuses, stop reasons, pending counts and applied entries, with sequences finishing,
+    aborted between steps, and tokens pending (async scheduling) or not."""
+    (ra, ga), (rb, gb) = _twins(specs, max_len)
+    for t, row in enumerate(steps):
+        for when, which in aborts:
+            if when == t and which < len(specs):
+                ra.abort_seq_group(f"r{which}")
+                rb.abort_seq_group(f"r{which}")
+        # Every group is a row, finished or not: a finished one's token is dropped.
+        pend = {}
+        for i, (g, (_, pending)) in enumerate(zip(ga, row, strict=False)):
+            if pending and not g.seqs[0].status.is_finished:
+                pend[g.seqs[0].seq_id] = i
+                g.seqs[0].num_pending += 1
+                gb[i].seqs[0].num_pending += 1
+        toks = [tok for tok, _ in row[: len(specs)]]
+        lps = [-0.5 * (k + 1) for k in range(len(toks))]
+        got = ra.update_from_rows([(_Owner(g), g.seqs[0], 0, False) for g in ga], toks, lps,
+                                  pend)
+        want = rb.update_from_output(
+            [SampledToken(g.request_id, g.seqs[0], tok, lp, 0, pend.get(g.seqs[0].seq_id) == i)
+             for i, (g, tok, lp) in enumerate(zip(gb, toks, lps, strict=True))], lambda: 99)
+        assert [(a.index, a.seq.seq_id, a.forked, a.stop_reason) for a in got] == \
+            [(a.index, a.seq.seq_id, a.forked, a.stop_reason) for a in want]
+        for g, h in zip(ga, gb, strict=True):
+            x, y = g.seqs[0], h.seqs[0]
+            assert (x.output_token_ids, x.output_logprobs, x.cumulative_logprob, x.status,
+                    x.num_pending) == (y.output_token_ids, y.output_logprobs,
+                                       y.cumulative_logprob, y.status, y.num_pending)
+        assert [g.request_id for g in ra.free_finished_seq_groups()] == \
+            [g.request_id for g in rb.free_finished_seq_groups()]
+    assert ra.has_unfinished_seqs() == rb.has_unfinished_seqs()
