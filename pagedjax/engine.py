@@ -31,7 +31,6 @@ import functools
 import gc
 import itertools
 import logging
-import operator
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -103,13 +102,6 @@ logger = logging.getLogger(__name__)
 # Plain greedy batches sample through `sample_greedy`; PAGEDJAX_GREEDY_FAST_PATH=0 sends them
 # through `sample` (`bench/offline_throughput.py --engines pagedjax,pagedjax-sampler-full`).
 GREEDY_FAST_PATH = os.environ.get("PAGEDJAX_GREEDY_FAST_PATH", "1") != "0"
-# Fields read by `map` in C, for every entry or row of a step: no Python frame per sequence.
-_REQUEST_ID = operator.attrgetter("request_id")
-_FIRST = operator.itemgetter(0)
-_SEQ_ID, _NEEDS_LOGITS, _SPEC_IDS = (operator.attrgetter(a) for a in (
-    "seq_id", "needs_logits", "spec_token_ids"))
-_PLAIN_GREEDY, _SCREENABLE, _MIN_TOKENS = (operator.attrgetter(a) for a in (
-    "plain_greedy", "screenable", "min_tokens"))
 
 
 def _warn_near_map_limit() -> bool:
@@ -902,15 +894,21 @@ class LLMEngine:
         # A decode step at scale: one sampled row per entry, each one sequence's one sample
         # (`RequestState.plain_row`), else the general pass below. A plain sequence's row is
         # the same every step (it never forks), so it is kept by sequence id
-        # (`_plain_rows`, dropped when the sequence ends) and a step's rows are looked up
-        # in C; only a sequence's first plain step takes the Python loop.
+        # (`_plain_rows`, dropped when the sequence ends) and a step's rows are looked up;
+        # only a sequence's first plain step takes the loop below.
         scheduled = sched.scheduled
-        if not all(map(_NEEDS_LOGITS, scheduled)) or any(map(_SPEC_IDS, scheduled)):
-            return (*self._rows_for_general(sched), False)
         cache = self._plain_rows
         if len(cache) > 4 * self.engine_config.max_num_seqs:  # ends that were never dropped
             cache.clear()
-        row_info = list(map(cache.get, map(_SEQ_ID, scheduled)))
+        get = cache.get
+        if sched.num_decode_run == len(scheduled):  # one token each, no drafts: all sample
+            row_info = [get(s.seq_id) for s in scheduled]
+        else:
+            row_info = []
+            for s in scheduled:
+                if not s.needs_logits or s.spec_token_ids:
+                    return (*self._rows_for_general(sched), False)
+                row_info.append(get(s.seq_id))
         if None in row_info:
             requests = self._requests
             for i, s in enumerate(scheduled):
@@ -1157,17 +1155,19 @@ class LLMEngine:
         screened LM head (`ModelRunner.head_screen`, `RequestState.screenable`)."""
         if not GREEDY_FAST_PATH or self.spec_config is not None:
             return 0
-        # Passes of `map` in C over the requests' flags, set once per request: this runs for
-        # every row of every step.
-        reqs = list(map(_FIRST, row_info))
-        if not all(map(_PLAIN_GREEDY, reqs)):
-            return 0
-        if any(map(_MIN_TOKENS, reqs)):
-            for req, seq, _index, _fan_out in row_info:
-                min_tokens = req.min_tokens
-                if min_tokens and len(seq.output_token_ids) + seq.num_pending < min_tokens:
+        screen = 2
+        for info in row_info:  # flags set once per request: this runs for every row
+            req = info[0]
+            if not req.plain_greedy:
+                return 0
+            min_tokens = req.min_tokens
+            if min_tokens:
+                seq = info[1]
+                if len(seq.output_token_ids) + seq.num_pending < min_tokens:
                     return 0  # its stop tokens are banned until then
-        return 2 if all(map(_SCREENABLE, reqs)) else 1
+            if not req.screenable:
+                screen = 1
+        return screen
 
     def _mark_pending(self, fl: _InFlight, out: SamplerOutput) -> _InFlight:
         """Async scheduling: the tokens this step samples become their sequences' pending
@@ -1350,7 +1350,7 @@ class LLMEngine:
         them (forks, token stops, lengths); the output processor then detokenizes, finds
         stop strings and reports those stops back. Beam groups advance on the host."""
         row_info = fl.row_info
-        touched = set(map(_REQUEST_ID, fl.sched.scheduled))
+        touched = {s.request_id for s in fl.sched.scheduled}
         if fl.plain and beams is None and not fl.spec_rows:
             self._apply_plain(fl, out)
             return touched
@@ -1423,9 +1423,18 @@ class LLMEngine:
         """`_apply_samples` for a step of plain rows (most decode steps): no fork, draft,
         grammar or beam, so the scheduler takes the rows as they are
         (`Scheduler.update_from_rows`), without a `SampledToken` made and checked for each."""
-        applied = self.scheduler.update_from_rows(
-            fl.row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows)
-        for req, seq in self.outputs.process(applied, None, out, fl.row_info):
+        row_info = fl.row_info
+        # Quiet rows (`RequestState.quiet`) need output processing only when they finish:
+        # when every row is quiet, the others are not even listed.
+        quiet = True
+        for info in row_info:
+            if not info[0].quiet:
+                quiet = False
+                break
+        applied, num_applied = self.scheduler.update_from_rows(
+            row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows,
+            ended_only=quiet)
+        for req, seq in self.outputs.process(applied, None, out, row_info, num_applied):
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
 
     def _accept(self, drafts: tuple[int, ...], sampled: list[int]) -> int:

@@ -76,6 +76,9 @@ class RequestState:
         self.has_stop_strings = p.has_stop_strings  # read for every token
         self.is_beam = p.use_beam_search
         self.penalised = p.uses_penalties  # read for every row of a sampled step
+        # Set by `OutputProcessor.process` once its first token is in: no text, no logprobs,
+        # so a token of a running sequence of it needs no output processing.
+        self.quiet = False
         self.min_tokens = p.min_tokens
         # Nothing reads its text before its final output (no per-step output, no stop
         # string to find): each sequence is decoded once, when it finishes or the output is
@@ -127,13 +130,15 @@ class OutputProcessor:
         self.generation_tokens_total = 0
 
     def process(self, applied: list[AppliedToken], rows: list[tuple[RequestState, int]] | None,
-                out, row_info: list[tuple] | None = None) -> list[tuple[RequestState, Sequence]]:
+                out, row_info: list[tuple] | None = None, num_tokens: int | None = None
+                ) -> list[tuple[RequestState, Sequence]]:
         """The host side of tokens the scheduler appended (`Scheduler.update_from_output`):
         logprobs, first-token times, one batched detokenization of every sequence that got a
         token, then stop strings. Returns the sequences a stop string finished, for the
         scheduler to stop; records every finished sequence's stop reason. ``rows`` holds each
         token's request and sampler row; None: token i is row i, of ``row_info[i]``'s request
-        (`Scheduler.update_from_rows`)."""
+        (`Scheduler.update_from_rows`). ``num_tokens``: the step's applied tokens, when
+        ``applied`` lists only some (the others quiet, `RequestState.quiet`)."""
         plain = rows is None
         now = time.monotonic()
         items = []
@@ -141,7 +146,7 @@ class OutputProcessor:
         # longer running (maybe finished), the only ones the second pass needs to look at.
         check = []
         top = None  # the step's top-k ids / logprobs as lists, made once if a row wants them
-        self.generation_tokens_total += len(applied)
+        self.generation_tokens_total += len(applied) if num_tokens is None else num_tokens
         running = SequenceStatus.RUNNING
         append_token = self.detokenizer.append_token
         for a in applied:
@@ -154,6 +159,8 @@ class OutputProcessor:
             p = req.params
             if req.first_token_time is None:
                 req.first_token_time = now
+                # From its second token on, a running sequence of it needs nothing here.
+                req.quiet = req.lazy_text and p.logprobs is None
             if p.logprobs is not None:
                 if top is None:
                     width = max((row_info if plain else rows)[b.index][0].params.logprobs or 0

@@ -114,6 +114,9 @@ class SchedulerOutput:
     # the error; the rest of the step goes on without them.
     failed: list[tuple[SequenceGroup, str]] = field(default_factory=list)
     num_batched_tokens: int = 0
+    # Entries the decode fast path made (`Scheduler._decode_run`): each one token, sampled,
+    # no drafts. All of them when it equals ``len(scheduled)``.
+    num_decode_run: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -370,16 +373,20 @@ class Scheduler:
         return applied
 
     def update_from_rows(self, rows: list[tuple], token_ids: list[int], logprobs: list[float],
-                         pending: dict[int, int]) -> list[AppliedToken]:
+                         pending: dict[int, int], ended_only: bool = False
+                         ) -> tuple[list[AppliedToken], int]:
         """`update_from_output` for a step whose row i is the one token of ``rows[i]``: the
         row's owner (any object with a ``group``), its group's lone sequence, and two fields
         this ignores (the engine's row info). No fork, no draft: each token appends to its
         sequence, checked as there. ``pending``: sequence id -> row, for rows whose token
         the sequence holds as pending (async scheduling). A sequence that finished or was
-        aborted meanwhile drops its token: its group may be gone, or its id reused."""
+        aborted meanwhile drops its token: its group may be gone, or its id reused.
+        Returns the applied tokens and their count; ``ended_only``: only those that finished
+        their sequence are listed (the caller has nothing to do for the others)."""
         applied: list[AppliedToken] = []
         add = applied.append
         i = -1
+        num_applied = 0
         for (owner, seq, _, _), tok, lp in zip(rows, token_ids, logprobs):
             i += 1
             if seq.status._value_ >= _FIRST_FINISHED:
@@ -394,12 +401,15 @@ class Scheduler:
             g = owner.group
             stops = g.stops
             stopped, reason = stops.check(tok, n_out) if tok in stops.any_ids else _GO_ON
+            num_applied += 1
             if stopped:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
             elif n_out >= g.output_limit:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
+            elif ended_only:
+                continue
             add(new_tuple(AppliedToken, (i, g, seq, False, reason)))
-        return applied
+        return applied, num_applied
 
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:
         """Finish a sequence for a reason the scheduler cannot see (a stop string in its
@@ -625,19 +635,19 @@ class Scheduler:
         if decode_slot is None or self.proposer is not None:
             return
         out = st.out
-        add_sched, add_group, add_publish = out.scheduled.append, out.scheduled_groups.append, \
-            out.publish.append
-        take, kept = queue.popleft, keep.append
+        add_sched, add_publish = out.scheduled.append, out.publish.append
+        ran: list[SequenceGroup] = []  # the run's groups, added to `keep` and the step's at once
+        take, add_group = queue.popleft, ran.append
         running = SequenceStatus.RUNNING
         room = room0 = self.config.max_num_seqs - st.num_seqs  # sequence slots left
         budget = st.budget
         try:
             while queue and budget > 0:
                 g = queue[0]
-                seqs = g.seqs
-                if len(seqs) != 1:
+                try:
+                    seq, = g.seqs
+                except ValueError:  # not a lone sequence
                     break
-                seq = seqs[0]
                 if seq.status is not running:
                     break
                 start = seq.num_computed_tokens
@@ -665,11 +675,13 @@ class Scheduler:
                 if m >= seq.publish_at:  # a block filled: published once the step is launched
                     add_publish((seq, m))
                 add_group(g)
-                kept(g)
                 budget -= 1
                 room -= g.n
         finally:
+            keep += ran
+            out.scheduled_groups += ran
             out.num_batched_tokens += st.budget - budget  # one token each
+            out.num_decode_run += st.budget - budget
             st.budget = budget
             st.num_seqs += room0 - room
 
@@ -913,6 +925,9 @@ class Scheduler:
         out.publish = [x for x in out.publish if id(x[0]) not in mine]
         out.scheduled_groups = [x for x in out.scheduled_groups if x is not g]
         out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        # Not known any more (a run's entry may have gone): negative whatever later runs
+        # add, so readers check the entries.
+        out.num_decode_run = -(1 << 40)
         st.budget = self.config.max_num_batched_tokens - out.num_batched_tokens
         for seq in g.seqs:
             if not seq.status.is_finished:

@@ -40,14 +40,8 @@ copy is zeros again) makes every row send all its entries on its next use.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import attrgetter
 
 import numpy as np
-
-# Fields of every scheduled entry, read by `map` in C (`InputBatch.rows` runs for every
-# sequence of every step).
-_SEQ_ID, _VERSION, _TABLE = attrgetter("seq_id"), attrgetter("table_version"), \
-    attrgetter("block_table")
 
 
 class InputBatch:
@@ -64,10 +58,9 @@ class InputBatch:
         self._row: dict[int, int] = {}  # seq id -> row
         self._free: list[int] = []
         self._tables = np.zeros((0, num_groups, max_blocks_per_seq), np.int32)
-        # Per row and group: the table version it mirrors (-2: none), table entries written;
-        # arrays, so a step's rows are checked in one vector compare.
-        self._version = np.zeros((0, num_groups), np.int64)
-        self._written = np.zeros((0, num_groups), np.int64)
+        # Per row and group: the table version it mirrors (-2: none), table entries written.
+        self._version: list[list[int]] = []
+        self._written: list[list[int]] = []
         self.num_rewrites = 0  # full-row writes (tests and benchmarks read it)
         # seq id -> (prompt + outputs buffer, outputs written): penalised sequences only.
         self._hist: dict[int, tuple[np.ndarray, int]] = {}
@@ -86,9 +79,8 @@ class InputBatch:
         tables = np.zeros((new, self.num_groups, self.max_blocks_per_seq), np.int32)
         tables[:old] = self._tables
         self._tables = tables
-        self._version = np.concatenate([self._version, np.full((new - old, self.num_groups), -2)])
-        self._written = np.concatenate([self._written, np.zeros((new - old, self.num_groups),
-                                                                np.int64)])
+        self._version += [[-2] * self.num_groups for _ in range(new - old)]
+        self._written += [[0] * self.num_groups for _ in range(new - old)]
         self._free.extend(range(new - 1, old - 1, -1))
 
     def _assign(self, seq_id: int) -> int:
@@ -96,7 +88,7 @@ class InputBatch:
             self._grow()
         r = self._free.pop()
         self._row[seq_id] = r
-        self._version[r] = -2
+        self._version[r] = [-2] * self.num_groups
         return r
 
     def release(self, seq_ids: Iterable[int]) -> None:
@@ -105,7 +97,7 @@ class InputBatch:
             self._hist.pop(sid, None)
             r = self._row.pop(sid, None)
             if r is not None:
-                self._version[r] = -2
+                self._version[r] = [-2] * self.num_groups
                 self._free.append(r)
 
     def rows(self, scheduled) -> list[int]:
@@ -116,25 +108,19 @@ class InputBatch:
             self._hist = {k: v for k, v in self._hist.items() if k in keep}
         row_of = self._row
         groups = self.num_groups
-        if groups == 1:  # vectors: this runs for every sequence of every step
-            out = list(map(row_of.get, map(_SEQ_ID, scheduled)))
-            if None in out:  # new sequences: rows assigned in order
-                for i, s in enumerate(scheduled):
-                    if out[i] is None:
-                        out[i] = self._assign(s.seq_id)
-            n = len(out)
-            r = np.fromiter(out, np.intp, n)
-            v = np.fromiter(map(_VERSION, scheduled), np.int64, n)
-            lens = np.fromiter(map(len, map(_TABLE, scheduled)), np.int64, n)
-            # Rewritten or grown since mirrored (else mirrored already: most rows of a decode
-            # step); each updated in order, as its own row.
-            stale = (v < 0) | (self._version[r, 0] != v) | (self._written[r, 0] != lens)
-            for i in np.flatnonzero(stale).tolist():
-                s = scheduled[i]
-                self._update(out[i], 0, s.block_table, s.table_version, s.seq_id)
-            return out
+        mirrored, written = self._version, self._written
         out = []
         add = out.append
+        if groups == 1:  # one loop of its own: it runs for every sequence of every step
+            for s in scheduled:
+                r = row_of.get(s.seq_id)
+                if r is None:
+                    r = self._assign(s.seq_id)
+                v = s.table_version
+                if v < 0 or mirrored[r][0] != v or len(s.block_table) != written[r][0]:
+                    self._update(r, 0, s.block_table, v, s.seq_id)
+                add(r)  # else mirrored already: most rows of a decode step
+            return out
         for s in scheduled:
             r = row_of.get(s.seq_id)
             if r is None:
@@ -154,7 +140,7 @@ class InputBatch:
                              f"{self.max_blocks_per_seq}")
         version, written, row = self._version[r], self._written[r], self._tables[r, g]
         if v < 0 or version[g] != v:  # new, CoW'd, swapped or unknown: the whole row
-            old = int(written[g])
+            old = written[g]
             span = max(old, n)
             before = row[:span].copy() if self._deltas is not None else None
             row[:n] = table
@@ -177,7 +163,7 @@ class InputBatch:
                 if changed.size:
                     self._deltas.append((base + changed, row[changed]))
         elif n > written[g]:  # appended blocks only
-            w = int(written[g])
+            w = written[g]
             row[w:n] = table[w:]
             written[g] = n
             if self._deltas is not None:
@@ -207,7 +193,8 @@ class InputBatch:
         """The device copy is zeros again (lost and rebuilt, or reset after a failed
         dispatch): every row rewrites itself, queueing all its entries, the next time it is
         used, and the queue is dropped."""
-        self._version[:] = -2
+        for version in self._version:
+            version[:] = [-2] * self.num_groups
         if self._deltas is not None:
             self._deltas = []
             self._zeroed = {(r, g) for r in range(len(self._version))

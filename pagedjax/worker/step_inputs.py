@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from operator import attrgetter
 
 import numpy as np
 
@@ -17,10 +16,6 @@ from pagedjax.core.scheduler import ScheduledSeq
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.paged_attention import PagedMeta
 from pagedjax.worker.shapes import ShapePlan, pow2_at_least
-
-# Fields of every entry, read by `map` in C: no Python frame per sequence, as a generator
-# expression would make (this runs for every sequence of every step).
-_START, _TOKENS, _TABLE = attrgetter("start_pos"), attrgetter("token_ids"), attrgetter("block_table")
 
 
 def bucket(n: int, minimum: int) -> int:
@@ -77,18 +72,25 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     overhead is on the critical path of every step).
     """
     num_seqs = len(scheduled)
+    if (num_tokens == num_seqs and num_groups == 1 and batch is not None and batch.device_tables
+            and plan is not None and not extra_rows and not (spec_lens and any(spec_lens))
+            and rows_per_seq is not None and rows_per_seq.count(1) == num_seqs):
+        return _decode_inputs(scheduled, block_size, plan, batch)
+    # List comprehensions, not generator expressions or `map(attrgetter)`: in CPython 3.12
+    # they are the cheapest pass over a step's entries (this runs for every entry of every
+    # step; `bench/host_overhead.py`).
     if num_tokens == num_seqs:  # a decode step (every entry has at least one token)
         q_lens = np.ones(num_seqs, np.int32)
     else:
-        q_lens = np.fromiter(map(len, map(_TOKENS, scheduled)), np.int32, num_seqs)
-    start_pos = np.fromiter(map(_START, scheduled), np.int32, num_seqs)
+        q_lens = np.array([len(s.token_ids) for s in scheduled], np.int32)
+    start_pos = np.array([s.start_pos for s in scheduled], np.int32)
     total = int(q_lens.sum())
     decode_only = total == num_seqs
     if num_groups > 1:
         max_blocks = max(max(len(t) for t in _group_tables(s.block_table, num_groups))
                          for s in scheduled)
     else:
-        max_blocks = max(map(len, map(_TABLE, scheduled)))
+        max_blocks = max([len(s.block_table) for s in scheduled])
     if plan is None:
         plan = ShapePlan(max(num_seqs, 8), max(total, 16), max(max_blocks_per_seq, max_blocks),
                          fixed_width=False)
@@ -132,8 +134,11 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     seq_of_token = np.repeat(np.arange(num_seqs, dtype=np.int32), q_lens)
     pos = start_pos[seq_of_token] + (np.arange(total, dtype=np.int32) - cu_q_lens[seq_of_token])
     input_ids = np.zeros(t_pad, np.int32)
-    input_ids[:total] = np.fromiter(itertools.chain.from_iterable(map(_TOKENS, scheduled)),
-                                    np.int32, total)
+    if num_tokens == num_seqs:  # one token each
+        input_ids[:total] = [s.token_ids[0] for s in scheduled]
+    else:
+        input_ids[:total] = np.fromiter(
+            itertools.chain.from_iterable([s.token_ids for s in scheduled]), np.int32, total)
     positions = np.zeros(t_pad, np.int32)
     positions[:total] = pos
     if table_rows is None:
@@ -163,6 +168,37 @@ def build_step_inputs(scheduled: list[ScheduledSeq], block_size: int, max_blocks
     return StepInputs(input_ids, positions, meta, logits_indices, sample_seq_pos,
                       (t_pad, s_pad, m_pad, r_pad, decode_only), table_rows=table_rows,
                       table_source=batch if table_rows is not None else None)
+
+
+def _decode_inputs(scheduled: list[ScheduledSeq], block_size: int, plan: ShapePlan,
+                   batch: InputBatch) -> StepInputs:
+    """`build_step_inputs` for the step the engine runs most: one token and one sampled row
+    per sequence, one KV group, tables on the device. Token i is sequence i's, so the ragged
+    bookkeeping (token -> sequence, cumulative lengths, repeats) is a few ranges; the same
+    arrays as the general path (`tests/engine/test_step_inputs.py`)."""
+    n = len(scheduled)
+    t_pad = plan.decode(n)[0]  # T = S = R
+    start_pos = np.array([s.start_pos for s in scheduled], np.int32)
+    m_pad = plan.width(max([len(s.block_table) for s in scheduled]))
+    table_rows = np.zeros(t_pad, np.int32)
+    table_rows[:n] = batch.rows(scheduled)
+    input_ids = np.zeros(t_pad, np.int32)
+    input_ids[:n] = [s.token_ids[0] for s in scheduled]
+    positions = np.zeros(t_pad, np.int32)
+    positions[:n] = start_pos
+    slot_mapping = np.full(t_pad, -1, np.int32)
+    slot_mapping[:n] = (batch.host_tables[table_rows[:n], 0, start_pos // block_size] * block_size
+                        + start_pos % block_size)
+    kv_lens = np.zeros(t_pad, np.int32)
+    kv_lens[:n] = start_pos + 1
+    cu_q_lens = np.full(t_pad + 1, n, np.int32)
+    cu_q_lens[: n + 1] = np.arange(n + 1, dtype=np.int32)
+    logits_indices = np.zeros(t_pad, np.int32)
+    logits_indices[:n] = cu_q_lens[:n]
+    meta = PagedMeta(slot_mapping, kv_lens, None, cu_q_lens, np.int32(n), True)
+    return StepInputs(input_ids, positions, meta, logits_indices, list(range(n)),
+                      (t_pad, t_pad, m_pad, t_pad, True), table_rows=table_rows,
+                      table_source=batch)
 
 
 def _group_tables(table, num_groups: int):

@@ -183,12 +183,13 @@ def _twins(specs, max_len):
        steps=st.lists(st.lists(st.tuples(st.integers(0, 9), st.booleans()), min_size=6,
                                max_size=6), min_size=1, max_size=14),
        aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 5)), max_size=3),
-       max_len=st.integers(12, 30))
-def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len):
+       max_len=st.integers(12, 30), ended_only=st.booleans())
+def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len, ended_only):
     """`update_from_rows` (the engine's plain decode steps) applies a step's rows exactly as
     `update_from_output` applies them as `SampledToken`s: the same tokens kept, logprobs,
-    statuses, stop reasons, pending counts and applied entries, with sequences finishing,
-    aborted between steps, and tokens pending (async scheduling) or not."""
+    statuses, stop reasons, pending counts and applied entries (with ``ended_only``, those
+    that finished their sequence, and the count of all), with sequences finishing, aborted
+    between steps, and tokens pending (async scheduling) or not."""
     (ra, ga), (rb, gb) = _twins(specs, max_len)
     for t, row in enumerate(steps):
         for when, which in aborts:
@@ -204,11 +205,14 @@ def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len):
                 gb[i].seqs[0].num_pending += 1
         toks = [tok for tok, _ in row[: len(specs)]]
         lps = [-0.5 * (k + 1) for k in range(len(toks))]
-        got = ra.update_from_rows([(_Owner(g), g.seqs[0], 0, False) for g in ga], toks, lps,
-                                  pend)
+        got, count = ra.update_from_rows([(_Owner(g), g.seqs[0], 0, False) for g in ga], toks,
+                                         lps, pend, ended_only)
         want = rb.update_from_output(
             [SampledToken(g.request_id, g.seqs[0], tok, lp, 0, pend.get(g.seqs[0].seq_id) == i)
              for i, (g, tok, lp) in enumerate(zip(gb, toks, lps, strict=True))], lambda: 99)
+        assert count == len(want)
+        if ended_only:
+            want = [a for a in want if a.seq.status.is_finished]
         assert [(a.index, a.seq.seq_id, a.forked, a.stop_reason) for a in got] == \
             [(a.index, a.seq.seq_id, a.forked, a.stop_reason) for a in want]
         for g, h in zip(ga, gb, strict=True):

@@ -4,8 +4,9 @@ kept by sequence id and apply their tokens without a `SampledToken` per row. The
 equal those of the general path (every step forced through `_rows_for_general` and
 `update_from_output`): greedy, seeded sampling, logprobs, penalties, stop ids, lengths, a
 fan-out request mixed in, requests aborted and their ids reused, with async scheduling on and
-off and preemption by swap and recompute; the cache forgets every sequence that ends, and
-the block pool is whole afterwards."""
+off and preemption by swap and recompute, and steps whose rows are all quiet (their tokens
+need no output processing until they finish); the cache forgets every sequence that ends,
+and the block pool is whole afterwards."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pagedjax.engine as engine_mod
 from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
+from pagedjax.core import Scheduler
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
 
@@ -52,6 +54,14 @@ def _run(tiny, async_scheduling: bool, mode: str, plain: bool, monkeypatch):
         return real_plain(self, fl, out)
 
     monkeypatch.setattr(engine_mod.LLMEngine, "_apply_plain", counted)
+    real_rows = Scheduler.update_from_rows
+    quiet_steps = []
+
+    def rows_counted(self, rows, *a, **k):
+        quiet_steps.append(k.get("ended_only", False))
+        return real_rows(self, rows, *a, **k)
+
+    monkeypatch.setattr(Scheduler, "update_from_rows", rows_counted)
     if not plain:  # every step through the general rows and `update_from_output`
         monkeypatch.setattr(engine_mod.LLMEngine, "_rows_for", lambda self, sched: (
             *self._rows_for_general(sched), False))
@@ -92,7 +102,7 @@ def _run(tiny, async_scheduling: bool, mode: str, plain: bool, monkeypatch):
     # Every sequence that ended was forgotten; only the aborted one may linger.
     assert set(engine._plain_rows) <= aborted_seqs
     assert engine.scheduler.num_preemptions_total > 0  # the pool is small enough to preempt
-    return results, calls
+    return results, (calls, quiet_steps)
 
 
 @pytest.mark.parametrize("async_scheduling,mode", [(False, "recompute"), (True, "swap"),
@@ -101,8 +111,11 @@ def test_plain_rows_give_the_general_paths_outputs(tiny, async_scheduling, mode,
     with monkeypatch.context() as m:
         general, none = _run(tiny, async_scheduling, mode, False, m)
     with monkeypatch.context() as m:
-        plain, calls = _run(tiny, async_scheduling, mode, True, m)
-    assert not none
+        plain, (calls, quiet) = _run(tiny, async_scheduling, mode, True, m)
+    assert not none[0]
     assert len(calls) > 10 and max(calls) > 1  # the plain path took many multi-row steps
+    # Steps whose rows were all quiet (only ended sequences listed) and steps with a row
+    # that wanted logprobs, or its first token.
+    assert True in quiet and False in quiet
     assert set(general) == {f"r{i}" for i in range(14)}
     assert plain == general
