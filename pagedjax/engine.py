@@ -292,13 +292,13 @@ class LLMEngine:
             self.runner.enable_device_histories(slots, self.max_model_len)
             self.history_slots = HistorySlots(slots, self.max_model_len)
         # ... and their sampling parameters, written once per (sequence, sample index).
+        self.sampling_batch = SamplingBatch(config.vocab_size, 4 * self.runner.shape_plan.seq_cap,
+                                            eos_token_ids=sorted(self.eos_token_ids),
+                                            engine_seed=ec.seed)
         # Sequence id -> its sampled row's (request, sequence, sample index, fan-out), for
         # plain sequences (`_rows_for`); dropped when they end, cleared when it outgrows
         # 4 x max_num_seqs (aborted ones are not dropped one by one).
         self._plain_rows: dict[int, tuple] = {}
-        self.sampling_batch = SamplingBatch(config.vocab_size, 4 * self.runner.shape_plan.seq_cap,
-                                            eos_token_ids=sorted(self.eos_token_ids),
-                                            engine_seed=ec.seed)
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
             self.warmup()

@@ -1,7 +1,7 @@
 """`build_step_inputs`' decode path (`_decode_inputs`: one token and one sampled row per
 sequence, block tables on the device) builds exactly the arrays of the general path, over
 random decode steps: sequences of random lengths and tables (new rows, grown tables,
-rewritten tables), pending tokens, every sequence bucket's padding."""
+rewritten tables), pending tokens, 1 to 64 sequences and their buckets' padding."""
 
 from __future__ import annotations
 
