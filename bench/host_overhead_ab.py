@@ -22,12 +22,13 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import timeit
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.base_tree import base_tree  # noqa: E402
 
 
 def _quiet(limit: float = 0.45, wait_s: float = 400.0) -> float:
@@ -80,32 +81,21 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead_ab.json"))
     args = ap.parse_args()
 
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-
-    base_sha, head = git("rev-parse", args.base), git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        git("worktree", "add", "--detach", str(base), base_sha)
+    with base_tree(args.base) as bt:
+        base_sha, head, dirty, base = bt.base_sha, bt.head, bt.dirty, bt.path
         shutil.copy(ROOT / "bench/host_overhead.py", base / "bench/host_overhead.py")
-        try:
-            for rep in range(args.reps):
-                for which in ("base", "new") if rep % 2 == 0 else ("new", "base"):
-                    load = _quiet()
-                    speed = _speed_ms()
-                    rows = run(base if which == "base" else ROOT, args,
-                               Path(tmp) / f"{which}_{rep}.json")
-                    runs.append({"rep": rep, "version": which, "load_avg_1m_before": load,
-                                 "python_loop_ms": speed, "rows": rows})
-                    print(f"rep {rep} {which:4s} load {load:.2f} loop {speed:.2f} ms: " + ", ".join(
-                        f"{r['output_kind']} {r['mix']} {r['median_ms']:.2f}" for r in rows),
-                        flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
-                           check=False, capture_output=True)
+        for rep in range(args.reps):
+            for which in ("base", "new") if rep % 2 == 0 else ("new", "base"):
+                load = _quiet()
+                speed = _speed_ms()
+                rows = run(base if which == "base" else ROOT, args,
+                           base.parent / f"{which}_{rep}.json")
+                runs.append({"rep": rep, "version": which, "load_avg_1m_before": load,
+                             "python_loop_ms": speed, "rows": rows})
+                print(f"rep {rep} {which:4s} load {load:.2f} loop {speed:.2f} ms: " + ", ".join(
+                    f"{r['output_kind']} {r['mix']} {r['median_ms']:.2f}" for r in rows),
+                    flush=True)
     summary = summarize(runs)
     res = {"what": "host ms per decode step, device stubbed (bench/host_overhead.py), a base "
                    "commit against the working tree, alternating, one process per run",

@@ -20,10 +20,11 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.base_tree import base_tree  # noqa: E402
 
 
 def run(tree: Path, rows: str, iters: int) -> dict:
@@ -43,28 +44,16 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/sampler_ab.json"))
     args = ap.parse_args()
-    base_sha = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True,
-                          capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=ROOT, check=True, capture_output=True, text=True).stdout)
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        subprocess.run(["git", "worktree", "add", "--detach", str(base), base_sha], cwd=ROOT,
-                       check=True, capture_output=True)
-        try:
-            for rep in range(args.reps):
-                order = ("base", "new") if rep % 2 == 0 else ("new", "base")
-                for which in order:
-                    load = os.getloadavg()[0]
-                    r = run(base if which == "base" else ROOT, args.rows, args.iters)
-                    runs.append({"rep": rep, "version": which, "load_avg_1m_before": load, **r})
-                    print(f"rep {rep} {which} (load {load:.2f}): {r['ms']}", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
-                           check=False, capture_output=True)
+    with base_tree(args.base) as bt:
+        base_sha, head, dirty, base = bt.base_sha, bt.head, bt.dirty, bt.path
+        for rep in range(args.reps):
+            order = ("base", "new") if rep % 2 == 0 else ("new", "base")
+            for which in order:
+                load = os.getloadavg()[0]
+                r = run(base if which == "base" else ROOT, args.rows, args.iters)
+                runs.append({"rep": rep, "version": which, "load_avg_1m_before": load, **r})
+                print(f"rep {rep} {which} (load {load:.2f}): {r['ms']}", flush=True)
     med = {v: {b: {op: statistics.median(x["ms"][b][op] for x in runs if x["version"] == v)
                    for op in runs[0]["ms"][b]} for b in runs[0]["ms"]} for v in ("base", "new")}
     import jax

@@ -27,12 +27,13 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.base_tree import base_tree  # noqa: E402
 
 
 class _StubEngine:
@@ -146,26 +147,17 @@ def main() -> None:
         return
     if not args.base:
         ap.error("--base is required (or --child)")
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, check=True, capture_output=True,  # noqa: E731
-                                    text=True).stdout.strip()
-    base_sha, head = git("rev-parse", args.base), git("rev-parse", "HEAD")
-    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "base"
-        git("worktree", "add", "--detach", str(base), base_sha)
-        try:
-            for rep in range(args.reps):
-                for which in (("base", "new") if rep % 2 == 0 else ("new", "base")):
-                    load = os.getloadavg()[0]
-                    r = run(base if which == "base" else ROOT, args)
-                    runs.append({"rep": rep, "version": which, "load_avg_1m_before": load, **r})
-                    print(f"rep {rep} {which} (load {load:.2f}): host ms median "
-                          f"{r['host_ms_median']:.3f} p99 {r['host_ms_p99']:.3f}, process CPU "
-                          f"{r['cpu_ms_per_step']:.2f} ms a step", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
-                           check=False, capture_output=True)
+    with base_tree(args.base) as bt:
+        base_sha, head, dirty, base = bt.base_sha, bt.head, bt.dirty, bt.path
+        for rep in range(args.reps):
+            for which in (("base", "new") if rep % 2 == 0 else ("new", "base")):
+                load = os.getloadavg()[0]
+                r = run(base if which == "base" else ROOT, args)
+                runs.append({"rep": rep, "version": which, "load_avg_1m_before": load, **r})
+                print(f"rep {rep} {which} (load {load:.2f}): host ms median "
+                      f"{r['host_ms_median']:.3f} p99 {r['host_ms_p99']:.3f}, process CPU "
+                      f"{r['cpu_ms_per_step']:.2f} ms a step", flush=True)
     keys = ("host_ms_median", "host_ms_p99", "wall_s", "cpu_ms_per_step")
     med = {v: {k: statistics.median(x[k] for x in runs if x["version"] == v) for k in keys}
            for v in ("base", "new")}
