@@ -6,7 +6,8 @@ copy-on-write on the block being written; preemption swaps whole groups to
 CPU or drops them for recomputation.
 
 Prefix caching: a full block is published under a chained key (parent entry,
-its tokens, extra keys) only by :meth:`BlockManager.mark_blocks_computed`,
+its tokens, extra keys: `block_pool.block_key`) only by
+:meth:`BlockManager.mark_blocks_computed`,
 i.e. after the step that wrote its KV has finished, so no request can ever
 hit a block whose KV is still being computed.
 
@@ -35,7 +36,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedjax.core.block_pool import ROOT_SERIAL, BlockKey, BlockPool, CacheEntry
+from pagedjax.core import block_pool
+from pagedjax.core.block_pool import ROOT_SERIAL, BlockPool
 from pagedjax.core.sequence import Sequence, SequenceGroup
 
 
@@ -54,7 +56,7 @@ class PrefixHandle:
     extra: tuple
     num_full_blocks: int
     blocks: list[int] = field(default_factory=list)
-    chain: list[CacheEntry] = field(default_factory=list)
+    chain: list[int] = field(default_factory=list)  # serials of the pinned blocks' entries
     valid: bool = True
 
     @property
@@ -78,7 +80,7 @@ class _SeqBlocks:
 
     __slots__ = ("table", "on_cpu", "chain", "extra", "publish", "version", "released")
 
-    def __init__(self, table: list[int], chain: list[CacheEntry], extra: tuple,
+    def __init__(self, table: list[int], chain: list[int], extra: tuple,
                  version: int) -> None:
         self.table = table
         # Unique per table content up to appends: a new state, a copy-on-write replacement
@@ -86,7 +88,9 @@ class _SeqBlocks:
         # (`InputBatch`) then copies only the appended ids of a table it has seen.
         self.version = version
         self.on_cpu = False
-        self.chain = chain  # cache entries of the leading full blocks already published/found
+        # Serials of the cache entries of the leading full blocks already published or found
+        # (`BlockPool`: an entry is its serial).
+        self.chain = chain
         self.extra = extra
         self.publish = True  # False once the prefix cache was reset under this sequence
         self.released = 0  # leading table slots already released (sliding window)
@@ -153,20 +157,20 @@ class BlockManager:
     def _num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _key(self, parent: CacheEntry | None, tokens: Iterable[int], extra: tuple) -> BlockKey:
+    def _key(self, parent: int, tokens: list[int] | tuple[int, ...], extra: tuple) -> bytes:
+        """The key of a full block after the entry ``parent`` (a serial; ROOT_SERIAL: none)."""
         if self._tag:  # a hybrid model's groups hold different layers' KV for equal tokens
             extra = extra + self._tag
-        if parent is None:
-            return BlockKey(ROOT_SERIAL, None, tuple(tokens), extra)
-        return BlockKey(parent.serial, parent.hash_value, tuple(tokens), extra)
+        return block_pool.block_key(parent, tokens, extra)
 
-    def _lookup_prefix(self, seq: Sequence, extra: tuple) -> list[CacheEntry]:
-        """Longest chain of cached full blocks matching the sequence's tokens."""
+    def _lookup_prefix(self, seq: Sequence, extra: tuple) -> list[int]:
+        """Longest chain of cached full blocks matching the sequence's tokens (their entries'
+        serials)."""
         if not self.enable_prefix_caching:
             return []
-        hits: list[CacheEntry] = []
+        hits: list[int] = []
         bs = self.block_size
-        parent = None
+        parent = ROOT_SERIAL
         for i in range(seq.num_total_tokens // bs):
             entry = self.gpu.lookup(self._key(parent, seq.get_token_slice(i * bs, (i + 1) * bs), extra))
             if entry is None:
@@ -225,7 +229,7 @@ class BlockManager:
     def can_allocate(self, group: SequenceGroup) -> AllocStatus:
         return admission_status([self], group)
 
-    def _seq_need(self, seq: Sequence, hits: list[CacheEntry], cached: int) -> tuple[int, int]:
+    def _seq_need(self, seq: Sequence, hits: list[int], cached: int) -> tuple[int, int]:
         """(free-list blocks an allocation consumes now: new blocks + revived cached blocks,
         blocks needed ignoring transient sharing) for one sequence given its prefix hits."""
         kept = hits
@@ -239,8 +243,9 @@ class BlockManager:
         else:
             dead = 0
             new = self._num_blocks(seq.num_total_tokens) - len(hits)
-        revived = sum(1 for e in kept if self.gpu.ref_count(e.block_id) == 0)
-        pinned = sum(1 for e in kept if self._pinned[e.block_id])
+        blocks = [self.gpu.block_of(e) for e in kept]
+        revived = sum(1 for b in blocks if self.gpu.ref_count(b) == 0)
+        pinned = sum(1 for b in blocks if self._pinned[b])
         need, need_never = new + revived, new + len(kept) - pinned
         if hits and self._first_write_shared(cached, hits):
             need += 1  # copy-on-write of the block the recomputed last token lands in
@@ -277,7 +282,7 @@ class BlockManager:
         already references (a fully cached prompt recomputes its last token there), so that
         writing it needs a copy-on-write block."""
         idx = cached // self.block_size
-        return idx < len(hits) and self.gpu.ref_count(hits[idx].block_id) > 0
+        return idx < len(hits) and self.gpu.ref_count(self.gpu.block_of(hits[idx])) > 0
 
     def allocate(self, group: SequenceGroup) -> None:
         """Give every unfinished sequence blocks for its tokens (a windowed manager: for its
@@ -287,7 +292,7 @@ class BlockManager:
         """
         allocate_group([self], group)
 
-    def _take_hits(self, seq: Sequence, hits: list[CacheEntry], cached: int, extra: tuple) -> None:
+    def _take_hits(self, seq: Sequence, hits: list[int], cached: int, extra: tuple) -> None:
         """Start the sequence's table with its prefix hits (references first, so that no
         allocation, of this group or another sharing the pool, can evict a hit)."""
         if seq.seq_id in self._seqs:
@@ -295,8 +300,9 @@ class BlockManager:
         dead = self._dead_blocks(cached) if self.sliding_window else 0
         table = [NULL_BLOCK] * min(dead, len(hits))
         for e in hits[len(table):]:
-            self.gpu.incref(e.block_id)
-            table.append(e.block_id)
+            b = self.gpu.block_of(e)
+            self.gpu.incref(b)
+            table.append(b)
         st = _SeqBlocks(table, list(hits), extra, next(self._versions))
         st.released = min(dead, len(hits))
         self._seqs[seq.seq_id] = st
@@ -563,9 +569,10 @@ class BlockManager:
                 seq.publish_at = (len(chain) + 1) * bs
             return
         n_full = min(n_full, len(st.table))
-        parent = chain[-1] if chain else None
+        parent = chain[-1] if chain else ROOT_SERIAL
+        alive = self.gpu.alive
         for i in range(len(chain), n_full):
-            if parent is not None and not parent.alive:
+            if parent != ROOT_SERIAL and not alive(parent):
                 break  # children of an evicted entry would be unreachable
             if st.table[i] == NULL_BLOCK:
                 break  # released by the window before it was published
@@ -606,15 +613,16 @@ class BlockManager:
 
     def _try_pin(self, h: PrefixHandle) -> None:
         bs = self.block_size
-        parent = h.chain[-1] if h.chain else None
+        parent = h.chain[-1] if h.chain else ROOT_SERIAL
         while len(h.blocks) < h.num_full_blocks:
             i = len(h.blocks)
             entry = self.gpu.lookup(self._key(parent, h.token_ids[i * bs : (i + 1) * bs], h.extra))
             if entry is None:
                 break
-            self.gpu.incref(entry.block_id)
-            self._pinned[entry.block_id] += 1
-            h.blocks.append(entry.block_id)
+            b = self.gpu.block_of(entry)
+            self.gpu.incref(b)
+            self._pinned[b] += 1
+            h.blocks.append(b)
             h.chain.append(entry)
             parent = entry
         if h.complete:
@@ -674,7 +682,7 @@ class BlockManager:
 # needs against the one free list, and invariants are checked over the union of references.
 
 def common_hits(managers: list[BlockManager], seq: Sequence,
-                extra: tuple) -> list[list[CacheEntry]]:
+                extra: tuple) -> list[list[int]]:
     """Each group's prefix hits for ``seq``, cut to the length every group has."""
     hits = [m._lookup_prefix(seq, extra) for m in managers]
     n = min(len(h) for h in hits)
@@ -682,7 +690,7 @@ def common_hits(managers: list[BlockManager], seq: Sequence,
 
 
 def group_hits(managers: list[BlockManager], group: SequenceGroup,
-               seq: Sequence) -> list[list[CacheEntry]]:
+               seq: Sequence) -> list[list[int]]:
     """`common_hits` for a sequence of ``group``; none for a group that does not read the
     prefix cache (`SequenceGroup.read_prefix_cache`)."""
     if not group.read_prefix_cache:

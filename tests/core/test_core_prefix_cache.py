@@ -125,8 +125,24 @@ def test_cache_salt_isolates_tenants():
     assert first_start(e, "b") == 0 and first_start(e, "c") == 2 * BS
 
 
+class CollidingKey:
+    """A prefix-cache key that hashes like every other (`block_pool.block_key` replaced): the
+    cache must tell blocks apart by their content alone."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, *fields) -> None:
+        self.fields = fields
+
+    def __hash__(self) -> int:
+        return 42
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CollidingKey) and self.fields == other.fields
+
+
 def test_constant_hash_never_reuses_other_prompts_blocks(monkeypatch):
-    monkeypatch.setattr(block_pool, "hash_block", lambda *a: 42)
+    monkeypatch.setattr(block_pool, "block_key", CollidingKey)
     e = FakeEngine(num_gpu_blocks=32, block_size=BS, enable_prefix_caching=True)
     base = list(range(1, 3 * BS + 1))
     variants = {
@@ -149,7 +165,7 @@ def test_constant_hash_never_reuses_other_prompts_blocks(monkeypatch):
 
 def test_collision_with_evicted_parent_is_a_miss(monkeypatch):
     """A child entry keyed under an evicted parent must not match a new, different parent."""
-    monkeypatch.setattr(block_pool, "hash_block", lambda *a: 0)
+    monkeypatch.setattr(block_pool, "block_key", CollidingKey)
     bm = BlockManager(8, 0, block_size=2, enable_prefix_caching=True)
 
     def run(sid, tokens):
@@ -164,7 +180,7 @@ def test_collision_with_evicted_parent_is_a_miss(monkeypatch):
 
     assert run(1, [1, 2, 3, 4]) == 0
     a0 = bm.gpu.entry_of(0) or bm.gpu.entry_of(1)
-    first = [e for b in range(8) if (e := bm.gpu.entry_of(b)) and e.key.token_ids == (1, 2)][0]
+    first = [b for b in range(8) if (k := bm.gpu.key_of(b)) and list(k.fields[1]) == [1, 2]][0]
     bm.gpu._evict(first)  # white-box: parent evicted, child [3, 4] still cached
     assert a0 is not None
     assert run(2, [5, 6, 9]) == 0  # publishes block [5, 6]
@@ -233,3 +249,41 @@ def test_a_group_that_does_not_read_the_cache_computes_its_whole_prompt():
     for rid in "abc":
         assert e.outputs_of(rid) == [reference_output(prompt, 2)]
     assert e.bm.get_num_free_gpu_blocks() == 16
+
+
+def test_publishing_blocks_leaves_nothing_for_the_collector():
+    """A long decode publishes a block every `BS` tokens; the cache keeps each as bytes and an
+    int (`block_pool.block_key`), so the collector's tracked objects do not grow with the
+    blocks published (a key and an entry object per block did: the young collections of a
+    steady decode step, and ever larger old generations), and the entries still work: a second
+    sequence with the same tokens hits every block."""
+    import gc
+
+    bm = BlockManager(2048, 0, block_size=BS, enable_prefix_caching=True)
+    tokens = [(37 * i) % 997 + 3 for i in range(1200 * BS)]
+    seq = Sequence(1, tokens[:BS])
+    bm.allocate(SequenceGroup("a", [seq], 0.0))
+    seq.num_computed_tokens = BS
+
+    def decode(n: int) -> None:
+        for t in tokens[seq.num_total_tokens : seq.num_total_tokens + n]:
+            seq.append_token(t)
+            bm.append_slots(seq, 1)
+            seq.num_computed_tokens += 1
+            bm.mark_blocks_computed(seq)
+
+    decode(100 * BS)  # lists and dicts reach a steady size first
+    gc.collect()
+    before = len(gc.get_objects())
+    decode(1000 * BS)
+    gc.collect()
+    assert bm.gpu.num_cached_blocks() >= 1100
+    assert len(gc.get_objects()) - before < 20  # ~3000 with objects per block
+    bm.check_invariants()
+    other = Sequence(2, list(seq.prompt_token_ids) + list(seq.output_token_ids))
+    bm.allocate(SequenceGroup("b", [other], 0.0))
+    assert other.num_computed_tokens == (other.num_total_tokens // BS) * BS - (
+        1 if other.num_total_tokens % BS == 0 else 0)
+    bm.free(seq)
+    bm.free(other)
+    bm.check_invariants()

@@ -59,7 +59,8 @@ def _run(requests, cfg, gate: bool) -> tuple[list, dict, list, int]:
             assert e.steps < 3000
         e.bm.check_invariants()
         assert e.bm.gpu.get_num_free() == e.bm.num_gpu_blocks
-        cached = sorted(repr((key, entry.block_id)) for key, entry in e.bm.gpu._cached.items())
+        cached = sorted(repr((key, e.bm.gpu.block_of(serial)))
+                        for key, serial in e.bm.gpu._cached.items())
         return traces, {rid: e.outputs_of(rid) for rid in e.groups}, cached, skipped
 
 

@@ -129,7 +129,19 @@ def test_forced_hash_collisions_never_read_another_prompts_kv(demo_model, demo_t
                                                             monkeypatch):
     import pagedjax.core.block_pool as block_pool
 
-    monkeypatch.setattr(block_pool, "hash_block", lambda parent, tokens, extra: 0)
+    class CollidingKey:  # every key hashes alike (`block_pool.block_key` replaced)
+        __slots__ = ("fields",)
+
+        def __init__(self, *fields) -> None:
+            self.fields = fields
+
+        def __hash__(self) -> int:
+            return 0
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, CollidingKey) and self.fields == other.fields
+
+    monkeypatch.setattr(block_pool, "block_key", CollidingKey)
     config, params = demo_model
     llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=32, block_size=BS,
                           max_num_seqs=4, max_num_batched_tokens=128, enable_prefix_caching=True)
