@@ -20,7 +20,11 @@ Times, interleaved (A, B, C, ... repeated), the median of:
   they reach; `matmuls_256_native` and `decode_step_256` the same at 256 rows (the 256 x 64
   workload's decode steps);
 - `fma_peak`: the host's fp32 FMA peak on 1 and 2 threads (`bench/fma_peak.cc`, built with
-  g++ when one is found; registers only), which no fp32 matmul here can beat.
+  g++ when one is found; registers only), which no fp32 matmul here can beat;
+- `panel_stream`: the native matmul's own inner loop outside XLA at 64 and 256 rows
+  (`bench/panel_stream.cc`): one thread on a panel held in L2, one and two threads streaming
+  the model's panels from memory: how much of the gap between `matmuls_*_native` and the FMA
+  peak is the memory and how much is the engine's calls.
 
 Writes bench/results/cpu/cpu_floor.json with the load average at the start and versions.
 """
@@ -57,6 +61,28 @@ def fma_peak() -> dict[str, float] | None:
                               check=True).stdout
         out[f"{t}_threads"] = float(line.split()[2])
     return out
+
+
+def panel_stream(rows: tuple[int, ...] = (64, 256)) -> dict[str, dict] | None:
+    """The native matmul's inner loop outside XLA (`bench/panel_stream.cc`): one thread on a
+    panel held in L2, one and two threads streaming the model's panels (None without g++)."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import jax
+
+    from pallas_kernels.cpu_native import FLAGS
+
+    if shutil.which("g++") is None:
+        return None
+    exe = Path(tempfile.gettempdir()) / "pagedjax_panel_stream"
+    flags = [f for f in FLAGS if f not in ("-shared", "-fPIC")]
+    subprocess.run(["g++", *flags, "-pthread", "-w", f"-I{jax.ffi.include_dir()}",
+                    str(ROOT / "bench/panel_stream.cc"), "-o", str(exe)], check=True)
+    return {str(m): json.loads(subprocess.run([str(exe), str(m), "5"], capture_output=True,
+                                              text=True, check=True).stdout)
+            for m in rows}
 
 
 def main() -> None:
@@ -172,7 +198,8 @@ def main() -> None:
            "matmuls_64_gflop_per_s": flops_64 / ms["matmuls_64"] / 1e6,
            "matmuls_64_native_gflop_per_s": flops_64 / ms["matmuls_64_native"] / 1e6,
            "matmuls_256_native_gflop_per_s": 4 * flops_64 / ms["matmuls_256_native"] / 1e6,
-           "fma_peak_gflop_per_s": {"before": peak, "after": fma_peak()}}
+           "fma_peak_gflop_per_s": {"before": peak, "after": fma_peak()},
+           "panel_stream": panel_stream()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     json.dump(res, open(out, "w"), indent=1)

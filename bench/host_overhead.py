@@ -24,6 +24,16 @@ asks for them, text-free (`delta_ids`, stop strings left to the front end), plus
 step's outputs into the pipe's message, running deltas made as rows (`LLMEngine.pipe_rows`);
 `engine_process_objects`: the same with every output made as a `RequestOutput` first, the
 A/B baseline of those rows; `--kinds` picks).
+
+Where the tail comes from. This VM changes speed for seconds at a time (a plain Python loop
+runs 1.3-1.6x slower in its slow spells, whatever runs), so after each timed step, outside
+the step's time, a fixed Python loop is timed as a speed probe (`PROBE`). Each row reports
+the probe's median and 10th percentile, the steps' p99 with every step scaled by (probe's
+10th percentile / its own probe: `p99_speed_adjusted_ms`, the tail the engine would have at
+the host's fast speed), and the young-generation and older collections that ran during the
+timed steps with the longest one (`gc_collections`, `gc_max_ms`): an engine tail (a
+collection, a block-boundary step) shows in the adjusted p99, a slow spell of the host does
+not. `--trace FILE` writes every timed step's time and probe.
 """
 
 from __future__ import annotations
@@ -118,6 +128,30 @@ class _Runner:
 
 ENGINE_ARGS: dict = {}  # `--engine-arg`: EngineConfig fields for every engine measured
 SETTLE_STEPS = 8  # untimed decode steps between start-up (heap frozen) and the timed ones
+# The speed probe timed after each step: ~60 us of plain Python (a generator, integer
+# arithmetic), the same kind of work as the step's host code and none of its data.
+PROBE = 1000
+
+
+def _probe_us() -> float:
+    t = time.perf_counter()
+    sum(i * i for i in range(PROBE))
+    return 1e6 * (time.perf_counter() - t)
+
+
+def _tail(times: list[float], probes: list[float], collections: list[tuple[int, float]]) -> dict:
+    """The tail figures of a row (see the module doc): the probe, the p99 at the host's fast
+    speed, and the collections of the timed steps."""
+    fast = float(np.percentile(probes, 10))
+    adjusted = sorted(t * fast / p for t, p in zip(times, probes, strict=True))
+    gens: dict[str, int] = {}
+    for gen, _ in collections:
+        gens[str(gen)] = gens.get(str(gen), 0) + 1
+    return {"probe_us_median": statistics.median(probes), "probe_us_p10": fast,
+            "p99_speed_adjusted_ms": 1e3 * adjusted[min(len(adjusted) - 1,
+                                                          int(0.99 * len(adjusted)))],
+            "gc_collections": gens,
+            "gc_max_ms": 1e3 * max((d for _, d in collections), default=0.0)}
 
 # (owner, attribute, label): the stages `--phases` times; nested ones are indented, so a
 # stage's own time is its total less its children's.
@@ -217,7 +251,10 @@ def _commit() -> str:
 
 def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             output_kind: str = "cumulative", freeze_gc: bool = True,
-            phases: _Phases | _Calls | None = None, gc_threshold: int | None = None) -> dict:
+            phases: _Phases | _Calls | None = None, gc_threshold: int | None = None,
+            trace: list | None = None) -> dict:
+    """One row: ``steps`` timed decode steps of ``num_seqs`` sequences; ``trace``, if given,
+    gets each timed step's (ms, probe us)."""
     import gc
 
     import pagedjax.engine as eng_mod
@@ -298,13 +335,28 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         engine.pipe_rows = output_kind == "engine_process"  # as the engine process's child
         sent: set[str] = set()
         engine._memory = {}  # fixed for a real engine's life, computed once; the stub has none
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            outs = engine.step()
-            if ipc:  # what the engine process adds: its outputs made ready for the pipe
-                pickle.dumps(("step", encode_outputs(outs, sent), engine.get_stats(), 0, True),
-                             protocol=pickle.HIGHEST_PROTOCOL)
-            times.append(time.perf_counter() - t0)
+        probes: list[float] = []
+        collections: list[tuple[int, float]] = []  # (generation, seconds) in the timed steps
+        started = [0.0]
+
+        def on_gc(phase: str, info: dict) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                collections.append((info["generation"], time.perf_counter() - started[0]))
+
+        gc.callbacks.append(on_gc)
+        try:
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                outs = engine.step()
+                if ipc:  # what the engine process adds: its outputs made ready for the pipe
+                    pickle.dumps(("step", encode_outputs(outs, sent), engine.get_stats(), 0, True),
+                                 protocol=pickle.HIGHEST_PROTOCOL)
+                times.append(time.perf_counter() - t0)
+                probes.append(_probe_us())
+        finally:
+            gc.callbacks.remove(on_gc)
         if phases is not None:
             phases.on = False
         assert len(engine.scheduler.running) == num_seqs
@@ -315,6 +367,9 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
         for n, f in zip(names, orig, strict=True):
             setattr(eng_mod, n, f)
         gc.set_threshold(*thresholds)
+    if trace is not None:
+        trace.extend((1e3 * t, p) for t, p in zip(times, probes, strict=True))
+    tail = _tail(times, probes, collections)
     times.sort()
     if freeze_gc:
         gc.unfreeze()  # the next engine starts from a clean heap
@@ -323,7 +378,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             "untimed_steps_after_start_up": SETTLE_STEPS,
             "median_ms": 1e3 * statistics.median(times),
             "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
-            "max_ms": 1e3 * times[-1]}
+            "max_ms": 1e3 * times[-1], **tail}
 
 
 def metadata_ab(num_rows: int, reps: int) -> dict:
@@ -387,6 +442,9 @@ def main() -> None:
                     help="instead: Python function calls per step (cProfile; the host's speed "
                          "does not move it), --kinds x --mixes, written to "
                          "host_overhead_calls.json")
+    ap.add_argument("--trace", default=None, metavar="FILE",
+                    help="also write every timed step's ms and speed probe (us), per row, "
+                         "to FILE (JSON)")
     ap.add_argument("--metadata", action="store_true",
                     help="instead: sampling metadata row by row vs from the persistent "
                          "SamplingBatch at --seqs rows, --reps rounds, written to "
@@ -496,15 +554,24 @@ def main() -> None:
         return
     # Streaming outputs every step (a library caller's default), deltas (what the HTTP and
     # gRPC servers ask for), or only the final one (LLM.generate).
+    traces = []
     for rep in range(args.reps):  # whole rounds: a slow minute of the host lands on one rep
         for kind in args.kinds.split(","):
             for mix in args.mixes.split(","):
                 for n in map(int, args.seqs.split(",")):
-                    r = {**measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze),
-                         "rep": rep}
+                    trace: list = []
+                    r = {**measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze,
+                                   trace=trace), "rep": rep}
                     rows.append(r)
+                    traces.append({k: r[k] for k in ("rep", "output_kind", "mix", "num_seqs")}
+                                  | {"step_ms_and_probe_us": trace})
                     print(f"rep {rep} {kind:10s} {mix:6s} {n:5d} seqs: median "
-                          f"{r['median_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms", flush=True)
+                          f"{r['median_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms (at the fast "
+                          f"speed {r['p99_speed_adjusted_ms']:.2f}; probe median "
+                          f"{r['probe_us_median']:.0f} us, p10 {r['probe_us_p10']:.0f}; "
+                          f"collections {r['gc_collections']})", flush=True)
+    if args.trace:
+        json.dump(traces, open(args.trace, "w"))
     res = {"what": "host ms per decode step, device calls stubbed (bench/host_overhead.py)",
            "command": "python bench/host_overhead.py " + " ".join(sys.argv[1:]),
            "load_avg_1m_at_start": load, "cpu_count": os.cpu_count(),

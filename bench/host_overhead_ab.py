@@ -53,17 +53,23 @@ def run(tree: Path, args, out: Path) -> list[dict]:
     return json.load(open(out))["rows"]
 
 
+# Per-run figures gathered by `summarize`; the last four come with `host_overhead.py`'s
+# speed probe and collector events (rows of an older script lack them).
+FIELDS = ("median_ms", "p99_ms", "max_ms", "p99_speed_adjusted_ms", "gc_max_ms",
+          "gc_collections")
+
+
 def summarize(runs: list[dict]) -> dict:
-    """Per (kind, mix, seqs) and version: each run's median and p99, and the median of the
-    runs' medians."""
+    """Per (kind, mix, seqs) and version: each run's median, p99, slowest step, p99 at the
+    host's fast speed and collections, and the median of the runs' medians."""
     out: dict = {}
     for r in runs:
         for row in r["rows"]:
             key = f"{row['output_kind']} {row['mix']} {row['num_seqs']}"
-            side = out.setdefault(key, {}).setdefault(r["version"], {"median_ms": [],
-                                                                      "p99_ms": []})
-            side["median_ms"].append(row["median_ms"])
-            side["p99_ms"].append(row["p99_ms"])
+            side = out.setdefault(key, {}).setdefault(r["version"], {f: [] for f in FIELDS})
+            for f in FIELDS:
+                if f in row:
+                    side[f].append(row[f])
     for sides in out.values():
         for side in sides.values():
             side["median_of_runs_ms"] = statistics.median(side["median_ms"])
@@ -110,6 +116,15 @@ def main() -> None:
     for key, sides in summary.items():
         print(f"{key}: base {sides['base']['median_of_runs_ms']:.2f} ms, "
               f"new {sides['new']['median_of_runs_ms']:.2f} ms")
+        for which in ("base", "new"):
+            side = sides[which]
+            print(f"  {which}: p99 {_ms(side['p99_ms'])}, slowest {_ms(side['max_ms'])}, "
+                  f"p99 at the fast speed {_ms(side['p99_speed_adjusted_ms'])}, collections "
+                  f"{side['gc_collections']} (longest {_ms(side['gc_max_ms'])})")
+
+
+def _ms(xs: list[float]) -> str:
+    return " / ".join(f"{x:.2f}" for x in xs) + " ms"
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ at a tiny size so the stub is kept in step with the engine."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from bench.host_overhead import measure
 from models.loader import read_config
 
@@ -12,10 +14,36 @@ def test_measure_runs_the_real_engine_over_the_stub(demo_gguf, demo_tokenizer):
     config = read_config(str(demo_gguf))
     for mix in ("greedy", "mixed"):
         for kind in ("cumulative", "engine_process"):  # the latter: text-free + the pipe's message
+            trace: list = []
             row = measure(4, 3, mix, demo_tokenizer, config, output_kind=kind,
-                          freeze_gc=False)
+                          freeze_gc=False, trace=trace)
             assert row["num_seqs"] == 4 and row["steps"] == 3 and row["mix"] == mix
             assert 0 < row["median_ms"] <= row["p99_ms"] <= row["max_ms"]
+            assert len(trace) == 3 and all(t > 0 and p > 0 for t, p in trace)
+            assert max(t for t, _ in trace) == row["max_ms"]
+            assert 0 < row["probe_us_p10"] <= row["probe_us_median"]
+            assert row["p99_speed_adjusted_ms"] > 0 and row["gc_max_ms"] >= 0
+
+
+def test_tail_scales_slow_spells_of_the_host_but_keeps_the_engines_own_spikes():
+    """`_tail`: steps slowed with their probe (a slow spell of the host) come back to the fast
+    speed; a step slowed alone (a collection, say) stays in the adjusted p99."""
+    from bench.host_overhead import _tail
+
+    rng = np.random.default_rng(0)
+    base = 1e-3 * (0.9 + 0.02 * rng.random(200))  # 0.90-0.92 ms at the fast speed
+    probes = np.full(200, 60.0)
+    slow = slice(50, 110)  # a spell at 1.5x: the steps and their probes alike
+    times, probes = base.copy(), probes.copy()
+    times[slow] *= 1.5
+    probes[slow] *= 1.5
+    row = _tail(list(times), list(probes), [(0, 0.0017), (0, 0.0004), (1, 0.002)])
+    assert 1.3 < sorted(times)[198] * 1e3 < 1.4  # the raw p99 is the spell's
+    assert 0.9 <= row["p99_speed_adjusted_ms"] <= 0.92
+    assert row["probe_us_p10"] == 60.0 and row["probe_us_median"] == 60.0
+    assert row["gc_collections"] == {"0": 2, "1": 1} and abs(row["gc_max_ms"] - 2.0) < 1e-9
+    times[[10, 20, 30]] = 2.5e-3  # the engine's own spikes, at the fast speed
+    assert 2.4 < _tail(list(times), list(probes), [])["p99_speed_adjusted_ms"] <= 2.5
 
 
 def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_tokenizer):
@@ -102,3 +130,9 @@ def test_ab_summary_groups_runs_by_configuration_and_version():
     side = s["final_only greedy 256"]
     assert side["base"]["median_ms"] == [2.0, 3.0, 2.2] and side["base"]["median_of_runs_ms"] == 2.2
     assert side["new"]["p99_ms"] == [2.0, 2.4] and side["new"]["median_of_runs_ms"] == 1.2
+    assert side["new"]["gc_collections"] == []  # rows without the tail fields: nothing made up
+    tail = {"max_ms": 3.0, "p99_speed_adjusted_ms": 1.5, "gc_max_ms": 0.4,
+            "gc_collections": {"0": 2}}
+    s = summarize([{"version": "new", "rows": [{**run("new", 1.0)["rows"][0], **tail}]}])
+    new = s["final_only greedy 256"]["new"]
+    assert {f: new[f] for f in tail} == {f: [v] for f, v in tail.items()}
