@@ -16,5 +16,5 @@ def test_panel_stream_builds_from_the_kernel_source_and_reports_each_row_count()
     assert set(res) == {"1", "7"}
     for m, r in res.items():
         assert r["rows"] == int(m) and 530 < r["weights_mb"] < 545  # the demo model's panels
-        for k in ("hot", "streamed", "streamed_2_threads"):
+        for k in ("hot", "streamed", "streamed_2_threads", "hot_2_threads"):
             assert r[f"{k}_ms"] > 0 and r[f"{k}_gflop_per_s"] > 0
