@@ -35,8 +35,8 @@ def block_key(parent_serial: int, token_ids: Sequence[int], extra: tuple) -> byt
     The key is the content itself, compared in full by the cache's dict, so two blocks share
     an entry only when their whole token prefixes are equal (by induction over the parent
     serials, which are never reused): a hash collision is a miss, never a wrong hit (tests
-    replace this function with one whose keys all hash alike). The ints are fixed-width and
-    the extra keys come after them, so the packing is injective.
+    replace this function with one whose keys all hash alike). The packing is injective:
+    fixed-width ints, the token count first, then the `repr` of the extra keys.
 
     Bytes on purpose: the collector does not track them. A key object and an entry object per
     cached block made a steady decode step leave ~3 tracked objects per block it filled, so
@@ -44,7 +44,8 @@ def block_key(parent_serial: int, token_ids: Sequence[int], extra: tuple) -> byt
     older generations for their collections to walk (a middle one took 12-14 ms at 1024
     sequences). With bytes keys and int serials a decode step leaves nothing tracked behind
     (docs/v1-core.md "The prefix cache out of the collector's way")."""
-    return _ints(len(token_ids) + 1).pack(parent_serial, *token_ids) + _extra_bytes(extra)
+    n = len(token_ids)
+    return _ints(n + 2).pack(n, parent_serial, *token_ids) + _extra_bytes(extra)
 
 
 class BlockPool:

@@ -1,5 +1,7 @@
 import pytest
 from core_sim import FakeEngine, reference_output
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedjax.core import BlockManager, Sequence, SequenceGroup, block_pool
 
@@ -287,3 +289,18 @@ def test_publishing_blocks_leaves_nothing_for_the_collector():
     bm.free(seq)
     bm.free(other)
     bm.check_invariants()
+
+
+_EXTRA = st.tuples(st.one_of(st.none(), st.text(max_size=6)),
+                   st.one_of(st.none(), st.text(max_size=6)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.tuples(st.integers(0, 2**40), st.lists(st.integers(0, 2**31), max_size=6), _EXTRA),
+       b=st.tuples(st.integers(0, 2**40), st.lists(st.integers(0, 2**31), max_size=6), _EXTRA))
+def test_block_keys_are_equal_exactly_when_their_contents_are(a, b):
+    """`block_key` packs (parent serial, tokens, extra keys) into bytes: the cache's dict then
+    tells blocks apart by content, whatever the token counts and salts."""
+    ka, kb = block_pool.block_key(*a), block_pool.block_key(*b)
+    assert (ka == kb) == (a == b)
+    assert block_pool.block_key(a[0], tuple(a[1]), a[2]) == ka  # list or tuple of tokens alike
