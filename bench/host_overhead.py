@@ -32,8 +32,10 @@ the probe's median and 10th percentile, the steps' p99 with every step scaled by
 10th percentile / its own probe: `p99_speed_adjusted_ms`, the tail the engine would have at
 the host's fast speed), and the young-generation and older collections that ran during the
 timed steps with the longest one (`gc_collections`, `gc_max_ms`): an engine tail (a
-collection, a block-boundary step) shows in the adjusted p99, a slow spell of the host does
-not. `--trace FILE` writes every timed step's time and probe.
+collection, a block-boundary step) shows in the adjusted p99, a slow spell of the host
+mostly does not. The probe under-corrects: in one long slow spell the steps ran ~1.8x slower
+and the probe ~1.35x, so the adjusted p99 is an upper bound on the fast-speed tail.
+`--trace FILE` writes every timed step's time and probe.
 """
 
 from __future__ import annotations
