@@ -10,6 +10,22 @@ import pytest
 
 DATA = Path(__file__).parent / "data"
 
+
+class CollidingKey:
+    """A prefix-cache key that hashes like every other, for tests that replace
+    `block_pool.block_key` with it: the cache must tell blocks apart by their content alone."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, *fields) -> None:
+        self.fields = fields
+
+    def __hash__(self) -> int:
+        return 42
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CollidingKey) and self.fields == other.fields
+
 # Serving on CPU defaults to the unrolled layer loop, whose step shapes compile ~9x slower;
 # the suite compiles hundreds of shapes, so it runs the scan unless a test asks for the loop
 # (tests/engine/test_layer_loop.py checks both give the same tokens).

@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedjax.core import BlockManager, Sequence, SequenceGroup, block_pool
+from tests.conftest import CollidingKey
 
 BS = 4
 
@@ -125,22 +126,6 @@ def test_cache_salt_isolates_tenants():
     e.add("c", prompt, max_tokens=1, cache_salt="x")
     e.run()
     assert first_start(e, "b") == 0 and first_start(e, "c") == 2 * BS
-
-
-class CollidingKey:
-    """A prefix-cache key that hashes like every other (`block_pool.block_key` replaced): the
-    cache must tell blocks apart by their content alone."""
-
-    __slots__ = ("fields",)
-
-    def __init__(self, *fields) -> None:
-        self.fields = fields
-
-    def __hash__(self) -> int:
-        return 42
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CollidingKey) and self.fields == other.fields
 
 
 def test_constant_hash_never_reuses_other_prompts_blocks(monkeypatch):

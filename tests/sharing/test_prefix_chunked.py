@@ -128,18 +128,7 @@ def test_pinned_prefix_survives_pressure_and_is_hit(demo_model, demo_tokenizer, 
 def test_forced_hash_collisions_never_read_another_prompts_kv(demo_model, demo_tokenizer, reference,
                                                             monkeypatch):
     import pagedjax.core.block_pool as block_pool
-
-    class CollidingKey:  # every key hashes alike (`block_pool.block_key` replaced)
-        __slots__ = ("fields",)
-
-        def __init__(self, *fields) -> None:
-            self.fields = fields
-
-        def __hash__(self) -> int:
-            return 0
-
-        def __eq__(self, other: object) -> bool:
-            return isinstance(other, CollidingKey) and self.fields == other.fields
+    from tests.conftest import CollidingKey
 
     monkeypatch.setattr(block_pool, "block_key", CollidingKey)
     config, params = demo_model
