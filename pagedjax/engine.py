@@ -88,7 +88,7 @@ from pagedjax.worker.model_runner import ModelRunner, kv_bytes_per_block
 from pagedjax.worker.parallel_warmup import run_bounded, warmup_memory_budget, warmup_threads
 from pagedjax.worker.sampling_batch import SamplingBatch
 from pagedjax.worker.shapes import pow2_at_least
-from pagedjax.worker.step_inputs import build_step_inputs
+from pagedjax.worker.step_inputs import build_step_inputs, steady_decode_inputs
 
 MAX_WARM_BEAM_WIDTH = 8
 YOUNG_GC_THRESHOLD = 10_000  # `LLMEngine.freeze_gc`
@@ -299,6 +299,12 @@ class LLMEngine:
         # plain sequences (`_rows_for`); dropped when they end, cleared when it outgrows
         # 4 x max_num_seqs (aborted ones are not dropped one by one).
         self._plain_rows: dict[int, tuple] = {}
+        # Per steady cohort (`core.steady_decode`), keyed by `DecodeCohort.key`: its
+        # `_rows_for` result, its `_plain_greedy` answer (when no row's min_tokens can change
+        # it) and whether every row is quiet (which stays so).
+        self._steady_rows: tuple[int, tuple] | None = None
+        self._steady_plain: tuple[int, int] | None = None
+        self._steady_quiet = 0
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
             self.warmup()
@@ -748,14 +754,15 @@ class LLMEngine:
             self.runner.swap_out(sched.blocks_to_swap_out)
             self.runner.swap_in(sched.blocks_to_swap_in)
             self.runner.copy_blocks(sched.blocks_to_copy)
-            launched = self._launch(sched, prev) if sched.scheduled else None
+            launched = (self._launch(sched, prev) if sched.steady is not None or sched.scheduled
+                        else None)
         except Exception as exc:  # one bad step fails its requests, never the engine
             outputs += self._step_failed(sched, exc)
             return None
         self.num_steps += 1
         self.last_step_tokens = sched.num_batched_tokens
         self.scheduler.update_after_step(sched)
-        if self._unscheduled:
+        if self._unscheduled and sched.steady is None:  # a steady run's were scheduled before
             self._first_chunks(sched)
         return launched
 
@@ -890,7 +897,22 @@ class LLMEngine:
         """Logits rows per scheduled sequence (1 if it samples, else 0), the sampled rows, the
         logits row of each sampled row, and whether every row is plain (`_apply_plain`): a
         fresh prompt of an n>1 request has one logits row and fans out into n sampled rows,
-        so the step's shape never depends on n."""
+        so the step's shape never depends on n. A steady step's (`SchedulerOutput.steady`)
+        are its cohort's first step's when they were plain: the same sequences, in the same
+        order, each row kept by sequence id anyway (below)."""
+        run = sched.steady
+        if run is None:
+            return self._rows_for_entries(sched)
+        kept = self._steady_rows
+        if kept is not None and kept[0] == run.cohort.key:
+            return kept[1]
+        res = self._rows_for_entries(sched)
+        if res[3]:
+            self._steady_rows = (run.cohort.key, res)
+        return res
+
+    def _rows_for_entries(self, sched) -> tuple[list[int], list[tuple], list[int], bool]:
+        """`_rows_for` from the step's `ScheduledSeq` entries."""
         # A decode step at scale: one sampled row per entry, each one sequence's one sample
         # (`RequestState.plain_row`), else the general pass below. A plain sequence's row is
         # the same every step (it never forks), so it is kept by sequence id
@@ -1034,14 +1056,27 @@ class LLMEngine:
         p_rows, p_plan = self._prompt_rows(sched)
         spec_lens = ([len(s.spec_token_ids) for s in sched.scheduled]
                      if self.spec_config is not None else None)
-        inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
-                                   self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
-                                   plan=self.runner.shape_plan, batch=self.input_batch,
-                                   num_groups=self.runner.num_kv_groups, spec_lens=spec_lens,
-                                   num_tokens=sched.num_batched_tokens)
+        run = sched.steady
+        if (run is not None and plain_rows and not p_rows and self.input_batch.device_tables
+                and self.runner.num_kv_groups == 1 and spec_lens is None):
+            inputs = steady_decode_inputs(sched, self.engine_config.block_size,
+                                          self.runner.shape_plan, self.input_batch)
+        else:
+            inputs = build_step_inputs(sched.scheduled, self.engine_config.block_size,
+                                       self.runner.max_blocks_per_seq, rows_per_seq, p_rows,
+                                       plan=self.runner.shape_plan, batch=self.input_batch,
+                                       num_groups=self.runner.num_kv_groups,
+                                       spec_lens=spec_lens, num_tokens=sched.num_batched_tokens)
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
-        plain = self._plain_greedy(row_info) if row_info else 0
+        kept = self._steady_plain
+        if run is not None and kept is not None and kept[0] == run.cohort.key:
+            plain = kept[1]
+        else:
+            plain = self._plain_greedy(row_info) if row_info else 0
+            if run is not None and plain_rows and not any(info[0].min_tokens
+                                                          for info in row_info):
+                self._steady_plain = (run.cohort.key, plain)  # from fixed flags only
         if plain == 2 and not p_plan and self.runner.head_screen is not None:
             # Greedy rows that want no logprob: tokens from the hidden states through the
             # screened LM head, no [R, V] logits (`sample_greedy_hidden`).
@@ -1331,6 +1366,15 @@ class LLMEngine:
         """Point each pending token of the step at its row in the previous step's sampled
         tokens, which stay on the device (`ModelRunner._make_serve_step`)."""
         rows = None
+        run = sched.steady
+        if (run is not None and run.token_ids is None and prev is not None
+                and prev.sched.steady is not None and prev.sched.steady.cohort is run.cohort
+                and len(prev.pending_rows) == len(run.starts)):
+            # The cohort's step before: sequence i sampled row i, each a pending token now.
+            rows = np.full(inputs.input_ids.shape, -1, np.int32)
+            rows[: len(run.starts)] = np.arange(len(run.starts), dtype=np.int32)
+            inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
+            return
         cu = inputs.meta.cu_q_lens
         for i, s in enumerate(sched.scheduled):
             at = -1 - len(s.spec_token_ids)  # drafts follow a pending token
@@ -1350,7 +1394,9 @@ class LLMEngine:
         them (forks, token stops, lengths); the output processor then detokenizes, finds
         stop strings and reports those stops back. Beam groups advance on the host."""
         row_info = fl.row_info
-        touched = {s.request_id for s in fl.sched.scheduled}
+        run = fl.sched.steady
+        touched = ({s.request_id for s in fl.sched.scheduled} if run is None
+                   else run.cohort.request_ids)
         if fl.plain and beams is None and not fl.spec_rows:
             self._apply_plain(fl, out)
             return touched
@@ -1425,12 +1471,18 @@ class LLMEngine:
         (`Scheduler.update_from_rows`), without a `SampledToken` made and checked for each."""
         row_info = fl.row_info
         # Quiet rows (`RequestState.quiet`) need output processing only when they finish:
-        # when every row is quiet, the others are not even listed.
-        quiet = True
-        for info in row_info:
-            if not info[0].quiet:
-                quiet = False
-                break
+        # when every row is quiet, the others are not even listed. A request stays quiet
+        # once it is: a steady cohort's answer, once all its rows are, is kept.
+        run = fl.sched.steady
+        quiet = run is not None and self._steady_quiet == run.cohort.key
+        if not quiet:
+            quiet = True
+            for info in row_info:
+                if not info[0].quiet:
+                    quiet = False
+                    break
+            if quiet and run is not None:
+                self._steady_quiet = run.cohort.key
         applied, num_applied = self.scheduler.update_from_rows(
             row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows,
             ended_only=quiet)

@@ -206,6 +206,12 @@ class BlockManager:
         st = self._state(seq)
         return st.table, st.version
 
+    def table_version(self, seq: Sequence) -> int:
+        """The table's version (`get_block_table_ref`), or -1 for a sequence it no longer
+        holds (a reader then copies whatever table it has whole)."""
+        st = self._seqs.get(seq.seq_id)
+        return -1 if st is None else st.version
+
     def num_held_blocks(self, seq: Sequence) -> int:
         """Blocks the sequence references (its table less slots released by the window)."""
         st = self._state(seq)

@@ -37,6 +37,7 @@ from pagedjax.core.sequence import (
     SequenceGroup,
     SequenceStatus,
 )
+from pagedjax.core.steady_decode import DecodeCohort, SteadyRun
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class ScheduledSeq(NamedTuple):
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # `scheduled`: None while the step is a steady run only (`steady`), made on first use.
+    _scheduled: list[ScheduledSeq] | None = field(default_factory=list)
     scheduled_groups: list[SequenceGroup] = field(default_factory=list)
     # The scheduler's own, for `update_after_step`: the general path's sequences and their
     # token counts, advanced once the step is launched; and the decode fast path's
@@ -117,9 +119,27 @@ class SchedulerOutput:
     # Entries the decode fast path made (`Scheduler._decode_run`): each one token, sampled,
     # no drafts. All of them when it equals ``len(scheduled)``.
     num_decode_run: int = 0
+    # A steady decode step (`core.steady_decode`, `Scheduler._steady_step`): the whole step
+    # is this run of the previous step's cohort, as columns; None once other groups are
+    # scheduled with it (they take `scheduled`, which then lists the run's entries first).
+    steady: SteadyRun | None = None
+    _make_entries: Callable[[SteadyRun], list[ScheduledSeq]] | None = None
+
+    @property
+    def scheduled(self) -> list[ScheduledSeq]:
+        """Every scheduled sequence's entry, in step order."""
+        if self._scheduled is None:
+            self._scheduled = list(self.steady.entries(self._make_entries))
+        return self._scheduled
+
+    @scheduled.setter
+    def scheduled(self, value: list[ScheduledSeq]) -> None:
+        self._scheduled = value
 
     @property
     def is_empty(self) -> bool:
+        if self.steady is not None:
+            return False
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
@@ -189,6 +209,10 @@ class Scheduler:
         # Speculative decoding: drafts for decoding sequences (`pagedjax.spec`), or None.
         self.proposer = None
         self.num_guessed_drafts = 0  # proposals that followed a guessed pending token
+        # The last step's running groups when all were lone decoding sequences: the next
+        # step, if it is theirs again, takes `_steady_step` (`core.steady_decode`).
+        self._cohort: DecodeCohort | None = None
+        self.num_steady_steps = 0
 
     # -- request lifecycle ---------------------------------------------------
     @staticmethod
@@ -487,7 +511,8 @@ class Scheduler:
         st = _Step(self.config.max_num_batched_tokens)
         policy = self.config.policy
         if policy == "fcfs":
-            self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
+            if not self._steady_step(st):
+                self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
             self._schedule_swapped(st)
             if not self.swapped and not st.preempted:
                 self._schedule_waiting_fcfs(st)
@@ -495,12 +520,109 @@ class Scheduler:
             if self.running and (self.waiting or self.swapped):
                 self._make_room(st)
                 st.preempted = False  # preempted to admit: admissions go on this step
-            self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
+                self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
+            elif not self._steady_step(st):
+                self._schedule_running(st, sorted(self.running, key=_PRIORITY), [])
             if not st.preempted:  # short of blocks for the running groups: admit nothing
                 self._schedule_queued_by_priority(st)
         else:
+            self._cohort = None
             self._schedule_srtf(st)
-        return st.out
+        out = st.out
+        if out.steady is not None and out._scheduled is not None:
+            out.steady = None  # other groups joined the run: the step takes the entries
+        return out
+
+    def _steady_step(self, st: _Step) -> bool:
+        """Schedule the last step's cohort again (`core.steady_decode`) if the running groups
+        are still exactly its groups, in order, each still a lone running sequence one token
+        from its known tokens (pending ones included, as many as then), and each next slot in
+        place: a slot inside a block was checked (exclusive, in place) when the block
+        opened, and only a fork or a swap, which change the group or the running list, can
+        share or move it; a slot that opens a block takes `decode_slot`, as in
+        `_decode_run`. Else nothing is changed (sequences advanced so far are set back,
+        blocks opened for them stay theirs) and False: the general path schedules the step,
+        and makes a new cohort if it can."""
+        c = self._cohort
+        if c is None:
+            return False
+        n = len(c.seqs)
+        if (self.running != c.groups or SequenceGroup.seq_changes != c.layout
+                or st.budget < n or self.config.max_num_seqs - st.num_seqs < c.room):
+            self._cohort = None
+            return False
+        running = SequenceStatus.RUNNING
+        decode_slot = self.bm.decode_slot
+        bs = self.bm.block_size
+        p = c.pending
+        starts: list[int] = []
+        publish: list[tuple[Sequence, int]] = []
+        slotted: list[tuple[int, list[int], int]] = []
+        add_start, add_publish = starts.append, publish.append
+        token_ids: list[int] | None = None if p else []
+        add_token = None if p else token_ids.append
+        i = 0
+        for seq in c.seqs:
+            start = seq.num_computed_tokens
+            known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+            if seq.status is not running or seq.num_pending != p or known + p - start != 1:
+                break
+            if not start % bs:  # the slot opens a block (or one opened before is there)
+                ref = decode_slot(seq)
+                if ref is None:
+                    break
+                slotted.append((i, ref[0], ref[1]))
+            seq.num_computed_tokens = start + 1  # advanced when scheduled, as `_decode_run`
+            add_start(start)
+            if add_token is not None:  # the last known token (none pending)
+                out = seq.output_token_ids
+                add_token(out[-1] if out else seq.prompt_token_ids[-1])
+            if known >= seq.publish_at:  # `_decode_run`'s m: the known length here
+                add_publish((seq, known))
+            i += 1
+        if i < n:
+            for seq in c.seqs[:i]:
+                seq.num_computed_tokens -= 1
+            self._cohort = None
+            return False
+        out = st.out
+        out._scheduled = None
+        out.steady = SteadyRun(c, starts, token_ids, slotted)
+        out._make_entries = self._steady_entries
+        out.scheduled_groups = list(c.groups)
+        out.publish = publish
+        out.num_batched_tokens += n
+        out.num_decode_run += n
+        st.budget -= n
+        st.num_seqs += c.room
+        self.num_steady_steps += 1
+        return True
+
+    def _steady_entries(self, run: SteadyRun) -> list[ScheduledSeq]:
+        """A steady run's `ScheduledSeq` entries, as `_decode_run` makes them."""
+        version = self.bm.table_version
+        token_ids, c = run.token_ids, run.cohort
+        return [new_tuple(ScheduledSeq, (seq.seq_id, g.request_id,
+                                         [PENDING_TOKEN if token_ids is None else token_ids[i]],
+                                         run.starts[i], c.tables[i], True, version(seq), ()))
+                for i, (g, seq) in enumerate(zip(c.groups, c.seqs, strict=True))]
+
+    def _make_cohort(self, st: _Step, keep: list[SequenceGroup]) -> None:
+        """After a general step: remember the running groups as a cohort if the decode run
+        scheduled every one of them and nothing else was scheduled yet (`_steady_step`)."""
+        self._cohort = None
+        out = st.out
+        n = len(keep)
+        if (not n or st.preempted or out.num_decode_run != n or len(out.scheduled) != n
+                or self.proposer is not None or getattr(self.bm, "decode_slot", None) is None):
+            return
+        # The decode run's entries, one per group of `keep`, in its order.
+        seqs = [g.seqs[0] for g in keep]
+        pending = seqs[0].num_pending
+        if pending > 1 or any(s.num_pending != pending for s in seqs):
+            return
+        self._cohort = DecodeCohort(list(keep), seqs, [s.block_table for s in out.scheduled],
+                                    sum(g.n for g in keep), pending)
 
     # -- pieces ----------------------------------------------------------------
     def _plan(self, g: SequenceGroup, budget: int, allow_chunk: bool) -> list[tuple[Sequence, int]] | None:
@@ -735,6 +857,7 @@ class Scheduler:
             if res is not None:
                 keep.append(g)
         self.running = keep
+        self._make_cohort(st, keep)
 
     def _preempt(self, st: _Step, g: SequenceGroup) -> None:
         seqs = g.get_unfinished_seqs()

@@ -237,11 +237,17 @@ class SequenceGroup:
     def get_unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.is_finished]
 
+    # Bumped whenever any group's list of sequences changes (a fork, a dropped beam): the
+    # scheduler's steady decode cohort (`core.steady_decode`) is valid only while it stands.
+    seq_changes = 0
+
     def add(self, seq: Sequence) -> None:
         self.seqs.append(seq)
+        SequenceGroup.seq_changes += 1
 
     def remove(self, seq_id: int) -> None:
         self.seqs = [s for s in self.seqs if s.seq_id != seq_id]
+        SequenceGroup.seq_changes += 1
 
     @property
     def num_unfinished(self) -> int:

@@ -24,6 +24,12 @@ request's KV).
 Rows are released when their sequences end (`release`); if releases are missed, the batch
 forgets every row not in the current step once it holds `max_rows`.
 
+A steady decode step (`core.steady_decode`: the last step's lone decoding sequences again)
+takes `steady_rows`: the cohort's rows are kept as one array, and only the rows of the
+sequences whose slot opened a block this step are checked. The others' tables cannot have
+changed: inside a block a cohort's table only changes by a copy-on-write or a swap, and
+either changes the running groups, which ends the cohort.
+
 A hybrid model (several KV-cache groups, `core.kv_groups`) keeps one table per group in each
 row, `[rows, G, M]`, each mirrored by its own version; the step's array is then `[G, S, M]`.
 
@@ -62,6 +68,8 @@ class InputBatch:
         self._version: list[list[int]] = []
         self._written: list[list[int]] = []
         self.num_rewrites = 0  # full-row writes (tests and benchmarks read it)
+        # `steady_rows`: the cohort key and its sequences' rows (array, list).
+        self._steady: tuple[int, np.ndarray, list[int]] | None = None
         # seq id -> (prompt + outputs buffer, outputs written): penalised sequences only.
         self._hist: dict[int, tuple[np.ndarray, int]] = {}
 
@@ -93,6 +101,7 @@ class InputBatch:
 
     def release(self, seq_ids: Iterable[int]) -> None:
         """Forget the rows of sequences that ended (finished, aborted, dropped beams)."""
+        self._steady = None
         for sid in seq_ids:
             self._hist.pop(sid, None)
             r = self._row.pop(sid, None)
@@ -132,6 +141,24 @@ class InputBatch:
                 self._update(r, g, tables[g], versions[g], s.seq_id)
             add(r)
         return out
+
+    def steady_rows(self, run, entries) -> np.ndarray:
+        """`rows` for a steady run (`core.steady_decode.SteadyRun`; ``entries()``: its
+        `ScheduledSeq` entries, read on a cohort's first step): the cohort's rows as an int32
+        array, with the rows of the sequences whose slot opened a block brought up to date."""
+        cohort = run.cohort
+        kept = self._steady
+        if kept is None or kept[0] != cohort.key:
+            rows = self.rows(entries())
+            kept = self._steady = (cohort.key, np.array(rows, np.int32), rows)
+            return kept[1]
+        rows = kept[2]
+        mirrored, written = self._version, self._written
+        for i, table, v in run.slotted:
+            r = rows[i]
+            if mirrored[r][0] != v or len(table) != written[r][0]:
+                self._update(r, 0, table, v, cohort.seqs[i].seq_id)
+        return kept[1]
 
     def _update(self, r: int, g: int, table: list[int], v: int, seq_id: int) -> None:
         n = len(table)
@@ -193,6 +220,7 @@ class InputBatch:
         """The device copy is zeros again (lost and rebuilt, or reset after a failed
         dispatch): every row rewrites itself, queueing all its entries, the next time it is
         used, and the queue is dropped."""
+        self._steady = None
         for version in self._version:
             version[:] = [-2] * self.num_groups
         if self._deltas is not None:

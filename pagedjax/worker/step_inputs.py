@@ -12,7 +12,7 @@ import itertools
 
 import numpy as np
 
-from pagedjax.core.scheduler import ScheduledSeq
+from pagedjax.core.scheduler import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from pagedjax.worker.input_batch import InputBatch
 from pagedjax.worker.paged_attention import PagedMeta
 from pagedjax.worker.shapes import ShapePlan, pow2_at_least
@@ -176,14 +176,36 @@ def _decode_inputs(scheduled: list[ScheduledSeq], block_size: int, plan: ShapePl
     per sequence, one KV group, tables on the device. Token i is sequence i's, so the ragged
     bookkeeping (token -> sequence, cumulative lengths, repeats) is a few ranges; the same
     arrays as the general path (`tests/engine/test_step_inputs.py`)."""
-    n = len(scheduled)
+    return _one_token_inputs(len(scheduled), [s.start_pos for s in scheduled],
+                             [s.token_ids[0] for s in scheduled],
+                             max([len(s.block_table) for s in scheduled]),
+                             batch.rows(scheduled), block_size, plan, batch)
+
+
+def steady_decode_inputs(sched: SchedulerOutput, block_size: int, plan: ShapePlan,
+                         batch: InputBatch) -> StepInputs:
+    """`_decode_inputs` for a steady step (`SchedulerOutput.steady`) from its columns, the
+    rows kept per cohort (`InputBatch.steady_rows`): no pass over `ScheduledSeq` entries.
+    The same arrays (`tests/engine/test_steady_decode.py`)."""
+    run = sched.steady
+    n = len(run.starts)
+    return _one_token_inputs(n, run.starts,
+                             PENDING_TOKEN if run.token_ids is None else run.token_ids,
+                             max(map(len, run.cohort.tables)),
+                             batch.steady_rows(run, lambda: sched.scheduled), block_size, plan,
+                             batch)
+
+
+def _one_token_inputs(n: int, starts: list[int], token_ids: list[int] | int, max_blocks: int,
+                      rows, block_size: int, plan: ShapePlan, batch: InputBatch) -> StepInputs:
+    """The arrays of a step of ``n`` sequences, one token and one sampled row each."""
     t_pad = plan.decode(n)[0]  # T = S = R
-    start_pos = np.array([s.start_pos for s in scheduled], np.int32)
-    m_pad = plan.width(max([len(s.block_table) for s in scheduled]))
+    start_pos = np.array(starts, np.int32)
+    m_pad = plan.width(max_blocks)
     table_rows = np.zeros(t_pad, np.int32)
-    table_rows[:n] = batch.rows(scheduled)
+    table_rows[:n] = rows
     input_ids = np.zeros(t_pad, np.int32)
-    input_ids[:n] = [s.token_ids[0] for s in scheduled]
+    input_ids[:n] = token_ids
     positions = np.zeros(t_pad, np.int32)
     positions[:n] = start_pos
     slot_mapping = np.full(t_pad, -1, np.int32)

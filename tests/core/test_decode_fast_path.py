@@ -1,6 +1,7 @@
-"""`Scheduler._decode_run` (with `BlockManager.decode_slot`) is only a shortcut: random
-workloads scheduled with it and with it turned off give the same steps, block for block
-(tables, versions, copies, swaps, preemptions), and the same outputs; and it does run."""
+"""`Scheduler._decode_run` (with `BlockManager.decode_slot`) and `Scheduler._steady_step`
+are only shortcuts: random workloads scheduled with both, with the decode run alone and with
+neither give the same steps, block for block (tables, versions, copies, swaps, preemptions),
+and the same outputs; and they do run."""
 
 from __future__ import annotations
 
@@ -22,9 +23,12 @@ def _trace(out, versions: dict) -> tuple:
             tuple(out.blocks_to_swap_in), tuple(out.preempted), out.num_batched_tokens)
 
 
-def _run(requests, cfg, fast: bool) -> tuple[list, dict, int]:
+def _run(requests, cfg, fast: bool, steady: bool | None = None) -> tuple[list, dict, int]:
+    """``fast``: the decode run on; ``steady`` (default: as ``fast``): steady steps on.
+    Returns the traces, the outputs, and how many entries the shortcuts scheduled."""
     taken = 0
-    real = Scheduler._decode_run
+    real, real_steady = Scheduler._decode_run, Scheduler._steady_step
+    steady = fast if steady is None else steady
 
     def counted(self, st_, queue, keep):
         nonlocal taken
@@ -35,8 +39,16 @@ def _run(requests, cfg, fast: bool) -> tuple[list, dict, int]:
             finally:
                 taken += before - len(queue)
 
+    def counted_steady(self, st_):
+        nonlocal taken
+        if not steady or not real_steady(self, st_):
+            return False
+        taken += len(st_.out.steady.starts)
+        return True
+
     with pytest.MonkeyPatch.context() as m:
         m.setattr(Scheduler, "_decode_run", counted)
+        m.setattr(Scheduler, "_steady_step", counted_steady)
         e = FakeEngine(**cfg)
         pending = list(requests)
         traces, versions = [], {}
@@ -73,10 +85,13 @@ def test_same_steps_with_and_without_the_fast_path(reqs, blocks, block_size, mod
                enable_chunked_prefill=chunked, max_num_batched_tokens=16, max_num_seqs=6,
                max_model_len=64)
     fast_trace, fast_out, taken = _run(requests, cfg, True)
+    run_trace, run_out, _ = _run(requests, cfg, True, steady=False)
     slow_trace, slow_out, none = _run(requests, cfg, False)
     assert none == 0
     assert fast_trace == slow_trace
     assert fast_out == slow_out
+    assert run_trace == slow_trace
+    assert run_out == slow_out
 
 
 def test_the_fast_path_runs_and_opens_blocks():
@@ -88,3 +103,24 @@ def test_the_fast_path_runs_and_opens_blocks():
     assert taken == decode_steps  # room everywhere: every decode took it
     for rid, prompt, max_tokens, _ in requests:
         assert outs[rid] == [reference_output(prompt, max_tokens)]
+
+
+def test_steady_steps_run_and_stop_at_any_change():
+    """Three sequences decode side by side: once all three decode, each step is the last
+    step's cohort again (`Scheduler._steady_step`) until one finishes; then the general path
+    takes a step and the two left form a cohort of their own."""
+    e = FakeEngine(num_gpu_blocks=32, block_size=2, max_num_seqs=4, max_model_len=64)
+    for i, m in enumerate((6, 9, 9)):
+        e.add(f"r{i}", [1, 2, 3 + i], max_tokens=m)
+    steady = []
+    while e.sched.has_unfinished_seqs():
+        out = e.step()
+        steady.append(None if out.steady is None else len(out.steady.starts))
+    # Step 0 prefills all three (their first token); step 1 is their first decode
+    # (general); r0 ends with its 6th token (step 5's), so step 6 is general again and steps
+    # 7-8 (the 8th and 9th tokens of r1 and r2) are steady pairs.
+    assert steady == [None, None, 3, 3, 3, 3, None, 2, 2], steady
+    for i, m in enumerate((6, 9, 9)):
+        assert e.outputs_of(f"r{i}") == [reference_output([1, 2, 3 + i], m)]
+    assert e.bm.gpu.get_num_free() == e.bm.num_gpu_blocks
+

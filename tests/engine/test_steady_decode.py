@@ -1,0 +1,128 @@
+"""Steady decode steps (`core.steady_decode`, `Scheduler._steady_step`,
+`step_inputs.steady_decode_inputs`): a step that is the last step's lone decoding sequences
+again is scheduled in one pass and built from columns. The outputs equal those with steady
+steps turned off (greedy, seeded sampling, logprobs, penalties, stop ids, min_tokens, a
+fan-out, lengths, an abort with its id reused) with async scheduling on and off and under
+preemption by swap and recompute; each steady step's arrays equal those the general path
+builds from the same step's entries, which then find every persistent table row up to date;
+and the block pool is whole afterwards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pagedjax.engine as engine_mod
+from models.config import ModelConfig
+from models.weights import assemble_params
+from pagedjax import LLM, SamplingParams
+from pagedjax.core import Scheduler
+from pagedjax.worker.step_inputs import build_step_inputs
+from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
+from tests.parallel.tp_script import NoTokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = ModelConfig.from_hf({**TINY_HF_CONFIG, "max_position_embeddings": 256})
+    return config, assemble_params(config, random_hf_tensors(config, seed=9).get)
+
+
+def _requests(vocab: int, count: int) -> list[tuple[str, list[int], SamplingParams]]:
+    rng = np.random.default_rng(21)
+    kinds = [dict(temperature=0, ignore_eos=True),
+             dict(temperature=0, ignore_eos=True),
+             dict(temperature=0.9, seed=7, top_p=0.9),
+             dict(temperature=0, logprobs=2),
+             dict(temperature=0.7, seed=3, presence_penalty=0.5, repetition_penalty=1.2),
+             dict(temperature=0, stop_token_ids=[int(t) for t in rng.integers(3, vocab, 12)]),
+             dict(temperature=0, min_tokens=6, ignore_eos=True),
+             dict(temperature=0.8, seed=5, n=2)]
+    out = []
+    for i in range(count):
+        prompt = [int(t) for t in rng.integers(3, vocab, int(rng.integers(3, 40)))]
+        out.append((f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(8, 60)),
+                                                    **kinds[i % len(kinds)])))
+    return out
+
+
+def _checked_inputs(checks: list):
+    """`steady_decode_inputs` that also builds the general path's arrays from the step's
+    entries and compares them: the same arrays, and no table row left to update."""
+    real = engine_mod.steady_decode_inputs
+
+    def both(sched, block_size, plan, batch):
+        got = real(sched, block_size, plan, batch)
+        rewrites, queued = batch.num_rewrites, len(batch._deltas)
+        n = len(sched.steady.starts)
+        want = build_step_inputs(sched.scheduled, block_size, batch.max_blocks_per_seq,
+                                 [1] * n, [], plan=plan, batch=batch,
+                                 num_tokens=sched.num_batched_tokens)
+        assert (batch.num_rewrites, len(batch._deltas)) == (rewrites, queued)
+        for name in ("input_ids", "positions", "logits_indices", "table_rows"):
+            np.testing.assert_array_equal(getattr(got, name), getattr(want, name), name)
+        for name in ("slot_mapping", "kv_lens", "cu_q_lens", "num_seqs"):
+            np.testing.assert_array_equal(getattr(got.meta, name), getattr(want.meta, name),
+                                          name)
+        assert got.shape_key == want.shape_key and got.sample_seq_pos == want.sample_seq_pos
+        checks.append(n)
+        return got
+
+    return both
+
+
+def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blocks: int):
+    config, params = tiny
+    checks: list[int] = []
+    if steady:
+        monkeypatch.setattr(engine_mod, "steady_decode_inputs", _checked_inputs(checks))
+    else:
+        monkeypatch.setattr(Scheduler, "_steady_step", lambda self, st: False)
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=blocks, block_size=8,
+                          max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                          preemption_mode=mode, swap_space_gb=0.01,
+                          async_scheduling=async_scheduling)
+    engine = llm.engine
+    reqs = _requests(config.vocab_size, 12)
+    pending = list(reqs)
+    results: dict[str, tuple] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 5 == 0:  # arrivals spread over the run
+            rid, prompt, sp = pending.pop(0)
+            engine.add_request(rid, None, sp, prompt_token_ids=prompt, output_kind="final_only")
+        if step == 30:  # abort one in flight and reuse its id at once
+            engine.abort_request("r1")
+            engine.add_request("r1", None, reqs[1][2], prompt_token_ids=reqs[1][1] + [5],
+                               output_kind="final_only")
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = tuple(
+                    (c.index, tuple(c.token_ids), c.finish_reason,
+                     None if c.logprobs is None else tuple(
+                         tuple(sorted((k, round(v, 5)) for k, v in d.items()))
+                         for d in c.logprobs))
+                    for c in out.outputs)
+        step += 1
+        assert step < 3000
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
+    return results, engine.scheduler, checks
+
+
+@pytest.mark.parametrize("async_scheduling,mode,blocks", [
+    (False, "recompute", 120), (True, "recompute", 120), (True, "swap", 22),
+    (False, "recompute", 22)])
+def test_steady_steps_give_the_same_outputs(tiny, async_scheduling, mode, blocks, monkeypatch):
+    with monkeypatch.context() as m:
+        general, sched, _ = _run(tiny, async_scheduling, mode, False, m, blocks)
+    assert sched.num_steady_steps == 0
+    with monkeypatch.context() as m:
+        steady, sched, checks = _run(tiny, async_scheduling, mode, True, m, blocks)
+    assert set(general) == {f"r{i}" for i in range(12)}
+    assert steady == general
+    # Many steps were steady, and built from columns: the plain greedy tail of the run.
+    assert sched.num_steady_steps > 10 and len(checks) > 5, (sched.num_steady_steps, checks)
+    if blocks == 22:
+        assert sched.num_preemptions_total > 0  # the small pool preempted
