@@ -903,12 +903,21 @@ class LLMEngine:
         run = sched.steady
         if run is None:
             return self._rows_for_entries(sched)
+        c = run.cohort
         kept = self._steady_rows
-        if kept is not None and kept[0] == run.cohort.key:
-            return kept[1]
+        if kept is not None:
+            if kept[0] == c.key:
+                return kept[1]
+            if c.parent is not None and kept[0] == c.parent[0]:  # cut down: rows cut alike
+                old = kept[1][1]
+                row_info = [old[i] for i in c.parent[1]]
+                n = len(row_info)
+                res = ([1] * n, row_info, list(range(n)), True)
+                self._steady_rows = (c.key, res)
+                return res
         res = self._rows_for_entries(sched)
         if res[3]:
-            self._steady_rows = (run.cohort.key, res)
+            self._steady_rows = (c.key, res)
         return res
 
     def _rows_for_entries(self, sched) -> tuple[list[int], list[tuple], list[int], bool]:
@@ -1070,8 +1079,13 @@ class LLMEngine:
         if self.runner.feed_tokens:
             self._feed_pending(sched, inputs, prev)
         kept = self._steady_plain
-        if run is not None and kept is not None and kept[0] == run.cohort.key:
+        if run is not None and kept is not None and (
+                kept[0] == run.cohort.key
+                # cut down: every row of the cohort it came from could take the screened head
+                or kept[1] == 2 and run.cohort.parent is not None
+                and kept[0] == run.cohort.parent[0]):
             plain = kept[1]
+            self._steady_plain = (run.cohort.key, plain)
         else:
             plain = self._plain_greedy(row_info) if row_info else 0
             if run is not None and plain_rows and not any(info[0].min_tokens
@@ -1365,14 +1379,8 @@ class LLMEngine:
     def _feed_pending(self, sched, inputs, prev: _InFlight | None) -> None:
         """Point each pending token of the step at its row in the previous step's sampled
         tokens, which stay on the device (`ModelRunner._make_serve_step`)."""
-        rows = None
-        run = sched.steady
-        if (run is not None and run.token_ids is None and prev is not None
-                and prev.sched.steady is not None and prev.sched.steady.cohort is run.cohort
-                and len(prev.pending_rows) == len(run.starts)):
-            # The cohort's step before: sequence i sampled row i, each a pending token now.
-            rows = np.full(inputs.input_ids.shape, -1, np.int32)
-            rows[: len(run.starts)] = np.arange(len(run.starts), dtype=np.int32)
+        rows = self._steady_feed(sched, inputs, prev)
+        if rows is not None:
             inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
             return
         cu = inputs.meta.cu_q_lens
@@ -1388,6 +1396,31 @@ class LLMEngine:
             rows[cu[i + 1] + at] = prev.pending_rows[s.seq_id]
         if rows is not None:
             inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
+
+    @staticmethod
+    def _steady_feed(sched, inputs, prev: _InFlight | None) -> np.ndarray | None:
+        """`_feed_pending`'s rows for a steady step that follows a steady step of the same
+        cohort, or of the cohort it was cut from, without a pass over the entries: every
+        sequence's token is pending (`SteadyRun.token_ids` None: the cohort's sequences each
+        had one, and one only, from the step before) and that step sampled the cohort's
+        sequences in its order, one row each; so the row of sequence i is i, or its index in
+        the cohort it was cut from. None: the general pass."""
+        run = sched.steady
+        if run is None or run.token_ids is not None or prev is None:
+            return None
+        before = prev.sched.steady
+        if before is None:
+            return None
+        c, n = run.cohort, len(run.starts)
+        if before.cohort is c:
+            src = np.arange(n, dtype=np.int32)
+        elif c.parent is not None and c.parent[0] == before.cohort.key:
+            src = np.asarray(c.parent[1], np.int32)
+        else:
+            return None
+        rows = np.full(inputs.input_ids.shape, -1, np.int32)
+        rows[:n] = src
+        return rows
 
     def _apply_samples(self, fl: _InFlight, out, beams) -> set[str]:
         """Hand the step's tokens to the scheduler, which owns request state and appends
@@ -1474,8 +1507,11 @@ class LLMEngine:
         # when every row is quiet, the others are not even listed. A request stays quiet
         # once it is: a steady cohort's answer, once all its rows are, is kept.
         run = fl.sched.steady
-        quiet = run is not None and self._steady_quiet == run.cohort.key
-        if not quiet:
+        quiet = run is not None and (self._steady_quiet == run.cohort.key or (
+            run.cohort.parent is not None and self._steady_quiet == run.cohort.parent[0]))
+        if quiet:
+            self._steady_quiet = run.cohort.key  # (a cut-down cohort's rows are all quiet too)
+        else:
             quiet = True
             for info in row_info:
                 if not info[0].quiet:

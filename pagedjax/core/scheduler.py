@@ -213,6 +213,7 @@ class Scheduler:
         # step, if it is theirs again, takes `_steady_step` (`core.steady_decode`).
         self._cohort: DecodeCohort | None = None
         self.num_steady_steps = 0
+        self.num_steady_cuts = 0  # cohorts cut down to the groups left (`without_gone`)
 
     # -- request lifecycle ---------------------------------------------------
     @staticmethod
@@ -535,9 +536,9 @@ class Scheduler:
 
     def _steady_step(self, st: _Step) -> bool:
         """Schedule the last step's cohort again (`core.steady_decode`) if the running groups
-        are still exactly its groups, in order, each still a lone running sequence one token
-        from its known tokens (pending ones included, as many as then), and each next slot in
-        place: a slot inside a block was checked (exclusive, in place) when the block
+        are still its groups, in order (less any that ended since), each still a lone running
+        sequence one token from its known tokens (pending ones included, as many as then),
+        and each next slot in place: a slot inside a block was checked (exclusive, in place) when the block
         opened, and only a fork or a swap, which change the group or the running list, can
         share or move it; a slot that opens a block takes `decode_slot`, as in
         `_decode_run`. Else nothing is changed (sequences advanced so far are set back,
@@ -546,9 +547,16 @@ class Scheduler:
         c = self._cohort
         if c is None:
             return False
+        if SequenceGroup.seq_changes != c.layout:
+            self._cohort = None
+            return False
+        if self.running != c.groups:  # some gone since (finished, aborted)? else not steady
+            c = self._cohort = c.without_gone(self.running)
+            if c is None:
+                return False
+            self.num_steady_cuts += 1
         n = len(c.seqs)
-        if (self.running != c.groups or SequenceGroup.seq_changes != c.layout
-                or st.budget < n or self.config.max_num_seqs - st.num_seqs < c.room):
+        if st.budget < n or self.config.max_num_seqs - st.num_seqs < c.room:
             self._cohort = None
             return False
         running = SequenceStatus.RUNNING
@@ -562,24 +570,27 @@ class Scheduler:
         token_ids: list[int] | None = None if p else []
         add_token = None if p else token_ids.append
         i = 0
-        for seq in c.seqs:
-            start = seq.num_computed_tokens
-            known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-            if seq.status is not running or seq.num_pending != p or known + p - start != 1:
-                break
-            if not start % bs:  # the slot opens a block (or one opened before is there)
-                ref = decode_slot(seq)
-                if ref is None:
+        try:
+            for seq in c.seqs:
+                start = seq.num_computed_tokens
+                known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+                if seq.status is not running or seq.num_pending != p or known + p - start != 1:
                     break
-                slotted.append((i, ref[0], ref[1]))
-            seq.num_computed_tokens = start + 1  # advanced when scheduled, as `_decode_run`
-            add_start(start)
-            if add_token is not None:  # the last known token (none pending)
-                out = seq.output_token_ids
-                add_token(out[-1] if out else seq.prompt_token_ids[-1])
-            if known >= seq.publish_at:  # `_decode_run`'s m: the known length here
-                add_publish((seq, known))
-            i += 1
+                if not start % bs:  # the slot opens a block (or one opened before is there)
+                    ref = decode_slot(seq)
+                    if ref is None:
+                        break
+                    slotted.append((i, ref[0], ref[1]))
+                seq.num_computed_tokens = start + 1  # advanced when scheduled, as `_decode_run`
+                add_start(start)
+                if add_token is not None:  # the last known token (none pending)
+                    out = seq.output_token_ids
+                    add_token(out[-1] if out else seq.prompt_token_ids[-1])
+                if known >= seq.publish_at:  # `_decode_run`'s m: the known length here
+                    add_publish((seq, known))
+                i += 1
+        except Exception:  # (`decode_slot`) the general path meets it again and fails that group
+            pass
         if i < n:
             for seq in c.seqs[:i]:
                 seq.num_computed_tokens -= 1

@@ -4,13 +4,14 @@ Most steps of a loaded server schedule exactly the running groups of the step be
 lone sequence one token further on. `Scheduler._decode_run` schedules each of them with the
 general checks and a `ScheduledSeq` per sequence, and every later stage (step inputs, row
 lookups, output handling) walks that list again: ~4 µs of Python per sequence per step.
-A `DecodeCohort` remembers such a set once; the next step, if the running list is the same
-list of groups, takes `Scheduler._steady_step`: one pass that re-checks each sequence's
-counts and status (the general path's own conditions, so a change anywhere falls back to it)
-and advances it, and a `SteadyRun` of columns (start positions, token ids) instead of
-`ScheduledSeq` entries, which the runner and the engine read as arrays and per-cohort caches.
-`SchedulerOutput.scheduled` still lists the entries, made on first use, for any reader that
-needs them (and for steps that schedule other groups too).
+A `DecodeCohort` remembers such a set once. The next step takes `Scheduler._steady_step` if
+the running list is the same list of groups, or the same less some that finished or were
+aborted (the cohort is then cut down, and so are the caches kept of it): one pass that
+re-checks each sequence's counts and status (the general path's own conditions, so a change
+anywhere falls back to it) and advances it, and a `SteadyRun` of columns (start positions,
+token ids) instead of `ScheduledSeq` entries, which the runner and the engine read as arrays
+and per-cohort caches. `SchedulerOutput.scheduled` still lists the entries, made on first
+use, for any reader that needs them (and for steps that schedule other groups too).
 """
 
 from __future__ import annotations
@@ -31,15 +32,38 @@ class DecodeCohort:
     tokens each sequence had on the device then (1 with async scheduling, else 0), the same
     for all. ``key``: a fresh int per cohort, for caches of it elsewhere."""
 
-    __slots__ = ("groups", "seqs", "tables", "room", "layout", "pending", "key", "_request_ids")
+    __slots__ = ("groups", "seqs", "tables", "room", "layout", "pending", "key", "parent",
+                 "_request_ids")
 
     def __init__(self, groups: list[SequenceGroup], seqs: list[Sequence], tables: list[list[int]],
-                 room: int, pending: int) -> None:
+                 room: int, pending: int,
+                 parent: tuple[int, list[int]] | None = None) -> None:
         self.groups, self.seqs, self.tables = groups, seqs, tables
         self.room, self.pending = room, pending
         self.layout = SequenceGroup.seq_changes
         self.key = next(_cohort_ids)
+        # (the key of the cohort this one was cut from, the indices it kept there, in order):
+        # caches of that cohort (rows, row info) are cut the same way instead of rebuilt.
+        self.parent = parent
         self._request_ids: frozenset[str] | None = None
+
+    def without_gone(self, running: list[SequenceGroup]) -> DecodeCohort | None:
+        """The cohort cut down to ``running`` if that is this cohort's groups with some left
+        out (finished, aborted) and none added, in the same order; else None."""
+        m = len(running)
+        if not m or m >= len(self.groups):
+            return None
+        kept: list[int] = []
+        j = 0
+        for i, g in enumerate(self.groups):
+            if j < m and running[j] is g:
+                kept.append(i)
+                j += 1
+        if j != m:
+            return None
+        seqs, tables = self.seqs, self.tables
+        return DecodeCohort(list(running), [seqs[i] for i in kept], [tables[i] for i in kept],
+                            sum(g.n for g in running), self.pending, (self.key, kept))
 
     @property
     def request_ids(self) -> frozenset[str]:

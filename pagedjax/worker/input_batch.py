@@ -100,8 +100,9 @@ class InputBatch:
         return r
 
     def release(self, seq_ids: Iterable[int]) -> None:
-        """Forget the rows of sequences that ended (finished, aborted, dropped beams)."""
-        self._steady = None
+        """Forget the rows of sequences that ended (finished, aborted, dropped beams). The
+        steady rows stay: a cohort cut down (`DecodeCohort.without_gone`) keeps only
+        sequences still running, whose rows stay theirs."""
         for sid in seq_ids:
             self._hist.pop(sid, None)
             r = self._row.pop(sid, None)
@@ -149,9 +150,16 @@ class InputBatch:
         cohort = run.cohort
         kept = self._steady
         if kept is None or kept[0] != cohort.key:
-            rows = self.rows(entries())
-            kept = self._steady = (cohort.key, np.array(rows, np.int32), rows)
-            return kept[1]
+            parent = cohort.parent
+            if kept is not None and parent is not None and kept[0] == parent[0]:
+                idx = parent[1]  # cut down from the cohort kept: its rows, cut the same way
+                old = kept[2]
+                rows = [old[i] for i in idx]
+                kept = self._steady = (cohort.key, kept[1][idx], rows)
+            else:
+                rows = self.rows(entries())
+                kept = self._steady = (cohort.key, np.array(rows, np.int32), rows)
+                return kept[1]
         rows = kept[2]
         mirrored, written = self._version, self._written
         for i, table, v in run.slotted:

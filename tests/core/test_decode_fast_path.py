@@ -107,20 +107,26 @@ def test_the_fast_path_runs_and_opens_blocks():
 
 def test_steady_steps_run_and_stop_at_any_change():
     """Three sequences decode side by side: once all three decode, each step is the last
-    step's cohort again (`Scheduler._steady_step`) until one finishes; then the general path
-    takes a step and the two left form a cohort of their own."""
+    step's cohort again (`Scheduler._steady_step`); when one finishes the cohort is cut down
+    to the two left and goes on; a new request (a prefill, then its first decode) takes the
+    general path for two steps, and then the three decoding form a cohort of their own."""
     e = FakeEngine(num_gpu_blocks=32, block_size=2, max_num_seqs=4, max_model_len=64)
-    for i, m in enumerate((6, 9, 9)):
+    for i, m in enumerate((6, 12, 12)):
         e.add(f"r{i}", [1, 2, 3 + i], max_tokens=m)
     steady = []
     while e.sched.has_unfinished_seqs():
+        if e.steps == 8:
+            e.add("late", [4, 5], max_tokens=5)
         out = e.step()
         steady.append(None if out.steady is None else len(out.steady.starts))
     # Step 0 prefills all three (their first token); step 1 is their first decode
-    # (general); r0 ends with its 6th token (step 5's), so step 6 is general again and steps
-    # 7-8 (the 8th and 9th tokens of r1 and r2) are steady pairs.
-    assert steady == [None, None, 3, 3, 3, 3, None, 2, 2], steady
-    for i, m in enumerate((6, 9, 9)):
+    # (general); r0 ends with its 6th token (step 5's) and steps 6-7 run the two left, cut
+    # down; step 8 prefills "late" beside r1 and r2's decodes, step 9 is its first decode;
+    # steps 10-11 are steady (r1 and r2 end with their 12th token, step 11's), and step 12
+    # runs "late" alone, cut down again, for its 5th token.
+    assert steady == [None, None, 3, 3, 3, 3, 2, 2, None, None, 3, 3, 1], steady
+    assert e.sched.num_steady_cuts == 2
+    for i, m in enumerate((6, 12, 12)):
         assert e.outputs_of(f"r{i}") == [reference_output([1, 2, 3 + i], m)]
+    assert e.outputs_of("late") == [reference_output([4, 5], 5)]
     assert e.bm.gpu.get_num_free() == e.bm.num_gpu_blocks
-

@@ -17,6 +17,7 @@ from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.core import Scheduler
+from pagedjax.core.scheduler import PENDING_TOKEN
 from pagedjax.worker.step_inputs import build_step_inputs
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
@@ -71,11 +72,33 @@ def _checked_inputs(checks: list):
     return both
 
 
+def _checked_feed(feeds: list):
+    """`LLMEngine._steady_feed` that also finds each pending token's row as the general pass
+    does, from the step's entries and the step before's rows, and compares."""
+    real = engine_mod.LLMEngine._steady_feed
+
+    def both(sched, inputs, prev):
+        got = real(sched, inputs, prev)
+        if got is not None:
+            want = np.full(inputs.input_ids.shape, -1, np.int32)
+            cu = inputs.meta.cu_q_lens
+            for i, s in enumerate(sched.scheduled):
+                if s.token_ids[-1] == PENDING_TOKEN:
+                    want[cu[i + 1] - 1] = prev.pending_rows[s.seq_id]
+            np.testing.assert_array_equal(got, want)
+            feeds.append(sched.steady.cohort.parent is not None)
+        return got
+
+    return staticmethod(both)
+
+
 def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blocks: int):
     config, params = tiny
     checks: list[int] = []
+    feeds: list[bool] = []
     if steady:
         monkeypatch.setattr(engine_mod, "steady_decode_inputs", _checked_inputs(checks))
+        monkeypatch.setattr(engine_mod.LLMEngine, "_steady_feed", _checked_feed(feeds))
     else:
         monkeypatch.setattr(Scheduler, "_steady_step", lambda self, st: False)
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=blocks, block_size=8,
@@ -108,7 +131,7 @@ def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blo
     bm = engine.block_manager
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
-    return results, engine.scheduler, checks
+    return results, engine.scheduler, (checks, feeds)
 
 
 @pytest.mark.parametrize("async_scheduling,mode,blocks", [
@@ -119,10 +142,13 @@ def test_steady_steps_give_the_same_outputs(tiny, async_scheduling, mode, blocks
         general, sched, _ = _run(tiny, async_scheduling, mode, False, m, blocks)
     assert sched.num_steady_steps == 0
     with monkeypatch.context() as m:
-        steady, sched, checks = _run(tiny, async_scheduling, mode, True, m, blocks)
+        steady, sched, (checks, feeds) = _run(tiny, async_scheduling, mode, True, m, blocks)
     assert set(general) == {f"r{i}" for i in range(12)}
     assert steady == general
     # Many steps were steady, and built from columns: the plain greedy tail of the run.
     assert sched.num_steady_steps > 10 and len(checks) > 5, (sched.num_steady_steps, checks)
+    assert sched.num_steady_cuts > 0  # cohorts cut down as their sequences ended
+    if async_scheduling:  # pending rows found from the cohort, cut down or not
+        assert True in feeds and False in feeds, feeds
     if blocks == 22:
         assert sched.num_preemptions_total > 0  # the small pool preempted
