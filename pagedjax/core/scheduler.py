@@ -214,6 +214,7 @@ class Scheduler:
         self._cohort: DecodeCohort | None = None
         self.num_steady_steps = 0
         self.num_steady_cuts = 0  # cohorts cut down to the groups left (`without_gone`)
+        self.num_steady_idle_cuts = 0  # ... or to those with a token to compute this step
 
     # -- request lifecycle ---------------------------------------------------
     @staticmethod
@@ -538,13 +539,13 @@ class Scheduler:
         """Schedule the last step's cohort again (`core.steady_decode`) if the running groups
         are still its groups, in order (less any that ended since), each still a lone running
         sequence one token from its known tokens (pending ones included, as many as then),
-        and each next slot in place: a slot inside a block was checked (exclusive, in place) when the block
-        opened, and only a fork or a swap, which change the group or the running list, can
-        share or move it; a slot that opens a block takes `decode_slot`, as in
-        `_decode_run`. Else nothing is changed (sequences advanced so far are set back,
-        blocks opened for them stay theirs) and False: the general path schedules the step,
-        and makes a new cohort if it can."""
-        c = self._cohort
+        and each next slot in place: a slot inside a block was checked (exclusive, in place)
+        when the block opened, and only a fork or a swap, which change the group or the
+        running list, can share or move it; a slot that opens a block takes `decode_slot`,
+        as in `_decode_run`. Else nothing is changed (sequences advanced so far are set
+        back, blocks opened for them stay theirs) and False: the general path schedules the
+        step, and makes a new cohort if it can."""
+        c = orig = self._cohort
         if c is None:
             return False
         if SequenceGroup.seq_changes != c.layout:
@@ -569,13 +570,26 @@ class Scheduler:
         add_start, add_publish = starts.append, publish.append
         token_ids: list[int] | None = None if p else []
         add_token = None if p else token_ids.append
-        i = 0
+        i = done = 0  # entries made; cohort sequences seen
+        idle: list[int] | None = None
         try:
             for seq in c.seqs:
                 start = seq.num_computed_tokens
                 known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-                if seq.status is not running or seq.num_pending != p or known + p - start != 1:
+                if seq.status is not running:
                     break
+                if seq.num_pending != p or known + p - start != 1:
+                    if seq.num_pending or known != start:
+                        break
+                    # Nothing to compute: with async scheduling, a sequence whose certain
+                    # last token (its length) is on the device was not given it as pending.
+                    # The general path leaves it out of the step; so does this, by cutting
+                    # the cohort (it ends when that token is applied).
+                    if idle is None:
+                        idle = []
+                    idle.append(done)
+                    done += 1
+                    continue
                 if not start % bs:  # the slot opens a block (or one opened before is there)
                     ref = decode_slot(seq)
                     if ref is None:
@@ -589,13 +603,27 @@ class Scheduler:
                 if known >= seq.publish_at:  # `_decode_run`'s m: the known length here
                     add_publish((seq, known))
                 i += 1
+                done += 1
         except Exception:  # (`decode_slot`) the general path meets it again and fails that group
             pass
-        if i < n:
-            for seq in c.seqs[:i]:
-                seq.num_computed_tokens -= 1
+        if done < n or not i:
+            skip = set(idle or ())
+            for k, seq in enumerate(c.seqs[:done]):
+                if k not in skip:
+                    seq.num_computed_tokens -= 1
             self._cohort = None
             return False
+        if idle is not None:
+            skip = set(idle)
+            kept = [k for k in range(n) if k not in skip]
+            mid, c = c, c.cut(kept)
+            if mid is not orig:  # cut twice this step: indices into the cohort before (the
+                first = mid.parent[1]  # one whose caches are kept, not the one between)
+                c.parent = (orig.key, [first[k] for k in kept])
+            self._cohort = c
+            self.num_steady_cuts += 1
+            self.num_steady_idle_cuts += 1
+            n = i
         out = st.out
         out._scheduled = None
         out.steady = SteadyRun(c, starts, token_ids, slotted)
@@ -618,22 +646,25 @@ class Scheduler:
                                          run.starts[i], c.tables[i], True, version(seq), ()))
                 for i, (g, seq) in enumerate(zip(c.groups, c.seqs, strict=True))]
 
-    def _make_cohort(self, st: _Step, keep: list[SequenceGroup]) -> None:
-        """After a general step: remember the running groups as a cohort if the decode run
-        scheduled every one of them and nothing else was scheduled yet (`_steady_step`)."""
+    def _make_cohort(self, st: _Step) -> None:
+        """After the running groups' part of a general step: remember the groups it
+        scheduled as a cohort (`_steady_step`) if the decode run scheduled every one of them.
+        Running groups it left out (with nothing to compute: a last token still on the
+        device) are not in it; the next step is steady only if they are gone by then."""
         self._cohort = None
         out = st.out
-        n = len(keep)
-        if (not n or st.preempted or out.num_decode_run != n or len(out.scheduled) != n
+        n = len(out.scheduled)
+        if (not n or st.preempted or out.num_decode_run != n or len(out.scheduled_groups) != n
                 or self.proposer is not None or getattr(self.bm, "decode_slot", None) is None):
             return
-        # The decode run's entries, one per group of `keep`, in its order.
-        seqs = [g.seqs[0] for g in keep]
+        # The decode run's entries, one per group, in its order.
+        groups = list(out.scheduled_groups)
+        seqs = [g.seqs[0] for g in groups]
         pending = seqs[0].num_pending
         if pending > 1 or any(s.num_pending != pending for s in seqs):
             return
-        self._cohort = DecodeCohort(list(keep), seqs, [s.block_table for s in out.scheduled],
-                                    sum(g.n for g in keep), pending)
+        self._cohort = DecodeCohort(groups, seqs, [s.block_table for s in out.scheduled],
+                                    sum(g.n for g in groups), pending)
 
     # -- pieces ----------------------------------------------------------------
     def _plan(self, g: SequenceGroup, budget: int, allow_chunk: bool) -> list[tuple[Sequence, int]] | None:
@@ -868,7 +899,7 @@ class Scheduler:
             if res is not None:
                 keep.append(g)
         self.running = keep
-        self._make_cohort(st, keep)
+        self._make_cohort(st)
 
     def _preempt(self, st: _Step, g: SequenceGroup) -> None:
         seqs = g.get_unfinished_seqs()

@@ -59,11 +59,14 @@ class DecodeCohort:
             if j < m and running[j] is g:
                 kept.append(i)
                 j += 1
-        if j != m:
-            return None
-        seqs, tables = self.seqs, self.tables
-        return DecodeCohort(list(running), [seqs[i] for i in kept], [tables[i] for i in kept],
-                            sum(g.n for g in running), self.pending, (self.key, kept))
+        return self.cut(kept) if j == m else None
+
+    def cut(self, kept: list[int]) -> DecodeCohort:
+        """The cohort of the groups at ``kept`` (indices, in order)."""
+        groups, seqs, tables = self.groups, self.seqs, self.tables
+        groups = [groups[i] for i in kept]
+        return DecodeCohort(groups, [seqs[i] for i in kept], [tables[i] for i in kept],
+                            sum(g.n for g in groups), self.pending, (self.key, kept))
 
     @property
     def request_ids(self) -> frozenset[str]:

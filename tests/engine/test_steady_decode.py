@@ -3,9 +3,10 @@
 again is scheduled in one pass and built from columns. The outputs equal those with steady
 steps turned off (greedy, seeded sampling, logprobs, penalties, stop ids, min_tokens, a
 fan-out, lengths, an abort with its id reused) with async scheduling on and off and under
-preemption by swap and recompute; each steady step's arrays equal those the general path
-builds from the same step's entries, which then find every persistent table row up to date;
-and the block pool is whole afterwards."""
+preemption by swap and recompute; cohorts are cut down as their sequences end, or (async)
+wait for a last token still on the device; each steady step's arrays and pending-token rows
+equal those the general path builds from the same step's entries, which then find every
+persistent table row up to date; and the block pool is whole afterwards."""
 
 from __future__ import annotations
 
@@ -150,5 +151,7 @@ def test_steady_steps_give_the_same_outputs(tiny, async_scheduling, mode, blocks
     assert sched.num_steady_cuts > 0  # cohorts cut down as their sequences ended
     if async_scheduling:  # pending rows found from the cohort, cut down or not
         assert True in feeds and False in feeds, feeds
+        # Sequences whose last token was on the device were left out of a steady step.
+        assert sched.num_steady_idle_cuts > 0
     if blocks == 22:
         assert sched.num_preemptions_total > 0  # the small pool preempted
