@@ -77,7 +77,10 @@ class _Runner:
                                     block_size=self.block_size)
         self.compiled_shapes: set = set()
         self.vocab = config.vocab_size
-        self.feed_tokens = False  # no device: every step's tokens are applied at once
+        # No device: by default every step's tokens are applied at once (synchronous). With
+        # `--engine-arg async_scheduling=true` the engine runs as a CPU engine does by
+        # default: each step scheduled and launched before the last one's tokens are applied.
+        self.feed_tokens = engine_config.async_scheduling is True
         self.native_greedy = False  # the stub samplers below stand in for all three
         self.native_sampler = False
         self.chunked_top_k = False
@@ -120,6 +123,9 @@ class _Runner:
 
     def cache_lost(self) -> bool:
         return False
+
+    def sampled_tokens(self, tokens):
+        return tokens  # async scheduling: the next step's inputs would read them (unused)
 
     def warmup(self, *a, **k) -> None: ...
     def warmup_token_feed(self, *a, **k) -> None: ...
