@@ -1,7 +1,7 @@
 """`bench/host_overhead.py` at an earlier commit against this working tree, interleaved.
 
     .venv/bin/python bench/host_overhead_ab.py --base COMMIT [--reps 4] [--seqs 256]
-        [--kinds final_only,delta] [--mixes greedy,mixed]
+        [--kinds final_only,delta] [--mixes greedy,mixed] [--engine-arg KEY=VALUE ...]
 
 Checks COMMIT out into a temporary git worktree, copies this tree's `bench/host_overhead.py`
 into it (the same measurement on both sides), and runs it from each tree in turn, one process
@@ -48,8 +48,9 @@ def run(tree: Path, args, out: Path) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     subprocess.run([sys.executable, str(tree / "bench/host_overhead.py"), "--seqs", args.seqs,
                     "--kinds", args.kinds, "--mixes", args.mixes, "--steps", str(args.steps),
-                    "--reps", "1", "--out", str(out)], env=env, cwd=tree, check=True,
-                   capture_output=True)
+                    "--reps", "1", "--out", str(out),
+                    *(a for kv in args.engine_arg for a in ("--engine-arg", kv))],
+                   env=env, cwd=tree, check=True, capture_output=True)
     return json.load(open(out))["rows"]
 
 
@@ -85,6 +86,8 @@ def main() -> None:
     ap.add_argument("--mixes", default="greedy,mixed")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/host_overhead_ab.json"))
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="passed to both sides' host_overhead.py, e.g. async_scheduling=true")
     args = ap.parse_args()
 
     runs = []
