@@ -25,6 +25,32 @@ def test_measure_runs_the_real_engine_over_the_stub(demo_gguf, demo_tokenizer):
             assert row["p99_speed_adjusted_ms"] > 0 and row["gc_max_ms"] >= 0
 
 
+def test_measure_runs_async_scheduling_over_the_stub(demo_gguf, demo_tokenizer, monkeypatch):
+    """`--engine-arg async_scheduling=true`: each step launched before the last one's tokens
+    are applied, as a CPU engine runs by default; the steps are steady decode steps."""
+    import bench.host_overhead as ho
+    import pagedjax.engine as engine_mod
+
+    monkeypatch.setitem(ho.ENGINE_ARGS, "async_scheduling", True)
+    launched = []
+    real = engine_mod.LLMEngine._launch
+
+    def spy(self, sched, prev):
+        launched.append((prev is not None, sched.steady is not None))
+        return real(self, sched, prev)
+
+    monkeypatch.setattr(engine_mod.LLMEngine, "_launch", spy)
+    config = read_config(str(demo_gguf))
+    for mix in ("greedy", "mixed"):
+        launched.clear()
+        row = measure(4, 6, mix, demo_tokenizer, config, output_kind="final_only",
+                      freeze_gc=False)
+        assert row["steps"] == 6 and row["median_ms"] > 0
+        # Timed steps overlapped the step before and were steady (the stub's 8 settling
+        # steps come first).
+        assert launched[-6:] == [(True, True)] * 6, launched
+
+
 def test_tail_scales_slow_spells_of_the_host_but_keeps_the_engines_own_spikes():
     """`_tail`: steps slowed with their probe (a slow spell of the host) come back to the fast
     speed; a step slowed alone (a collection, say) stays in the adjusted p99."""
