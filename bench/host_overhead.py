@@ -171,6 +171,8 @@ PHASES = [
     ("pagedjax.engine:LLMEngine", "_launch", "launch"),
     ("pagedjax.engine:LLMEngine", "_rows_for", "  sampled rows"),
     ("pagedjax.engine", "build_step_inputs", "  step inputs"),
+    # Steady decode steps build theirs from columns (stop 61): the same stage.
+    ("pagedjax.engine", "steady_decode_inputs", "  step inputs"),
     ("pagedjax.engine:LLMEngine", "_sampling_metadata", "  sampling metadata"),
     ("pagedjax.core.scheduler:Scheduler", "update_after_step", "update_after_step"),
     ("pagedjax.engine:LLMEngine", "_finish", "finish"),
