@@ -162,10 +162,30 @@ class InputBatch:
                 return kept[1]
         rows = kept[2]
         mirrored, written = self._version, self._written
+        # A slot that opened a block appended one block to a row mirrored up to it (the
+        # usual case): those rows are written together, one queued delta for all.
+        grown_r: list[int] = []
+        grown_w: list[int] = []
+        grown_b: list[int] = []
         for i, table, v in run.slotted:
             r = rows[i]
-            if mirrored[r][0] != v or len(table) != written[r][0]:
+            w = written[r][0]
+            n = len(table)
+            if mirrored[r][0] == v and n == w + 1 and n <= self.max_blocks_per_seq:
+                grown_r.append(r)
+                grown_w.append(w)
+                grown_b.append(table[w])
+                written[r][0] = n
+            elif mirrored[r][0] != v or n != w:
                 self._update(r, 0, table, v, cohort.seqs[i].seq_id)
+        if grown_r:
+            r_arr = np.array(grown_r, np.int32)
+            w_arr = np.array(grown_w, np.int32)
+            b_arr = np.array(grown_b, np.int32)
+            self._tables[r_arr, 0, w_arr] = b_arr
+            if self._deltas is not None:
+                self._deltas.append((r_arr * (self.num_groups * self.max_blocks_per_seq)
+                                     + w_arr, b_arr))
         return kept[1]
 
     def _update(self, r: int, g: int, table: list[int], v: int, seq_id: int) -> None:

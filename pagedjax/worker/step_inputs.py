@@ -8,6 +8,7 @@ transfer is the final `device_put`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -213,14 +214,35 @@ def _one_token_inputs(n: int, starts: list[int], token_ids: list[int] | int, max
                         + start_pos % block_size)
     kv_lens = np.zeros(t_pad, np.int32)
     kv_lens[:n] = start_pos + 1
+    cu_q_lens, logits_indices, sample_pos = _one_token_layout(n, t_pad)
+    meta = PagedMeta(slot_mapping, kv_lens, None, cu_q_lens, np.int32(n), True)
+    return StepInputs(input_ids, positions, meta, logits_indices, sample_pos,
+                      (t_pad, t_pad, m_pad, t_pad, True), table_rows=table_rows,
+                      table_source=batch)
+
+
+@functools.lru_cache(maxsize=256)
+def _one_token_layout(n: int, t_pad: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """What a step of ``n`` sequences of one token each lays out the same way every time:
+    the cumulative query lengths, the logits rows, the sampled rows' entries. Kept per
+    (n, bucket), read-only (a writer fails instead of changing the next step's)."""
     cu_q_lens = np.full(t_pad + 1, n, np.int32)
     cu_q_lens[: n + 1] = np.arange(n + 1, dtype=np.int32)
     logits_indices = np.zeros(t_pad, np.int32)
     logits_indices[:n] = cu_q_lens[:n]
-    meta = PagedMeta(slot_mapping, kv_lens, None, cu_q_lens, np.int32(n), True)
-    return StepInputs(input_ids, positions, meta, logits_indices, list(range(n)),
-                      (t_pad, t_pad, m_pad, t_pad, True), table_rows=table_rows,
-                      table_source=batch)
+    cu_q_lens.flags.writeable = False
+    logits_indices.flags.writeable = False
+    return cu_q_lens, logits_indices, _ReadOnlyList(range(n))
+
+
+class _ReadOnlyList(list):
+    """A shared list its readers must not change."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a shared step layout is read-only")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _refuse
 
 
 def _group_tables(table, num_groups: int):
