@@ -31,12 +31,9 @@ import functools
 import gc
 import itertools
 import logging
-import operator
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from itertools import compress, repeat
 from pathlib import Path
 
 import jax
@@ -55,7 +52,6 @@ from pagedjax.core import (
     SequenceGroup,
     TokenStops,
 )
-from pagedjax.core import scheduler as scheduler_module
 from pagedjax.core.block_manager import PrefixHandle
 from pagedjax.core.policies import make_kv_manager, make_scheduler
 from pagedjax.core.scheduler import PENDING_TOKEN, new_tuple
@@ -179,16 +175,6 @@ class EngineStats:
         """Tokens a drafted sequence gained per step: accepted drafts + the target's one."""
         return 1 + self.spec_num_accepted_tokens / max(1, self.spec_num_drafts)
 
-
-# Column passes over a step's rows (`LLMEngine._mark_plain_pending`): `map` over these
-# getters runs the loop in C.
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_OUTPUTS = operator.attrgetter("output_token_ids")
-_PROMPT = operator.attrgetter("prompt_token_ids")
-_NUM_PENDING = operator.attrgetter("num_pending")
-_SEQ_ID = operator.attrgetter("seq_id")
-_MAX_TOKENS = operator.attrgetter("params.max_tokens")
-_consume = deque(maxlen=0).extend
 
 
 @dataclasses.dataclass
@@ -1239,9 +1225,6 @@ class LLMEngine:
         row_info = fl.row_info
         fl.tokens = self.runner.sampled_tokens(out.token_ids)
         spec_rows, pending_rows, max_len = fl.spec_rows, fl.pending_rows, self.max_model_len
-        if fl.plain and not spec_rows and len(row_info) >= scheduler_module.COLUMNS_MIN:
-            self._mark_plain_pending(row_info, pending_rows)
-            return fl
         for r, (req, seq, _index, fan_out) in enumerate(row_info):
             if fan_out or req.params.use_beam_search:  # forks are decided on the host
                 fl.needs_sync = True
@@ -1259,28 +1242,6 @@ class LLMEngine:
             seq.num_pending += 1
             pending_rows[seq.seq_id] = r
         return fl
-
-    def _mark_plain_pending(self, row_info: list[tuple], pending_rows: dict[int, int]) -> None:
-        """`_mark_pending`'s loop for plain rows (no fork, beam or draft), as column passes
-        in C (`map`): every row's token becomes pending but a certain last one."""
-        n = len(row_info)
-        seqs = list(map(_SECOND, row_info))
-        pend = list(map(_NUM_PENDING, seqs))
-        # Outputs after this step: known + pending + this one.
-        n_out = list(map(operator.add, map(len, map(_OUTPUTS, seqs)),
-                         map(operator.add, pend, repeat(1))))
-        last = list(map(operator.or_,
-                        map(operator.ge, n_out, map(_MAX_TOKENS, map(_FIRST, row_info))),
-                        map(operator.ge, map(operator.add, map(len, map(_PROMPT, seqs)), n_out),
-                            repeat(self.max_model_len))))
-        if True in last:  # certainly its last token: nothing to schedule after it
-            keep = list(compress(range(n), map(operator.not_, last)))
-            seqs = [seqs[r] for r in keep]
-            pend = [pend[r] for r in keep]
-        else:
-            keep = range(n)
-        _consume(map(setattr, seqs, repeat("num_pending"), map(operator.add, pend, repeat(1))))
-        pending_rows.update(zip(map(_SEQ_ID, seqs), keep))
 
     def _token_masks(self, row_info, rows, fl: _InFlight
                      ) -> tuple[dict[int, np.ndarray] | None, dict[int, list[int]] | None]:

@@ -27,9 +27,9 @@ def _trace(out, versions: dict) -> tuple:
 def _run(requests, cfg, fast: bool, steady: bool | None = None,
          columns: bool = False) -> tuple[list, dict, int]:
     """``fast``: the decode run on; ``steady`` (default: as ``fast``): steady steps on;
-    ``columns``: steady steps and the finished scan take their column passes down to one
-    sequence (`Scheduler._steady_columns`, from 16 in the engine). Returns the traces, the
-    outputs, and how many entries the shortcuts scheduled."""
+    ``columns``: the finished scan reads a steady cohort's statuses by `map` down to one
+    sequence (`scheduler.COLUMNS_MIN`, 16 in the engine). Returns the traces, the outputs,
+    and how many entries the shortcuts scheduled."""
     taken = 0
     real, real_steady = Scheduler._decode_run, Scheduler._steady_step
     steady = fast if steady is None else steady
@@ -139,34 +139,3 @@ def test_steady_steps_run_and_stop_at_any_change():
         assert e.outputs_of(f"r{i}") == [reference_output([1, 2, 3 + i], m)]
     assert e.outputs_of("late") == [reference_output([4, 5], 5)]
     assert e.bm.gpu.get_num_free() == e.bm.num_gpu_blocks
-
-
-def test_wide_steady_steps_run_as_columns():
-    """At the engine's scale (16 sequences and more) steady steps take the column passes:
-    the same steps and outputs as the loop and as the general path, blocks opened on the
-    way (block size 2), cohorts cut as sequences end at different lengths."""
-    # (arrivals one every two steps: all 20 decode together from step 38 on)
-    requests = [(f"r{i}", [(5 * i + j) % 13 + 1 for j in range(2 + i % 3)], 50 + i % 9, 1)
-                for i in range(20)]
-    cfg = dict(num_gpu_blocks=800, block_size=2, max_num_seqs=24, max_num_batched_tokens=64,
-               max_model_len=96, enable_prefix_caching=True)
-    calls = []
-    real = Scheduler._steady_columns
-
-    def counted(self, c):
-        got = real(self, c)
-        calls.append(type(got).__name__)
-        return got
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(Scheduler, "_steady_columns", counted)
-        col_trace, col_out, _ = _run(requests, cfg, True)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(scheduler_module, "COLUMNS_MIN", 1 << 30)
-        loop_trace, loop_out, _ = _run(requests, cfg, True)
-    slow_trace, slow_out, _ = _run(requests, cfg, False)
-    assert calls.count("tuple") > 3, calls  # steady steps built from columns
-    assert col_trace == loop_trace == slow_trace
-    assert col_out == loop_out == slow_out
-    for rid, prompt, max_tokens, _ in requests:
-        assert col_out[rid] == [reference_output(prompt, max_tokens)]

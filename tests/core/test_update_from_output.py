@@ -4,7 +4,6 @@ forks, tokens of finished or departed requests dropped, and pending (async) toke
 
 from __future__ import annotations
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +17,6 @@ from pagedjax.core import (
     SequenceStatus,
     TokenStops,
 )
-from pagedjax.core import scheduler as scheduler_module
 
 
 def _queued(prompt_len: int, max_tokens: int, stops: TokenStops, max_len: int, n: int = 1):
@@ -161,12 +159,11 @@ class _Owner:
 
 
 def _twins(specs, max_len):
-    """Two schedulers holding the same lone-sequence groups, one per spec, running (their
-    prompts scheduled)."""
+    """Two schedulers holding the same lone-sequence groups, one per spec."""
     out = []
     for _ in range(2):
-        sched = Scheduler(SchedulerConfig(max_model_len=max_len, max_num_seqs=32),
-                          BlockManager(128, 0, 4))
+        sched = Scheduler(SchedulerConfig(max_model_len=max_len, max_num_seqs=16),
+                          BlockManager(64, 0, 4))
         groups = []
         for i, (prompt_len, max_tokens, eos, stop, min_tokens) in enumerate(specs):
             seq = Sequence(i, list(range(3, 3 + prompt_len)))
@@ -174,8 +171,6 @@ def _twins(specs, max_len):
                               stops=TokenStops(eos, stop, min_tokens))
             sched.add_seq_group(g)
             groups.append(g)
-        sched.schedule()
-        assert all(g.seqs[0].status is SequenceStatus.RUNNING for g in groups)
         out.append((sched, groups))
     return out
 
@@ -188,21 +183,13 @@ def _twins(specs, max_len):
        steps=st.lists(st.lists(st.tuples(st.integers(0, 9), st.booleans()), min_size=6,
                                max_size=6), min_size=1, max_size=14),
        aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 5)), max_size=3),
-       max_len=st.integers(12, 30), ended_only=st.booleans(), columns=st.booleans())
-def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len, ended_only, columns):
+       max_len=st.integers(12, 30), ended_only=st.booleans())
+def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len, ended_only):
     """`update_from_rows` (the engine's plain decode steps) applies a step's rows exactly as
     `update_from_output` applies them as `SampledToken`s: the same tokens kept, logprobs,
     statuses, stop reasons, pending counts and applied entries (with ``ended_only``, those
     that finished their sequence, and the count of all), with sequences finishing, aborted
-    between steps, and tokens pending (async scheduling) or not. ``columns``: rows applied
-    as column passes (`Scheduler._update_columns`, from 16 rows in the engine) down to one
-    row, else by the loop."""
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(scheduler_module, "COLUMNS_MIN", 1 if columns else 1 << 30)
-        _rows_against_tokens(specs, steps, aborts, max_len, ended_only)
-
-
-def _rows_against_tokens(specs, steps, aborts, max_len, ended_only):
+    between steps, and tokens pending (async scheduling) or not."""
     (ra, ga), (rb, gb) = _twins(specs, max_len)
     for t, row in enumerate(steps):
         for when, which in aborts:
@@ -236,55 +223,3 @@ def _rows_against_tokens(specs, steps, aborts, max_len, ended_only):
         assert [g.request_id for g in ra.free_finished_seq_groups()] == \
             [g.request_id for g in rb.free_finished_seq_groups()]
     assert ra.has_unfinished_seqs() == rb.has_unfinished_seqs()
-
-
-def test_rows_of_a_wide_step_apply_as_columns():
-    """At the engine's scale (16 rows and more) a step's rows are applied as column passes
-    while every sequence runs, and by the loop once one has finished (its token dropped);
-    both give what the sampled-token path gives, stops, lengths and pending rows included."""
-    specs = [(1 + i % 5, 4 + i % 7, frozenset({9}), frozenset({8}) if i % 3 else frozenset(),
-              i % 3) for i in range(20)]
-    (ra, ga), (rb, gb) = _twins(specs, 40)
-    taken = []
-    real = Scheduler._update_columns
-
-    def counted(self, *a):
-        got = real(self, *a)
-        taken.append(got is not None)
-        return got
-
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(Scheduler, "_update_columns", counted)
-        for t in range(12):
-            pend = {g.seqs[0].seq_id: i for i, g in enumerate(ga)
-                    if (i + t) % 2 and not g.is_finished()}
-            for g, h in zip(ga, gb, strict=True):
-                if g.seqs[0].seq_id in pend:
-                    g.seqs[0].num_pending += 1
-                    h.seqs[0].num_pending += 1
-            # Stop ids (8), EOS (9) and other tokens; EOS and 8 before min_tokens go on.
-            toks = [(7 * i + 3 * t + 1) % 10 if t else i % 8 for i in range(len(ga))]
-            lps = [-0.25 * (k + 1) for k in range(len(ga))]
-            got, count = ra.update_from_rows([(_Owner(g), g.seqs[0], 0, False) for g in ga],
-                                             toks, lps, pend)
-            want = rb.update_from_output(
-                [SampledToken(h.request_id, h.seqs[0], tok, lp, 0,
-                              pend.get(h.seqs[0].seq_id) == k)
-                 for k, (h, tok, lp) in enumerate(zip(gb, toks, lps, strict=True))],
-                lambda: 99)
-            assert count == len(want)
-            assert [(a.index, a.seq.seq_id, a.stop_reason) for a in got] == \
-                [(a.index, a.seq.seq_id, a.stop_reason) for a in want]
-            for g, h in zip(ga, gb, strict=True):
-                x, y = g.seqs[0], h.seqs[0]
-                assert (x.output_token_ids, x.output_logprobs, x.cumulative_logprob, x.status,
-                        x.num_pending) == (y.output_token_ids, y.output_logprobs,
-                                           y.cumulative_logprob, y.status, y.num_pending)
-    # Columns while all ran, then the loop.
-    assert taken[0] and True in taken and False in taken, taken
-    statuses = {g.seqs[0].status for g in ga}
-    assert SequenceStatus.FINISHED_STOPPED in statuses
-    assert SequenceStatus.FINISHED_LENGTH in statuses
-    assert any(a.stop_reason == 8 for a in got) or any(
-        g.seqs[0].output_token_ids[-1] == 8 for g in ga
-        if g.seqs[0].status is SequenceStatus.FINISHED_STOPPED)

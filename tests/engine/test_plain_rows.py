@@ -18,7 +18,6 @@ from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.core import Scheduler
-from pagedjax.core import scheduler as scheduler_module
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
 
@@ -45,21 +44,9 @@ def _requests(vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
     return out
 
 
-def _run(tiny, async_scheduling: bool, mode: str, plain: bool, monkeypatch,
-         columns: bool = False):
+def _run(tiny, async_scheduling: bool, mode: str, plain: bool, monkeypatch):
     config, params = tiny
     calls = []
-    if columns:  # column passes down to one row (the engine's default is 16)
-        monkeypatch.setattr(scheduler_module, "COLUMNS_MIN", 1)
-    real_columns = Scheduler._update_columns
-    column_steps = []
-
-    def columns_counted(self, *a):
-        got = real_columns(self, *a)
-        column_steps.append(got is not None)
-        return got
-
-    monkeypatch.setattr(Scheduler, "_update_columns", columns_counted)
     real_plain = engine_mod.LLMEngine._apply_plain
 
     def counted(self, fl, out):
@@ -115,27 +102,17 @@ def _run(tiny, async_scheduling: bool, mode: str, plain: bool, monkeypatch,
     # Every sequence that ended was forgotten; only the aborted one may linger.
     assert set(engine._plain_rows) <= aborted_seqs
     assert engine.scheduler.num_preemptions_total > 0  # the pool is small enough to preempt
-    return results, (calls, quiet_steps, column_steps)
+    return results, (calls, quiet_steps)
 
 
-@pytest.mark.parametrize("async_scheduling,mode,columns", [
-    (False, "recompute", True), (True, "swap", True), (True, "recompute", False)])
-def test_plain_rows_give_the_general_paths_outputs(tiny, async_scheduling, mode, columns,
-                                                   monkeypatch):
-    """``columns``: plain rows applied as column passes (`Scheduler._update_columns`) where
-    every row's sequence runs, else by the loop."""
+@pytest.mark.parametrize("async_scheduling,mode", [(False, "recompute"), (True, "swap"),
+                                                   (True, "recompute")])
+def test_plain_rows_give_the_general_paths_outputs(tiny, async_scheduling, mode, monkeypatch):
     with monkeypatch.context() as m:
         general, none = _run(tiny, async_scheduling, mode, False, m)
     with monkeypatch.context() as m:
-        plain, (calls, quiet, column_steps) = _run(tiny, async_scheduling, mode, True, m,
-                                                   columns)
+        plain, (calls, quiet) = _run(tiny, async_scheduling, mode, True, m)
     assert not none[0]
-    if columns:
-        assert column_steps.count(True) > 10, column_steps
-        # (async) the loop where a row's sequence ended while its token was on the device
-        assert (False in column_steps) == async_scheduling, column_steps
-    else:
-        assert not column_steps
     assert len(calls) > 10 and max(calls) > 1  # the plain path took many multi-row steps
     # Steps whose rows were all quiet (only ended sequences listed) and steps with a row
     # that wanted logprobs, or its first token.

@@ -18,7 +18,6 @@ from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.core import Scheduler
-from pagedjax.core import scheduler as scheduler_module
 from pagedjax.core.scheduler import PENDING_TOKEN
 from pagedjax.worker.step_inputs import build_step_inputs
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
@@ -94,34 +93,10 @@ def _checked_feed(feeds: list):
     return staticmethod(both)
 
 
-def _columns_counted(monkeypatch) -> dict[str, int]:
-    """Column passes down to one row (`scheduler.COLUMNS_MIN`; the engine's default, 16, is
-    past this test's 8 sequences), counted where they did the work."""
-    monkeypatch.setattr(scheduler_module, "COLUMNS_MIN", 1)
-    counts = {"steady": 0, "rows": 0, "pending": 0}
-
-    def counting(owner, name, key, took=lambda got: got is not None):
-        real = getattr(owner, name)
-
-        def counted(*a, **k):
-            got = real(*a, **k)
-            counts[key] += took(got)
-            return got
-
-        monkeypatch.setattr(owner, name, counted)
-
-    counting(Scheduler, "_steady_columns", "steady", lambda got: isinstance(got, tuple))
-    counting(Scheduler, "_update_columns", "rows")
-    counting(engine_mod.LLMEngine, "_mark_plain_pending", "pending", lambda got: True)
-    return counts
-
-
-def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blocks: int,
-         columns: bool = False):
+def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blocks: int):
     config, params = tiny
     checks: list[int] = []
     feeds: list[bool] = []
-    counts = _columns_counted(monkeypatch) if columns else None
     if steady:
         monkeypatch.setattr(engine_mod, "steady_decode_inputs", _checked_inputs(checks))
         monkeypatch.setattr(engine_mod.LLMEngine, "_steady_feed", _checked_feed(feeds))
@@ -158,27 +133,20 @@ def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blo
     bm = engine.block_manager
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
-    return results, engine.scheduler, (checks, feeds, counts)
+    return results, engine.scheduler, (checks, feeds)
 
 
-@pytest.mark.parametrize("async_scheduling,mode,blocks,columns", [
-    (False, "recompute", 120, True), (True, "recompute", 120, True), (True, "swap", 22, True),
-    (False, "recompute", 22, False), (True, "recompute", 120, False)])
-def test_steady_steps_give_the_same_outputs(tiny, async_scheduling, mode, blocks, columns,
-                                            monkeypatch):
-    """``columns``: the steady runs take the column passes (`Scheduler._steady_columns`,
-    `_update_columns`, `LLMEngine._mark_plain_pending`), else their loops."""
+@pytest.mark.parametrize("async_scheduling,mode,blocks", [
+    (False, "recompute", 120), (True, "recompute", 120), (True, "swap", 22),
+    (False, "recompute", 22)])
+def test_steady_steps_give_the_same_outputs(tiny, async_scheduling, mode, blocks, monkeypatch):
     with monkeypatch.context() as m:
         general, sched, _ = _run(tiny, async_scheduling, mode, False, m, blocks)
     assert sched.num_steady_steps == 0
     with monkeypatch.context() as m:
-        steady, sched, (checks, feeds, counts) = _run(tiny, async_scheduling, mode, True, m,
-                                                      blocks, columns)
+        steady, sched, (checks, feeds) = _run(tiny, async_scheduling, mode, True, m, blocks)
     assert set(general) == {f"r{i}" for i in range(12)}
     assert steady == general
-    if columns:
-        assert counts["steady"] > 5 and counts["rows"] > 5, counts
-        assert (counts["pending"] > 5) == async_scheduling, counts
     # Many steps were steady, and built from columns: the plain greedy tail of the run.
     assert sched.num_steady_steps > 10 and len(checks) > 5, (sched.num_steady_steps, checks)
     assert sched.num_steady_cuts > 0  # cohorts cut down as their sequences ended
