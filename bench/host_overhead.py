@@ -138,6 +138,20 @@ class _Runner:
 
 
 ENGINE_ARGS: dict = {}  # `--engine-arg`: EngineConfig fields for every engine measured
+# `--baton IN,OUT` (file descriptors; `host_overhead_ab.py --lockstep`): each timed step
+# waits for a byte on IN and reports on OUT once done, so a referee can run two engines'
+# steps in turn, each while the other waits, and both meet the host's speed of the moment.
+BATON: tuple[int, int] | None = None
+
+
+def _baton_wait() -> None:
+    if BATON is not None and os.read(BATON[0], 1) != b"g":
+        raise RuntimeError("the lockstep referee went away")
+
+
+def _baton_pass(signal: bytes) -> None:
+    if BATON is not None:
+        os.write(BATON[1], signal)
 SETTLE_STEPS = 8  # untimed decode steps between start-up (heap frozen) and the timed ones
 # The speed probe timed after each step: ~60 us of plain Python (a generator, integer
 # arithmetic), the same kind of work as the step's host code and none of its data.
@@ -359,8 +373,10 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 collections.append((info["generation"], time.perf_counter() - started[0]))
 
         gc.callbacks.append(on_gc)
+        _baton_pass(b"r")  # ready: the referee starts the timed steps once both are
         try:
             for _ in range(steps):
+                _baton_wait()
                 t0 = time.perf_counter()
                 outs = engine.step()
                 if ipc:  # what the engine process adds: its outputs made ready for the pipe
@@ -368,6 +384,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                                  protocol=pickle.HIGHEST_PROTOCOL)
                 times.append(time.perf_counter() - t0)
                 probes.append(_probe_us())
+                _baton_pass(b"d")
         finally:
             gc.callbacks.remove(on_gc)
         if phases is not None:
@@ -460,12 +477,20 @@ def main() -> None:
     ap.add_argument("--trace", default=None, metavar="FILE",
                     help="also write every timed step's ms and speed probe (us), per row, "
                          "to FILE (JSON)")
+    ap.add_argument("--baton", default=None, metavar="IN,OUT",
+                    help="(`host_overhead_ab.py --lockstep`) inherited file descriptors: wait "
+                         "for a byte on IN before each timed step, write one to OUT after it")
     ap.add_argument("--metadata", action="store_true",
                     help="instead: sampling metadata row by row vs from the persistent "
                          "SamplingBatch at --seqs rows, --reps rounds, written to "
                          "host_overhead_metadata.json")
     args = ap.parse_args()
     import ast
+
+    if args.baton:
+        global BATON
+        fd_in, fd_out = map(int, args.baton.split(","))
+        BATON = (fd_in, fd_out)
 
     for kv in args.engine_arg:
         k, v = kv.split("=", 1)
