@@ -188,8 +188,13 @@ PHASES = [
     # Steady decode steps build theirs from columns (stop 61): the same stage.
     ("pagedjax.engine", "steady_decode_inputs", "  step inputs"),
     ("pagedjax.engine:LLMEngine", "_sampling_metadata", "  sampling metadata"),
+    # Async scheduling: the tokens a launched step samples made pending, and the rows that
+    # feed the last step's pending tokens to this one.
+    ("pagedjax.engine:LLMEngine", "_mark_pending", "  pending tokens"),
+    ("pagedjax.engine:LLMEngine", "_feed_pending", "  token feed"),
     ("pagedjax.core.scheduler:Scheduler", "update_after_step", "update_after_step"),
     ("pagedjax.engine:LLMEngine", "_finish", "finish"),
+    ("jax", "device_get", "  device_get"),
     ("pagedjax.engine:LLMEngine", "_apply_samples", "  apply samples"),
     ("pagedjax.core.scheduler:Scheduler", "update_from_output", "    update_from_output"),
     # Plain decode steps apply their rows here instead (stop 59): the same stage.

@@ -305,6 +305,7 @@ class LLMEngine:
         self._steady_rows: tuple[int, tuple] | None = None
         self._steady_plain: tuple[int, int] | None = None
         self._steady_quiet = 0
+        self._steady_caps: tuple[int, list[int]] | None = None  # `_pending_caps`
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
             self.warmup()
@@ -1225,6 +1226,15 @@ class LLMEngine:
         row_info = fl.row_info
         fl.tokens = self.runner.sampled_tokens(out.token_ids)
         spec_rows, pending_rows, max_len = fl.spec_rows, fl.pending_rows, self.max_model_len
+        if fl.plain and not spec_rows:  # no fork, beam or draft: a row's cap decides
+            r = 0
+            for (_, seq, _, _), cap in zip(row_info, self._pending_caps(fl.sched.steady, row_info)):
+                n = seq.num_pending + 1
+                if len(seq.output_token_ids) + n < cap:  # else certainly its last token
+                    seq.num_pending = n
+                    pending_rows[seq.seq_id] = r
+                r += 1
+            return fl
         for r, (req, seq, _index, fan_out) in enumerate(row_info):
             if fan_out or req.params.use_beam_search:  # forks are decided on the host
                 fl.needs_sync = True
@@ -1242,6 +1252,27 @@ class LLMEngine:
             seq.num_pending += 1
             pending_rows[seq.seq_id] = r
         return fl
+
+    def _pending_caps(self, run, row_info: list[tuple]) -> list[int]:
+        """Per plain row, the output count its sequence ends at (`max_tokens`, or what
+        `max_model_len` leaves after its prompt): a token that reaches it is certainly the
+        last. Fixed per request, so kept per steady cohort (``run``: the step's
+        `SteadyRun`) and cut with it, as `_rows_for` keeps the rows."""
+        kept = self._steady_caps
+        if run is not None and kept is not None:
+            c = run.cohort
+            if kept[0] == c.key:
+                return kept[1]
+            if c.parent is not None and kept[0] == c.parent[0]:
+                caps = [kept[1][i] for i in c.parent[1]]
+                self._steady_caps = (c.key, caps)
+                return caps
+        max_len = self.max_model_len
+        caps = [min(req.params.max_tokens, max_len - len(seq.prompt_token_ids))
+                for req, seq, _, _ in row_info]
+        if run is not None:
+            self._steady_caps = (run.cohort.key, caps)
+        return caps
 
     def _token_masks(self, row_info, rows, fl: _InFlight
                      ) -> tuple[dict[int, np.ndarray] | None, dict[int, list[int]] | None]:

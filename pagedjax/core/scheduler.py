@@ -419,7 +419,8 @@ class Scheduler:
         row's owner (any object with a ``group``), its group's lone sequence, and two fields
         this ignores (the engine's row info). No fork, no draft: each token appends to its
         sequence, checked as there. ``pending``: sequence id -> row, for rows whose token
-        the sequence holds as pending (async scheduling). A sequence that finished or was
+        the sequence holds as pending (async scheduling; the step's own: it names only
+        sequences of ``rows``, one row each). A sequence that finished or was
         aborted meanwhile drops its token: its group may be gone, or its id reused.
         Returns the applied tokens and their count; ``ended_only``: only those that finished
         their sequence are listed (the caller has nothing to do for the others)."""
@@ -427,11 +428,14 @@ class Scheduler:
         add = applied.append
         i = -1
         num_applied = 0
+        # Every row pending (a steady async step): rows are distinct sequences, so as many
+        # entries as rows means each row's own (no lookup per row).
+        every = len(pending) == len(rows)
         for (owner, seq, _, _), tok, lp in zip(rows, token_ids, logprobs):
             i += 1
             if seq.status._value_ >= _FIRST_FINISHED:
                 continue
-            if pending and pending.get(seq.seq_id) == i:
+            if every or pending and pending.get(seq.seq_id) == i:
                 seq.num_pending -= 1
             out = seq.output_token_ids
             out.append(tok)

@@ -19,6 +19,7 @@ from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.core import Scheduler
 from pagedjax.core.scheduler import PENDING_TOKEN
+from pagedjax.core.sequence import SequenceStatus
 from pagedjax.worker.step_inputs import build_step_inputs
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
@@ -102,6 +103,18 @@ def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blo
         monkeypatch.setattr(engine_mod.LLMEngine, "_steady_feed", _checked_feed(feeds))
     else:
         monkeypatch.setattr(Scheduler, "_steady_step", lambda self, st: False)
+    # Sequences that ended by length, at their end: (tokens computed, tokens). The last
+    # token is certainly the last (max_tokens or the model's length), so async scheduling
+    # never schedules a step that computes it (`LLMEngine._pending_caps`).
+    ends: list[tuple[int, int]] = []
+    real_free = Scheduler.free_finished_seq_groups
+
+    def free(self):
+        ends.extend((s.num_computed_tokens, s.num_total_tokens) for g in self.running
+                    for s in g.seqs if s.status is SequenceStatus.FINISHED_LENGTH)
+        return real_free(self)
+
+    monkeypatch.setattr(Scheduler, "free_finished_seq_groups", free)
     # max_model_len 72: some sequences end at the model's length, not their max_tokens.
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=blocks, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=72,
@@ -133,6 +146,7 @@ def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blo
     bm = engine.block_manager
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
+    assert len(ends) > 3 and all(c == t - 1 for c, t in ends), ends
     return results, engine.scheduler, (checks, feeds)
 
 
