@@ -162,3 +162,34 @@ def test_ab_summary_groups_runs_by_configuration_and_version():
     s = summarize([{"version": "new", "rows": [{**run("new", 1.0)["rows"][0], **tail}]}])
     new = s["final_only greedy 256"]["new"]
     assert {f: new[f] for f in tail} == {f: [v] for f, v in tail.items()}
+
+
+def test_lockstep_referees_both_versions_in_turns(demo_gguf, tmp_path):
+    """`host_overhead_ab.py --lockstep`: two processes (here the same tree twice) run their
+    timed steps as refereed over pipes (`host_overhead.py --baton`), every configuration
+    and step accounted for, and the paired per-step ratios come from their traces."""
+    import argparse
+
+    from bench.host_overhead_ab import ROOT, paired_ratios, run_lockstep
+
+    args = argparse.Namespace(seqs="4,8", kinds="final_only", mixes="greedy", steps=5, turn=2,
+                              engine_arg=[], cpu=0)
+    got = run_lockstep({"base": ROOT, "new": ROOT}, args, tmp_path, 0, "new")
+    for rows, trace in got.values():
+        assert [(r["num_seqs"], r["steps"]) for r in rows] == [(4, 5), (8, 5)]
+        assert [len(t["step_ms_and_probe_us"]) for t in trace] == [5, 5]
+    ratios = paired_ratios(got["base"][1], got["new"][1])
+    assert set(ratios) == {"final_only greedy 4", "final_only greedy 8"}
+    assert all(r > 0 for r in ratios.values())
+
+
+def test_paired_ratios_pair_steps_by_index():
+    from bench.host_overhead_ab import paired_ratios
+
+    def trace(ms):
+        return [{"output_kind": "delta", "mix": "greedy", "num_seqs": 256,
+                 "step_ms_and_probe_us": [(t, 60.0) for t in ms]}]
+
+    # Step k against step k: a slow spell at steps 2-3 on both sides cancels out.
+    got = paired_ratios(trace([1.0, 1.0, 3.0, 3.0, 1.0]), trace([0.5, 0.5, 1.5, 1.5, 0.5]))
+    assert got == {"delta greedy 256": 0.5}
