@@ -594,6 +594,58 @@ class BlockManager:
             for hid in list(self._pending_handles):
                 self._try_pin(self._handles[hid])
 
+    def publish_computed(self, pairs: Iterable[tuple[Sequence, int]]) -> None:
+        """`mark_blocks_computed(seq, n)` for each (sequence, computed length) of a step, in
+        order, in one call. Sequences of equal prompt lengths (`LLM.generate`'s batches, the
+        benchmarks) cross block boundaries together, so one decode step in ``block_size``
+        publishes a block for each of them: at 256 sequences those 256 calls made that step
+        several times a plain one, and so the p99 of the steps. Here the loop runs with the
+        pool's methods and the key's packer fetched once (`block_pool.block_key`'s bytes)."""
+        if not self.enable_prefix_caching or self._tag:  # nothing to do / a group's own keys
+            for seq, n in pairs:
+                self.mark_blocks_computed(seq, n)
+            return
+        bs, seqs, gate = self.block_size, self._seqs, self._gate
+        alive, register = self.gpu.alive, self.gpu.register
+        pack = block_pool._ints(bs + 2).pack  # (count, parent serial, tokens): `block_key`
+        extra_bytes = block_pool._extra_bytes
+        for seq, n in pairs:
+            st = seqs.get(seq.seq_id)
+            if st is None or st.on_cpu:
+                continue
+            if not st.publish:  # the cache was reset under it: only a new table publishes
+                if gate:
+                    seq.publish_at = _NEVER
+                continue
+            chain = st.chain
+            n_full = n // bs
+            if len(chain) >= n_full:
+                if gate:
+                    seq.publish_at = (len(chain) + 1) * bs
+                continue
+            table = st.table
+            if n_full > len(table):
+                n_full = len(table)
+            parent = chain[-1] if chain else ROOT_SERIAL
+            extra = extra_bytes(st.extra)
+            for i in range(len(chain), n_full):
+                if parent != ROOT_SERIAL and not alive(parent):
+                    break  # children of an evicted entry would be unreachable
+                if table[i] == NULL_BLOCK:
+                    break  # released by the window before it was published
+                entry = register(table[i],
+                                 pack(bs, parent, *seq.get_token_slice(i * bs, (i + 1) * bs))
+                                 + extra)
+                if entry is None:
+                    break
+                chain.append(entry)
+                parent = entry
+            if gate:
+                seq.publish_at = (len(chain) + 1) * bs
+            if self._pending_handles:
+                for hid in list(self._pending_handles):
+                    self._try_pin(self._handles[hid])
+
     def register_prefix(
         self,
         token_ids: Iterable[int],

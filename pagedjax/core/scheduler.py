@@ -512,9 +512,14 @@ class Scheduler:
         sequences: the decode fast path advanced its own when it scheduled them) and publish
         newly full blocks."""
         mark = self.bm.mark_blocks_computed
-        for seq, m in output.publish:
-            if seq.status._value_ < _FIRST_FINISHED:  # else e.g. aborted meanwhile
-                mark(seq, m)
+        publish = getattr(self.bm, "publish_computed", None)
+        if publish is not None and len(output.publish) > 1:  # one call for the step's blocks
+            publish([(seq, m) for seq, m in output.publish
+                     if seq.status._value_ < _FIRST_FINISHED])  # else e.g. aborted meanwhile
+        else:
+            for seq, m in output.publish:
+                if seq.status._value_ < _FIRST_FINISHED:
+                    mark(seq, m)
         for seq, d in output.advance:
             if seq.status._value_ >= _FIRST_FINISHED:
                 continue

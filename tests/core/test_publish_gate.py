@@ -15,7 +15,9 @@ from pagedjax.core import Scheduler
 from pagedjax.core.block_manager import BlockManager
 
 
-def _run(requests, cfg, gate: bool) -> tuple[list, dict, list, int]:
+def _run(requests, cfg, gate: bool, batched: bool = True) -> tuple[list, dict, list, int]:
+    """``batched``: a step's blocks published in one call (`BlockManager.publish_computed`),
+    else one `mark_blocks_computed` call per sequence."""
     real_mark = BlockManager.mark_blocks_computed
     real_after = Scheduler.update_after_step
     skipped = 0
@@ -43,6 +45,10 @@ def _run(requests, cfg, gate: bool) -> tuple[list, dict, list, int]:
         mp.setattr(Scheduler, "update_after_step", checked)
         if not gate:
             mp.setattr(BlockManager, "mark_blocks_computed", ungated)
+            mp.setattr(BlockManager, "publish_computed",
+                       lambda self, pairs: [ungated(self, seq, n) for seq, n in pairs])
+        if not batched:
+            mp.setattr(BlockManager, "publish_computed", None)
         e = FakeEngine(**cfg)
         pending = list(requests)
         traces = []
@@ -83,7 +89,9 @@ def test_same_steps_and_cache_with_and_without_the_gate(reqs, blocks, block_size
                max_num_batched_tokens=16, max_num_seqs=6, max_model_len=64)
     gated = _run(requests, cfg, True)
     every = _run(requests, cfg, False)
+    one_by_one = _run(requests, cfg, True, batched=False)
     assert gated[:3] == every[:3]
+    assert one_by_one == gated  # the batched publish is the calls it stands for
     assert every[3] == 0  # the ungated run never skips
 
 
