@@ -427,13 +427,14 @@ class Scheduler:
         applied: list[AppliedToken] = []
         add = applied.append
         i = -1
-        num_applied = 0
+        dropped = 0
         # Every row pending (a steady async step): rows are distinct sequences, so as many
         # entries as rows means each row's own (no lookup per row).
         every = len(pending) == len(rows)
         for (owner, seq, _, _), tok, lp in zip(rows, token_ids, logprobs):
             i += 1
             if seq.status._value_ >= _FIRST_FINISHED:
+                dropped += 1
                 continue
             if every or pending and pending.get(seq.seq_id) == i:
                 seq.num_pending -= 1
@@ -441,19 +442,19 @@ class Scheduler:
             out.append(tok)
             seq.output_logprobs.append(lp)
             seq.cumulative_logprob += lp
-            n_out = len(out)
             g = owner.group
-            stops = g.stops
-            stopped, reason = stops.check(tok, n_out) if tok in stops.any_ids else _GO_ON
-            num_applied += 1
-            if stopped:
-                self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
-            elif n_out >= g.output_limit:
+            if tok in g.stops.any_ids:  # `TokenStops.check` only for a token that may stop it
+                stopped, reason = g.stops.check(tok, len(out))
+                if stopped:
+                    self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
+                    add(new_tuple(AppliedToken, (i, g, seq, False, reason)))
+                    continue
+            if len(out) >= g.output_limit:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
             elif ended_only:
                 continue
-            add(new_tuple(AppliedToken, (i, g, seq, False, reason)))
-        return applied, num_applied
+            add(new_tuple(AppliedToken, (i, g, seq, False, None)))
+        return applied, i + 1 - dropped
 
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:
         """Finish a sequence for a reason the scheduler cannot see (a stop string in its
