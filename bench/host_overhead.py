@@ -152,6 +152,8 @@ def _baton_wait() -> None:
 def _baton_pass(signal: bytes) -> None:
     if BATON is not None:
         os.write(BATON[1], signal)
+
+
 SETTLE_STEPS = 8  # untimed decode steps between start-up (heap frozen) and the timed ones
 # The speed probe timed after each step: ~60 us of plain Python (a generator, integer
 # arithmetic), the same kind of work as the step's host code and none of its data.
