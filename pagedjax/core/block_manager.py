@@ -554,61 +554,28 @@ class BlockManager:
         nothing (a block fills once every ``block_size`` tokens): the scheduler skips the
         call until then, and every change of the sequence's blocks here (a new table, a
         fork, a free, a swap) resets it to 0."""
-        if not self.enable_prefix_caching:
-            if self._gate:
-                seq.publish_at = _NEVER
-            return
-        st = self._seqs.get(seq.seq_id)
-        if st is None or st.on_cpu:
-            return
-        if not st.publish:  # the cache was reset under it: only a new table publishes again
-            if self._gate:
-                seq.publish_at = _NEVER
-            return
-        if num_computed_tokens is None:
-            num_computed_tokens = seq.num_computed_tokens
-        bs = self.block_size
-        chain = st.chain
-        n_full = num_computed_tokens // bs
-        if len(chain) >= n_full:
-            if self._gate:
-                seq.publish_at = (len(chain) + 1) * bs
-            return
-        n_full = min(n_full, len(st.table))
-        parent = chain[-1] if chain else ROOT_SERIAL
-        alive = self.gpu.alive
-        for i in range(len(chain), n_full):
-            if parent != ROOT_SERIAL and not alive(parent):
-                break  # children of an evicted entry would be unreachable
-            if st.table[i] == NULL_BLOCK:
-                break  # released by the window before it was published
-            key = self._key(parent, seq.get_token_slice(i * bs, (i + 1) * bs), st.extra)
-            entry = self.gpu.register(st.table[i], key)
-            if entry is None:
-                break
-            chain.append(entry)
-            parent = entry
-        if self._gate:  # a chain stuck short of the full blocks (evicted parent) leaves it low
-            seq.publish_at = (len(chain) + 1) * bs
-        if self._pending_handles:
-            for hid in list(self._pending_handles):
-                self._try_pin(self._handles[hid])
+        n = seq.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        self._publish(((seq, n),))
 
     def publish_computed(self, pairs: Iterable[tuple[Sequence, int]]) -> None:
         """`mark_blocks_computed(seq, n)` for each (sequence, computed length) of a step, in
         order, in one call. Sequences of equal prompt lengths (`LLM.generate`'s batches, the
         benchmarks) cross block boundaries together, so one decode step in ``block_size``
-        publishes a block for each of them (256 calls at 256 sequences). Here the loop runs
-        with the pool's methods and the key's packer fetched once (`block_pool.block_key`'s
-        bytes): ~25 % less on that step in a scheduler-only loop."""
-        if not self.enable_prefix_caching or self._tag:  # nothing to do / a group's own keys
-            for seq, n in pairs:
-                self.mark_blocks_computed(seq, n)
+        publishes a block for each of them (256 calls at 256 sequences): one call fetches
+        the pool's methods once."""
+        self._publish(pairs)
+
+    def _publish(self, pairs: Iterable[tuple[Sequence, int]]) -> None:
+        """The one loop behind both: tests patch it to see every publish."""
+        gate = self._gate
+        if not self.enable_prefix_caching:
+            if gate:
+                for seq, _ in pairs:
+                    seq.publish_at = _NEVER
             return
-        bs, seqs, gate = self.block_size, self._seqs, self._gate
+        bs, seqs, tag = self.block_size, self._seqs, self._tag
         alive, register = self.gpu.alive, self.gpu.register
-        pack = block_pool._ints(bs + 2).pack  # (count, parent serial, tokens): `block_key`
-        extra_bytes = block_pool._extra_bytes
+        key = block_pool.block_key  # looked up per call: tests replace it (`CollidingKey`)
         for seq, n in pairs:
             st = seqs.get(seq.seq_id)
             if st is None or st.on_cpu:
@@ -627,24 +594,24 @@ class BlockManager:
             if n_full > len(table):
                 n_full = len(table)
             parent = chain[-1] if chain else ROOT_SERIAL
-            extra = extra_bytes(st.extra)
+            # A hybrid model's groups hold different layers' KV for equal tokens.
+            extra = st.extra + tag if tag else st.extra
             for i in range(len(chain), n_full):
                 if parent != ROOT_SERIAL and not alive(parent):
                     break  # children of an evicted entry would be unreachable
                 if table[i] == NULL_BLOCK:
                     break  # released by the window before it was published
-                entry = register(table[i],
-                                 pack(bs, parent, *seq.get_token_slice(i * bs, (i + 1) * bs))
-                                 + extra)
+                entry = register(table[i], key(parent, seq.get_token_slice(i * bs, (i + 1) * bs),
+                                               extra))
                 if entry is None:
                     break
                 chain.append(entry)
                 parent = entry
-            if gate:
+            if gate:  # a chain stuck short of the full blocks (evicted parent) leaves it low
                 seq.publish_at = (len(chain) + 1) * bs
-            if self._pending_handles:
-                for hid in list(self._pending_handles):
-                    self._try_pin(self._handles[hid])
+        if self._pending_handles:  # registering evicts nothing: pin once after the step's
+            for hid in list(self._pending_handles):
+                self._try_pin(self._handles[hid])
 
     def register_prefix(
         self,

@@ -150,6 +150,28 @@ def test_constant_hash_never_reuses_other_prompts_blocks(monkeypatch):
     assert first_start(e, "shifted") == 0
 
 
+@pytest.mark.parametrize("colliding", [False, True])
+def test_decode_blocks_published_together_are_hits(colliding, monkeypatch):
+    """Equal-length sequences fill a block in the same decode step, and the scheduler
+    publishes those blocks in one call (`BlockManager.publish_computed`): they must be keyed
+    as a lookup keys them, under a replaced `block_key` too (``colliding``: every key hashes
+    alike), so a prompt that continues one of them hits its decoded blocks and only those."""
+    if colliding:
+        monkeypatch.setattr(block_pool, "block_key", CollidingKey)
+    e = FakeEngine(num_gpu_blocks=64, block_size=BS, enable_prefix_caching=True)
+    prompts = {f"r{i}": [10 * i + j + 1 for j in range(BS + 1)] for i in range(4)}
+    for rid, p in prompts.items():
+        e.add(rid, p, max_tokens=2 * BS)
+    e.run()
+    assert any(len(o.publish) > 1 for o in e.outputs)  # the batched call ran
+    for rid, p in prompts.items():
+        e.add("c" + rid, p + e.outputs_of(rid)[0] + [99], max_tokens=1)
+        e.run()
+        # prompt + 2*BS outputs = 3*BS + 1 tokens, of which 2*BS + BS computed: 3 full blocks
+        assert first_start(e, "c" + rid) == 3 * BS, rid
+    e.bm.check_invariants()
+
+
 def test_collision_with_evicted_parent_is_a_miss(monkeypatch):
     """A child entry keyed under an evicted parent must not match a new, different parent."""
     monkeypatch.setattr(block_pool, "block_key", CollidingKey)

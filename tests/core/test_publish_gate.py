@@ -19,12 +19,16 @@ def _run(requests, cfg, gate: bool, batched: bool = True) -> tuple[list, dict, l
     """``batched``: a step's blocks published in one call (`BlockManager.publish_computed`),
     else one `mark_blocks_computed` call per sequence."""
     real_mark = BlockManager.mark_blocks_computed
+    real_publish = BlockManager._publish
     real_after = Scheduler.update_after_step
     skipped = 0
 
-    def ungated(self, seq, n=None):
-        real_mark(self, seq, n)
-        seq.publish_at = 0  # every later step calls it again
+    def ungated(self, pairs):
+        """Both publishing calls go through `_publish`."""
+        pairs = list(pairs)
+        real_publish(self, pairs)
+        for seq, _ in pairs:
+            seq.publish_at = 0  # every later step calls it again
 
     def checked(self, out):
         """After the step: every call the gate skips would have published nothing."""
@@ -44,9 +48,7 @@ def _run(requests, cfg, gate: bool, batched: bool = True) -> tuple[list, dict, l
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Scheduler, "update_after_step", checked)
         if not gate:
-            mp.setattr(BlockManager, "mark_blocks_computed", ungated)
-            mp.setattr(BlockManager, "publish_computed",
-                       lambda self, pairs: [ungated(self, seq, n) for seq, n in pairs])
+            mp.setattr(BlockManager, "_publish", ungated)
         if not batched:
             mp.setattr(BlockManager, "publish_computed", None)
         e = FakeEngine(**cfg)
