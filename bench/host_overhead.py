@@ -201,6 +201,8 @@ PHASES = [
     ("pagedjax.core.scheduler:Scheduler", "update_from_output", "    update_from_output"),
     # Plain decode steps apply their rows here instead (stop 59): the same stage.
     ("pagedjax.core.scheduler:Scheduler", "update_from_rows", "    update_from_output"),
+    # And steady steps of quiet rows here (stop 63).
+    ("pagedjax.core.scheduler:Scheduler", "update_steady", "    update_from_output"),
     ("pagedjax.output_processor:OutputProcessor", "process", "    output processing"),
     ("pagedjax.detokenizer:Detokenizer", "step", "      detokenization"),
     ("pagedjax.detokenizer:Detokenizer", "append_token", "      detokenization"),

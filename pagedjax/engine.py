@@ -1550,9 +1550,13 @@ class LLMEngine:
                     break
             if quiet and run is not None:
                 self._steady_quiet = run.cohort.key
-        applied, num_applied = self.scheduler.update_from_rows(
-            row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows,
-            ended_only=quiet)
+        if quiet and run is not None:  # rows are the cohort's sequences, in order
+            applied, num_applied = self.scheduler.update_steady(
+                run, out.token_ids.tolist(), fl.pending_rows)
+        else:
+            applied, num_applied = self.scheduler.update_from_rows(
+                row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows,
+                ended_only=quiet)
         for req, seq in self.outputs.process(applied, None, out, row_info, num_applied):
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
 

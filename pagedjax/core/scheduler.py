@@ -399,7 +399,6 @@ class Scheduler:
                 seq.num_pending -= 1
             out = seq.output_token_ids
             out.append(tok)  # `Sequence.append_token`, inlined: once per token of every step
-            seq.output_logprobs.append(lp)
             seq.cumulative_logprob += lp
             n_out = len(out)
             stops = g.stops
@@ -440,7 +439,6 @@ class Scheduler:
                 seq.num_pending -= 1
             out = seq.output_token_ids
             out.append(tok)
-            seq.output_logprobs.append(lp)
             seq.cumulative_logprob += lp
             g = owner.group
             if tok in g.stops.any_ids:  # `TokenStops.check` only for a token that may stop it
@@ -455,6 +453,63 @@ class Scheduler:
                 continue
             add(new_tuple(AppliedToken, (i, g, seq, False, None)))
         return applied, i + 1 - dropped
+
+    def update_steady(self, run: SteadyRun, token_ids: list[int], pending: dict[int, int]
+                      ) -> tuple[list[AppliedToken], int]:
+        """`update_from_rows(..., ended_only=True)` for a steady step (``run``) whose rows are
+        its cohort's sequences, in order, and whose requests read no logprob (`quiet` rows:
+        nothing reports their logprobs or cumulative logprob, so neither is kept). Each row
+        is an append and a length test in one loop over the cohort's columns
+        (`DecodeCohort.columns`); stop ids are looked for over the step's tokens at once (a
+        set's `isdisjoint`, in C), and only rows holding one are checked as there. Same
+        tokens, finishes, reasons and order as `update_from_rows`."""
+        c = run.cohort
+        seqs, groups = c.seqs, c.groups
+        outs, limits, stop_any = c.columns()
+        first_finished = _FIRST_FINISHED
+        long: list[int] = []  # rows at their output limit
+        dropped: list[int] | None = None  # rows of sequences finished (or aborted) meanwhile
+        every = len(pending) == len(seqs)  # rows are distinct sequences: each row's own
+        i = -1
+        for seq, out, tok, limit in zip(seqs, outs, token_ids, limits):
+            i += 1
+            if seq.status._value_ >= first_finished:
+                if dropped is None:
+                    dropped = []
+                dropped.append(i)
+                continue
+            if every:
+                seq.num_pending -= 1
+            out.append(tok)
+            if len(out) >= limit:
+                long.append(i)
+        gone = set(dropped) if dropped else ()
+        if pending and not every:
+            for r in pending.values():
+                if r not in gone:
+                    seqs[r].num_pending -= 1
+        if stop_any.isdisjoint(token_ids):
+            hits: list[int] = []
+        else:
+            hits = [r for r, t in zip(range(len(seqs)), token_ids) if t in stop_any]
+        if not (long or hits):
+            return [], i + 1 - len(gone)
+        stops = set(hits)
+        applied: list[AppliedToken] = []
+        for r in sorted(stops.union(long)):  # in row order, as `update_from_rows`
+            if r in gone:
+                continue
+            g, seq = groups[r], seqs[r]
+            if r in stops and token_ids[r] in g.stops.any_ids:
+                stopped, reason = g.stops.check(token_ids[r], len(outs[r]))
+                if stopped:
+                    self._finish_seq(g, seq, SequenceStatus.FINISHED_STOPPED)
+                    applied.append(new_tuple(AppliedToken, (r, g, seq, False, reason)))
+                    continue
+            if len(outs[r]) >= limits[r]:
+                self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
+                applied.append(new_tuple(AppliedToken, (r, g, seq, False, None)))
+        return applied, i + 1 - len(gone)
 
     def stop_seq(self, seq: Sequence, status: SequenceStatus, request_id: str) -> None:
         """Finish a sequence for a reason the scheduler cannot see (a stop string in its

@@ -59,7 +59,6 @@ class Sequence:
         "seq_id",
         "prompt_token_ids",
         "output_token_ids",
-        "output_logprobs",
         "num_computed_tokens",
         "cumulative_logprob",
         "status",
@@ -74,8 +73,10 @@ class Sequence:
         if not self.prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token")
         self.output_token_ids: list[int] = []
-        self.output_logprobs: list[float] = []
         self.num_computed_tokens = 0
+        # The sum of its tokens' logprobs, kept where something reads it: requests that ask
+        # for logprobs report it, beams and best_of rank by it. A steady step of quiet rows
+        # (`Scheduler.update_steady`: none of them reports a logprob) leaves it.
         self.cumulative_logprob = 0.0
         self.status = SequenceStatus.WAITING
         self.num_pending = 0  # sampled on the device, not yet applied (async scheduling)
@@ -122,14 +123,12 @@ class Sequence:
 
     def append_token(self, token_id: int, logprob: float = 0.0) -> None:
         self.output_token_ids.append(token_id)
-        self.output_logprobs.append(logprob)
         self.cumulative_logprob += logprob
 
     def fork(self, new_seq_id: int) -> Sequence:
         """Child for n>1 sampling / beam search; shares history, KV shared via BlockManager.fork."""
         child = Sequence(new_seq_id, self.prompt_token_ids)
         child.output_token_ids = list(self.output_token_ids)
-        child.output_logprobs = list(self.output_logprobs)
         child.num_computed_tokens = self.num_computed_tokens
         child.cumulative_logprob = self.cumulative_logprob
         child.status = self.status

@@ -33,7 +33,7 @@ class DecodeCohort:
     for all. ``key``: a fresh int per cohort, for caches of it elsewhere."""
 
     __slots__ = ("groups", "seqs", "tables", "room", "layout", "pending", "key", "parent",
-                 "_request_ids")
+                 "_request_ids", "_columns")
 
     def __init__(self, groups: list[SequenceGroup], seqs: list[Sequence], tables: list[list[int]],
                  room: int, pending: int,
@@ -46,6 +46,7 @@ class DecodeCohort:
         # caches of that cohort (rows, row info) are cut the same way instead of rebuilt.
         self.parent = parent
         self._request_ids: frozenset[str] | None = None
+        self._columns: tuple[list[list[int]], list[int], frozenset[int]] | None = None
 
     def without_gone(self, running: list[SequenceGroup]) -> DecodeCohort | None:
         """The cohort cut down to ``running`` if that is this cohort's groups with some left
@@ -65,8 +66,23 @@ class DecodeCohort:
         """The cohort of the groups at ``kept`` (indices, in order)."""
         groups, seqs, tables = self.groups, self.seqs, self.tables
         groups = [groups[i] for i in kept]
-        return DecodeCohort(groups, [seqs[i] for i in kept], [tables[i] for i in kept],
-                            sum(g.n for g in groups), self.pending, (self.key, kept))
+        c = DecodeCohort(groups, [seqs[i] for i in kept], [tables[i] for i in kept],
+                         sum(g.n for g in groups), self.pending, (self.key, kept))
+        if self._columns is not None:  # (the stop ids of groups left out only cost a check)
+            outs, limits, stop_any = self._columns
+            c._columns = [outs[i] for i in kept], [limits[i] for i in kept], stop_any
+        return c
+
+    def columns(self) -> tuple[list[list[int]], list[int], frozenset[int]]:
+        """What applying a token to each sequence reads (`Scheduler.update_steady`): the
+        sequences' output lists (a sequence keeps its list for life), their groups' output
+        limits (fixed when a group is added) and every stop id of the groups (EOS included).
+        Made once per cohort, cut with it."""
+        if self._columns is None:
+            self._columns = ([s.output_token_ids for s in self.seqs],
+                             [g.output_limit for g in self.groups],
+                             frozenset().union(*(g.stops.any_ids for g in self.groups)))
+        return self._columns
 
     @property
     def request_ids(self) -> frozenset[str]:

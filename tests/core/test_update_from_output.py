@@ -17,6 +17,7 @@ from pagedjax.core import (
     SequenceStatus,
     TokenStops,
 )
+from pagedjax.core.steady_decode import DecodeCohort, SteadyRun
 
 
 def _queued(prompt_len: int, max_tokens: int, stops: TokenStops, max_len: int, n: int = 1):
@@ -217,9 +218,68 @@ def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len, ended_on
             [(a.index, a.seq.seq_id, a.forked, a.stop_reason) for a in want]
         for g, h in zip(ga, gb, strict=True):
             x, y = g.seqs[0], h.seqs[0]
-            assert (x.output_token_ids, x.output_logprobs, x.cumulative_logprob, x.status,
-                    x.num_pending) == (y.output_token_ids, y.output_logprobs,
-                                       y.cumulative_logprob, y.status, y.num_pending)
+            assert (x.output_token_ids, x.cumulative_logprob, x.status, x.num_pending) == \
+                (y.output_token_ids, y.cumulative_logprob, y.status, y.num_pending)
+        assert [g.request_id for g in ra.free_finished_seq_groups()] == \
+            [g.request_id for g in rb.free_finished_seq_groups()]
+    assert ra.has_unfinished_seqs() == rb.has_unfinished_seqs()
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(specs=st.lists(st.tuples(st.integers(1, 10), st.integers(1, 12),
+                                st.frozensets(st.integers(0, 9), max_size=2),
+                                st.frozensets(st.integers(0, 9), max_size=2),
+                                st.integers(0, 4)), min_size=1, max_size=6),
+       steps=st.lists(st.tuples(st.lists(st.tuples(st.integers(0, 9), st.integers(0, 2)),
+                                         min_size=7, max_size=7), st.booleans()),
+                      min_size=1, max_size=14),
+       aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 5)), max_size=3),
+       max_len=st.integers(12, 30))
+def test_steady_rows_apply_as_rows_do(specs, steps, aborts, max_len):
+    """`update_steady` (a steady step of quiet rows: the cohort's sequences, in order) applies
+    a step as `update_from_rows(..., ended_only=True)` does: the same tokens, statuses, stop
+    reasons, pending counts, ended entries and count, with sequences finishing or aborted
+    between steps, the cohort cut down to its running groups on some steps (its columns cut
+    with it), a token past the rows (a padded bucket's) and pending tokens on all rows, on
+    none or on some (async scheduling: a sequence's certainly-last token is not pending)."""
+    (ra, ga), (rb, gb) = _twins(specs, max_len)
+    cohort = DecodeCohort(gb, [g.seqs[0] for g in gb], [[] for _ in gb], len(gb), 0)
+    for t, (row, cut) in enumerate(steps):
+        for when, which in aborts:
+            if when == t and which < len(specs):
+                ra.abort_seq_group(f"r{which}")
+                rb.abort_seq_group(f"r{which}")
+        if cut:  # as `DecodeCohort.without_gone`: the groups still running, in order
+            kept = [i for i, g in enumerate(cohort.groups) if not g.seqs[0].status.is_finished]
+            if not kept:
+                break
+            cohort = cohort.cut(kept)
+        index = {g.request_id: i for i, g in enumerate(ga)}
+        rows = [index[g.request_id] for g in cohort.groups]  # cohort row -> group
+        how = row[-1][1]  # pending: 0 none, 1 every row, 2 the rows marked in `row`
+        pend_a, pend_b = {}, {}
+        for r, i in enumerate(rows):
+            x, y = ga[i].seqs[0], gb[i].seqs[0]
+            if x.status.is_finished or how == 0 or (how == 2 and not row[r][1]):
+                continue
+            pend_a[x.seq_id] = pend_b[y.seq_id] = r
+            x.num_pending += 1
+            y.num_pending += 1
+        toks = [row[r][0] for r in range(len(rows))]
+        lps = [-0.5] * len(toks)
+        want, want_count = ra.update_from_rows(
+            [(_Owner(ga[i]), ga[i].seqs[0], 0, False) for i in rows], toks, lps, pend_a,
+            ended_only=True)
+        run = SteadyRun(cohort, [0] * len(rows), None, [])
+        got, count = rb.update_steady(run, toks + [row[-1][0]], pend_b)  # + a padding row
+        assert count == want_count
+        assert [(a.index, a.seq.seq_id, a.group.request_id, a.forked, a.stop_reason)
+                for a in got] == \
+            [(a.index, a.seq.seq_id, a.group.request_id, a.forked, a.stop_reason) for a in want]
+        for g, h in zip(ga, gb, strict=True):
+            x, y = g.seqs[0], h.seqs[0]
+            assert (x.output_token_ids, x.status, x.num_pending) == \
+                (y.output_token_ids, y.status, y.num_pending)
         assert [g.request_id for g in ra.free_finished_seq_groups()] == \
             [g.request_id for g in rb.free_finished_seq_groups()]
     assert ra.has_unfinished_seqs() == rb.has_unfinished_seqs()
