@@ -96,6 +96,9 @@ class _Runner:
         self.params = params
         self.mesh = None  # one device: the engine keeps the block tables on it
         self.device_tables = None
+        from pagedjax.worker.model_runner import read_in_place
+
+        self.fetch = read_in_place  # as a one-CPU runner's (the stub's outputs are numpy)
 
     def enable_device_tables(self, rows: int) -> None:
         self.device_tables = rows  # the host's part only: `execute` takes the queued writes
@@ -197,6 +200,8 @@ PHASES = [
     ("pagedjax.core.scheduler:Scheduler", "update_after_step", "update_after_step"),
     ("pagedjax.engine:LLMEngine", "_finish", "finish"),
     ("jax", "device_get", "  device_get"),
+    # A one-CPU runner's results read in place instead (`ModelRunner.fetch`, stop 63).
+    ("pagedjax.worker.model_runner", "read_in_place", "  device_get"),
     ("pagedjax.engine:LLMEngine", "_apply_samples", "  apply samples"),
     ("pagedjax.core.scheduler:Scheduler", "update_from_output", "    update_from_output"),
     # Plain decode steps apply their rows here instead (stop 59): the same stage.

@@ -808,7 +808,7 @@ class LLMEngine:
         free what finished and build the outputs of the requests it advanced."""
         outputs: list[RequestOutput] = []
         try:
-            small, cands, scored = jax.device_get((fl.out, fl.beam_cands, fl.scored))
+            small, cands, scored = self.runner.fetch((fl.out, fl.beam_cands, fl.scored))
         except Exception as exc:  # a device error surfaces here, at the sync
             return self._step_failed(fl.sched, exc, swapped=False)
         if scored is not None:
