@@ -96,8 +96,10 @@ class _Runner:
         self.params = params
         self.mesh = None  # one device: the engine keeps the block tables on it
         self.device_tables = None
-        from pagedjax.worker.model_runner import read_in_place
-
+        try:
+            from pagedjax.worker.model_runner import read_in_place
+        except ImportError:  # an earlier tree (`host_overhead_ab.py --base`): `device_get`
+            read_in_place = None
         self.fetch = read_in_place  # as a one-CPU runner's (the stub's outputs are numpy)
 
     def enable_device_tables(self, rows: int) -> None:
