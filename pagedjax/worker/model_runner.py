@@ -65,10 +65,10 @@ logger = logging.getLogger(__name__)
 LAYER_LOOP_ENV = "PAGEDJAX_LAYER_LOOP"
 
 
-
 def read_in_place(tree):
     """`jax.device_get` for arrays on one CPU device: numpy views of their buffers."""
     return jax.tree.map(np.asarray, tree)
+
 
 def resolve_layer_loop(choice: str | None, tp: int, devices=None) -> str:
     """`EngineConfig.layer_loop`, else $PAGEDJAX_LAYER_LOOP, else "unrolled" on GPUs (any

@@ -384,7 +384,8 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
   const int64_t pos0 = int64_t(kv_len) - q_len + it.q0;  // position of the tile's first query
   // Only the accumulators start at zero: the queries, widened blocks and scores are written
   // before they are read. (Zeroing the whole scratch per item, ~10 KiB, was ~56 MB of
-  // stores per 64-row decode step of the demo model.)
+  // stores per 64-row decode step of the demo model, though `bench/native_ab.py` measured
+  // no time saved: the block reads set the pace.)
   const size_t need = size_t(rows * (2 * D + 2) + 2 * bs * D + bs);
   if (scratch.size() < need) scratch.resize(need);
   float* qf = scratch.data();           // [rows, D] scaled queries
