@@ -573,9 +573,8 @@ class BlockManager:
                 for seq, _ in pairs:
                     seq.publish_at = _NEVER
             return
-        bs, seqs, tag = self.block_size, self._seqs, self._tag
+        bs, seqs, key = self.block_size, self._seqs, self._key
         alive, register = self.gpu.alive, self.gpu.register
-        key = block_pool.block_key  # looked up per call: tests replace it (`CollidingKey`)
         for seq, n in pairs:
             st = seqs.get(seq.seq_id)
             if st is None or st.on_cpu:
@@ -594,8 +593,7 @@ class BlockManager:
             if n_full > len(table):
                 n_full = len(table)
             parent = chain[-1] if chain else ROOT_SERIAL
-            # A hybrid model's groups hold different layers' KV for equal tokens.
-            extra = st.extra + tag if tag else st.extra
+            extra = st.extra
             for i in range(len(chain), n_full):
                 if parent != ROOT_SERIAL and not alive(parent):
                     break  # children of an evicted entry would be unreachable

@@ -170,6 +170,7 @@ def test_decode_blocks_published_together_are_hits(colliding, monkeypatch):
         # prompt + 2*BS outputs = 3*BS + 1 tokens, of which 2*BS + BS computed: 3 full blocks
         assert first_start(e, "c" + rid) == 3 * BS, rid
     e.bm.check_invariants()
+    assert e.bm.gpu.get_num_free() == e.bm.num_gpu_blocks  # cached blocks are evictable
 
 
 def test_collision_with_evicted_parent_is_a_miss(monkeypatch):

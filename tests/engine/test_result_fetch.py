@@ -57,6 +57,9 @@ def test_a_cpu_engine_reads_its_results_in_place_with_the_same_outputs():
         else:
             llm.engine.runner.fetch = fetch
         outs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], sps))
+        bm = llm.engine.block_manager
+        bm.check_invariants()
+        assert bm.get_num_free_gpu_blocks() == llm.engine.runner.num_gpu_blocks
     for a, b in zip(*outs, strict=True):
         assert [(c.token_ids, c.cumulative_logprob, c.logprobs) for c in a.outputs] == \
             [(c.token_ids, c.cumulative_logprob, c.logprobs) for c in b.outputs]
