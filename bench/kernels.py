@@ -56,6 +56,17 @@ def copy_bandwidth(nbytes: int, iters: int) -> float:
     return 2 * nbytes / t / 1e9
 
 
+def read_bandwidth(nbytes: int, iters: int) -> float:
+    """Device read GB/s: a max over an array of ``nbytes``, which reads it once and writes one
+    value. A decode step's traffic is reads (weights, KV), so this, not the copy's read +
+    write rate, is its roofline: on the sixth H200 run the whole 8B step at batch 1 read
+    2.6 TB/s, above the 2.0 TB/s that the copy measured."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(jnp.max)
+    t = bench(lambda: f(x), iters)
+    return nbytes / t / 1e9
+
+
 def make_decode_inputs(batch, ctx, bs, hkv, hq, d, dtype, contiguous, seed=0):
     rng = np.random.default_rng(seed)
     pages = ctx // bs

@@ -37,7 +37,7 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
   engine uses (`pagedjax/chunked_top_k.py`; XLA's GPU top-k sorts every row for k > 16), with
   the share of tokens equal to the one-stage call's (`chunked_same_tokens`); and the top-k
   alone: `top_k128` (`lax.top_k(x, 128)`, the one-stage candidates), `top_k16` (the kernel's
-  largest k) and `chunked_top_k128_c<chunk>` for chunks of 512 to 4096 logits.
+  largest k) and `chunked_top_k128_c<chunk>` for chunks of 128 to 2048 logits.
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
 average at the start. Writes bench/results/cpu/sampler.json and .png.
@@ -137,7 +137,7 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
                     x, m, num_logprobs=20, rows=i, chunked=True)
             calls["top_k128"] = lambda x=logits: top_k128(x)
             calls["top_k16"] = lambda x=logits: top_k16(x)
-            for c in (512, 1024, 2048, 4096):
+            for c in (128, 256, 512, 1024, 2048):
                 calls[f"chunked_top_k128_c{c}"] = lambda x=logits, c=c: chunked128(x, c)
         if on_cpu and cpu_native.available():  # the same calls through the per-row kernel
             for k, x, m in (("sample_top_p", logits, top_p), ("sample_top_p_peaked", peaked, top_p),

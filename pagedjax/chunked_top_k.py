@@ -33,7 +33,7 @@ PER_CHUNK = 16
 
 
 def _chunk_from_env() -> int:
-    raw = os.environ.get("PAGEDJAX_TOPK_CHUNK", "1024")
+    raw = os.environ.get("PAGEDJAX_TOPK_CHUNK", "512")
     try:
         chunk = int(raw)
     except ValueError:
@@ -44,9 +44,12 @@ def _chunk_from_env() -> int:
     return chunk
 
 
-# Logits per chunk. 1024 cuts Llama 3's 128256 into 126 chunks, 2016 first-stage values
-# per row; `bench/sampler.py --platform gpu` times 512 to 4096 (`chunked_top_k128_c<chunk>`).
-# ``PAGEDJAX_TOPK_CHUNK`` sets another size.
+# Logits per chunk. On an H200 (`bench/sampler.py --platform gpu`, vocab 128256, top-128,
+# `sampler_gpu_2026-11-30.json`) 512 was the fastest of 512-4096 at every batch: 0.65 ms at
+# 64 rows and 1.81 ms at 256, against 1.09 / 3.52 ms for 1024 (the first default) and
+# 1.30 / 2.62 ms for one-stage `lax.top_k`; at 1 row all sizes cost ~0.2-0.27 ms. Chunks of
+# 1024 or more made the 256-row step slower than sorting. ``PAGEDJAX_TOPK_CHUNK`` sets
+# another size.
 TOPK_CHUNK = _chunk_from_env()
 
 

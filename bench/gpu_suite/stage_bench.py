@@ -213,6 +213,8 @@ def _run(out_dir: Path, budget: Budget, dry_run: bool, meta: dict) -> Recorder:
     d, dtype = (128, jnp.bfloat16) if not dry_run else (16, jnp.float32)
     copy_gbps = kb.copy_bandwidth((1 << 30) if on_gpu else (1 << 22), iters)
     rec.set("copy_gbps", copy_gbps)
+    # The read rate too: attention reads KV and writes little, so its ceiling is this one.
+    rec.set("read_gbps", kb.read_bandwidth((1 << 31) if on_gpu else (1 << 22), iters))
     rec.set("decode_shape", {"num_kv_heads": hkv, "num_q_heads": hq, "head_dim": d,
                              "dtype": jnp.dtype(dtype).name, "backend": backend})
     from pallas_kernels.mosaic_decode_attention import hopper_target
@@ -261,6 +263,8 @@ def _summaries(rec: Recorder, copy_gbps: float) -> None:
     rows = [r for r in rec.data.get("decode", []) if "time_ms" in r]
     errors = [r for r in rec.data.get("decode", []) if "error" in r]
     rec.summarize("d2d copy bandwidth", f"{copy_gbps:.0f} GB/s", "info")
+    if "read_gbps" in rec.data:
+        rec.summarize("device read bandwidth", f"{rec.data['read_gbps']:.0f} GB/s", "info")
     by = {(r["variant"], r["batch"], r["context"], r["block_size"]): r for r in rows}
     paged = [r for r in rows if r["variant"] == "paged"]
     if paged:

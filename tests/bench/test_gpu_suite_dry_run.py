@@ -57,7 +57,7 @@ def test_kernels_stage_ran_the_tests(dry_run):
 def test_bench_stage_rows_and_tuning_file(dry_run):
     out = dry_run[1]
     rec = _load(out, "bench")
-    assert rec["copy_gbps"] > 0
+    assert rec["copy_gbps"] > 0 and rec["read_gbps"] > 0
     timed = [r for r in rec["decode"] if "time_ms" in r]
     assert {r["variant"] for r in timed} == {"paged", "contiguous", "xla_ref"}
     assert all(r["time_ms"] > 0 and r["gbps"] > 0 for r in timed)
@@ -83,6 +83,12 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
     assert rec["goldens"]["tiny/float32"]["score"]["max_abs_diff"] < 1e-4
     perf = rec["perf"]
     assert perf["decode_vs_roofline"] and all(r["step_ms"] > 0 for r in perf["decode_vs_roofline"])
+    # The roofline is the read rate; the copy's (the first runs' reference) is kept beside it.
+    for r in perf["decode_vs_roofline"]:
+        assert r["roofline_ms"] == pytest.approx((perf["weight_bytes_read_per_step"] + r["batch"]
+                                                  * r["context"] * perf["kv_bytes_per_token"])
+                                                 / perf["read_gbps"] / 1e6)
+        assert r["copy_roofline_ms"] > 0 and r["step_read_gbps"] > 0
     other = perf["other_layer_loop"]  # the first point again under the other layer loop
     assert other["layer_loop"] != perf["layer_loop"] and other["step_ms"] > 0
     assert perf["offline_sharegpt"]["output_tokens"] > 0
