@@ -87,7 +87,8 @@ def _compare(path, tok, native: bool, loop: str, tol: float, n: int = 4, max_tok
 
 @pytest.mark.parametrize("native,loop", [(True, "unrolled"), (False, "scan")])
 def test_demo_gguf_packed_equals_float(demo_gguf, demo_tokenizer, native, loop):
-    _compare(demo_gguf, demo_tokenizer, native, loop, tol=2e-4)
+    # Two prompts, 12 tokens (CI time): every row runs the same packed layouts.
+    _compare(demo_gguf, demo_tokenizer, native, loop, tol=2e-4, n=2, max_tokens=12)
 
 
 def test_gemma3_gguf_packed_equals_float():
