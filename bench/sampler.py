@@ -37,7 +37,10 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
   engine uses (`pagedjax/chunked_top_k.py`; XLA's GPU top-k sorts every row for k > 16), with
   the share of tokens equal to the one-stage call's (`chunked_same_tokens`); and the top-k
   alone: `top_k128` (`lax.top_k(x, 128)`, the one-stage candidates), `top_k16` (the kernel's
-  largest k) and `chunked_top_k128_c<chunk>` for chunks of 128 to 2048 logits.
+  largest k) and `chunked_top_k128_c<chunk>` for chunks of 128 to 2048 logits; and
+  `*_chunked_radix<r>`: three of the chunked calls with the exact search at 2 or 4 bits per
+  pass (`sampler.SEARCH_RADIX_BITS`, opt-in), tokens compared with the bisecting call's
+  (`radix_same_tokens`).
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
 average at the start. Writes bench/results/cpu/sampler.json and .png.
@@ -59,7 +62,30 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152
 
 
-def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
+def radix_sample(r: int):
+    """`sample` with chunked candidates and the exact search at ``r`` bits per pass
+    (`sampler.SEARCH_RADIX_BITS`, read when a call is traced): a jit of its own."""
+    import jax
+
+    import pagedjax.sampler as sampler_mod
+
+    f = jax.jit(lambda x, m, i: sampler_mod.sample.__wrapped__(x, m, num_logprobs=20, rows=i,
+                                                               chunked=True))
+
+    def call(x, m, i):
+        old, sampler_mod.SEARCH_RADIX_BITS = sampler_mod.SEARCH_RADIX_BITS, r
+        try:
+            return f(x, m, i)
+        finally:
+            sampler_mod.SEARCH_RADIX_BITS = old
+
+    return call
+
+
+def child(rows: list[int], iters: int, vocab: int = VOCAB, gpu_calls: bool | None = None
+          ) -> dict:
+    """``gpu_calls`` (default: on a GPU) adds the calls a GPU engine makes: the two-stage
+    top-k, its search radixes, the top-k alone."""
     sys.path.insert(0, str(ROOT))
     import jax
     import jax.numpy as jnp
@@ -80,6 +106,7 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
     kept = keep_freed_memory()
     rng = np.random.default_rng(0)
     on_cpu = jax.default_backend() == "cpu"
+    gpu_calls = not on_cpu if gpu_calls is None else gpu_calls
     out: dict = {"heap_kept": kept, "ms": {}, "device": str(jax.devices()[0].device_kind)}
     argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1))
     fast = jax.jit(first_argmax)
@@ -131,10 +158,17 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
         sampled = {"sample_top_p": (logits, top_p), "sample_logprobs": (logits, with_lp),
                    "sample_top_p_peaked": (peaked, top_p), "sample_penalised": (peaked, penal),
                    "sample_top_k50_peaked": (peaked, top_k50)}
-        if not on_cpu:  # the two-stage top-k a GPU engine samples with, and the top-k alone
+        if gpu_calls:  # the two-stage top-k a GPU engine samples with, and the top-k alone
             for k, (x, m) in sampled.items():
                 calls[f"{k}_chunked"] = lambda x=x, m=m, i=idx: sample(
                     x, m, num_logprobs=20, rows=i, chunked=True)
+            # The exact search 2 and 4 bits per pass (opt-in, PAGEDJAX_SEARCH_RADIX_BITS):
+            # the flat top-p rows take it; the peaked ones show its cost where it is skipped.
+            for r in (2, 4):
+                f = radix_sample(r)
+                for k in ("sample_top_p", "sample_top_p_peaked", "sample_top_k50_peaked"):
+                    x, m = sampled[k]
+                    calls[f"{k}_chunked_radix{r}"] = lambda x=x, m=m, i=idx, f=f: f(x, m, i)
             calls["top_k128"] = lambda x=logits: top_k128(x)
             calls["top_k16"] = lambda x=logits: top_k16(x)
             for c in (128, 256, 512, 1024, 2048):
@@ -157,6 +191,11 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB) -> dict:
                 same = (np.asarray(calls[k]().token_ids)
                         == np.asarray(calls[f"{k}_chunked"]().token_ids)).mean()
                 out.setdefault("chunked_same_tokens", {})[f"{b}/{k}"] = float(same)
+            for r in (2, 4):  # an exact search: the tokens of the bisecting call
+                if f"{k}_chunked_radix{r}" in calls:
+                    same = (np.asarray(calls[f"{k}_chunked"]().token_ids)
+                            == np.asarray(calls[f"{k}_chunked_radix{r}"]().token_ids)).mean()
+                    out.setdefault("radix_same_tokens", {})[f"{b}/{k}/{r}"] = float(same)
         times: dict[str, list[float]] = {k: [] for k in calls}
         for f in calls.values():
             jax.block_until_ready(f())

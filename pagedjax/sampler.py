@@ -36,6 +36,7 @@ sample ``j > 0`` additionally folding in ``j``. Seeds are taken modulo 2**32
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -416,6 +417,24 @@ def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 TOP_CANDIDATES = 128
 
 
+def _radix_from_env() -> int:
+    raw = os.environ.get("PAGEDJAX_SEARCH_RADIX_BITS", "0")
+    if raw not in ("0", "1", "2", "4", "8"):
+        raise ValueError(f"PAGEDJAX_SEARCH_RADIX_BITS: one of 0, 1, 2, 4, 8 (bits of the exact "
+                         f"top-k / top-p search per pass over a row); got {raw!r}")
+    return int(raw)
+
+
+# Bits per pass of the exact threshold search on GPU runners (`_smallest_key`): 0 bisects.
+# Compiled for H100 (deviceless, [256, 128256] rows), the top-p search's loop body is per pass
+# one multi-output reduction over the row for 2 bits (3 pivots; 16 passes), two for 4 bits
+# (15 pivots split 8 + 7; 8 passes), against one per bisection step (32): half the reads of
+# the row either way, with 7 / 20 / 5 kernels per pass. `bench/sampler.py --platform gpu`
+# times both (`*_radix2`, `*_radix4`); opt-in until a GPU run has (the two-stage top-k's
+# first chunk size looked as sound on paper and was slower).
+SEARCH_RADIX_BITS = _radix_from_env()
+
+
 def _order_key(x: jax.Array) -> jax.Array:
     """int32 keys that order like the float32 values (NaN excepted); an involution."""
     u = jax.lax.bitcast_convert_type(x, jnp.int32)
@@ -426,20 +445,47 @@ def _from_order_key(k: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(k ^ ((k >> 31) & 0x7FFFFFFF), jnp.float32)
 
 
-def _smallest_key(pred, rows: int) -> jax.Array:
+def _smallest_key(pred, rows: int, radix_bits: int = 0) -> jax.Array:
     """Per row, the smallest int32 ``m`` with ``pred(m)`` true, for ``pred`` monotone in
-    ``m`` and true at int32 max: 32 bisection steps over the whole key range."""
+    ``m`` and true at int32 max.
+
+    ``radix_bits`` 0: 32 bisection steps over the whole key range, one ``pred`` (one pass
+    over the row) each. ``radix_bits`` r > 0: 32 / r steps, each testing the 2^r - 1 pivots
+    that cut the interval left into 2^r equal parts. The pivots' ``pred`` calls are sibling
+    reductions of the same inputs, which XLA fuses into one kernel: a GPU reads the row
+    once per step instead of once per bit (4 bits: 8 reads instead of 32), for more
+    compares, which a GPU has to spare and a CPU does not (so CPU runners bisect)."""
     info = jnp.iinfo(jnp.int32)
+    if radix_bits == 0:
+        def step(_, c):
+            lo, hi = c
+            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
+            ok = pred(mid)
+            return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-    def step(_, c):
-        lo, hi = c
-        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2), no overflow
-        ok = pred(mid)
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+        lo = jnp.full((rows,), info.min, jnp.int32)
+        hi = jnp.full((rows,), info.max, jnp.int32)
+        return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
+    if 32 % radix_bits:
+        raise ValueError(f"radix_bits must divide 32, got {radix_bits}")
+    parts = 1 << radix_bits
+    flip = jnp.uint32(0x80000000)  # uint32 offsets order like the int32 keys after this flip
 
-    lo = jnp.full((rows,), info.min, jnp.int32)
-    hi = jnp.full((rows,), info.max, jnp.int32)
-    return jax.lax.fori_loop(0, 32, step, (lo, hi))[0]
+    def as_key(u):
+        return jax.lax.bitcast_convert_type(u ^ flip, jnp.int32)
+
+    def radix_step(t, base):
+        # The answer lies in [base, base + parts << shift): pivot j is the last key of part
+        # j - 1, and the parts whose last key fails ``pred`` all lie below the answer.
+        shift = (32 - radix_bits * (t + 1)).astype(jnp.uint32)
+        below = jnp.zeros((rows,), jnp.uint32)
+        for j in range(1, parts):
+            pivot = base + ((jnp.uint32(j) << shift) - jnp.uint32(1))
+            below = below + (~pred(as_key(pivot))).astype(jnp.uint32)
+        return base + (below << shift)
+
+    base = jax.lax.fori_loop(0, 32 // radix_bits, radix_step, jnp.zeros((rows,), jnp.uint32))
+    return as_key(base)
 
 
 def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -468,6 +514,7 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
     """
     b, v = x.shape
     kc = min(TOP_CANDIDATES, v)
+    radix = SEARCH_RADIX_BITS if chunked else 0  # a GPU's search (see SEARCH_RADIX_BITS)
     k = jnp.clip(top_k, 1, v)
     all_k = k >= v
     need_p = top_p < 1.0
@@ -509,11 +556,13 @@ def _top_k_top_p_threshold(x: jax.Array, top_k: jax.Array, top_p: jax.Array,
         # The k-th value by search only where the candidates do not give it (top-k is
         # usually off or small): 32 passes saved in the common case.
         kth_s = jax.lax.cond((~k_known).any(), lambda: jnp.where(k_known, kth, _from_order_key(
-            _smallest_key(lambda m: jnp.sum(key > m[:, None], axis=-1) < k, b))), lambda: kth)
+            _smallest_key(lambda m: jnp.sum(key > m[:, None], axis=-1) < k, b, radix))),
+            lambda: kth)
         e = jnp.where(x >= kth_s[:, None], jnp.exp(x - row_max[:, None]), 0.0)
         tot = jnp.sum(e, axis=-1)
         thr = _from_order_key(_smallest_key(
-            lambda m: jnp.sum(jnp.where(key > m[:, None], e, 0.0), axis=-1) < top_p * tot, b))
+            lambda m: jnp.sum(jnp.where(key > m[:, None], e, 0.0), axis=-1) < top_p * tot, b,
+            radix))
         return jnp.where(need_p, thr, kth_s)  # thr >= kth_s: lower keys hold all the mass
 
     thr = jnp.where(known, thr_c, jax.lax.cond((~known).any(), search, lambda: thr_c))
