@@ -284,16 +284,36 @@ def test_paper_verdict_needs_a_bounded_baseline(tmp_path):
 
 
 def test_e2e_parts_pick_what_runs(tmp_path, monkeypatch):
-    """GPU_SUITE_E2E=perf runs the timings alone (no golden rows); a typo is refused by name."""
+    """GPU_SUITE_E2E picks the e2e parts and their order (the dry-run fixture runs both for
+    real; here they are stubs, so the choice is tested in a second, not a rerun); a part
+    that comes first runs on a share of the budget; a typo is refused by name."""
+    from bench.gpu_suite import stage_e2e
     from bench.gpu_suite.__main__ import DRY_BUDGET_S, run_stage_in_process
 
-    monkeypatch.setenv("GPU_SUITE_E2E", "perf")
-    assert run_stage_in_process("e2e", tmp_path, DRY_BUDGET_S["e2e"], True) == 0
-    rec = _load(tmp_path, "e2e")
-    assert rec["parts"] == ["perf"] and "goldens" not in rec
-    items = [r["item"] for r in rec["summary"]]
-    assert not any("logprobs" in i or i.startswith("goldens") for i in items)
-    assert any("decode" in i for i in items) and any("layer loop" in i or " / " in i for i in items)
+    calls = []
+
+    def stub(name):
+        def part(rec, budget, dry_run, backend):
+            calls.append((name, round(budget.seconds / DRY_BUDGET_S["e2e"], 2)))
+            rec.summarize(f"{name} stub", "ran", "info")
+        return part
+
+    monkeypatch.setattr(stage_e2e, "correctness", stub("goldens"))
+    monkeypatch.setattr(stage_e2e, "performance", stub("perf"))
+    for env, want in (("perf", [("perf", None)]), ("goldens", [("goldens", None)]),
+                      ("perf,goldens", [("perf", 0.7), ("goldens", None)]),
+                      (None, [("goldens", 0.55), ("perf", None)])):
+        calls.clear()
+        if env is None:
+            monkeypatch.delenv("GPU_SUITE_E2E", raising=False)  # the default order
+        else:
+            monkeypatch.setenv("GPU_SUITE_E2E", env)
+        assert run_stage_in_process("e2e", tmp_path, DRY_BUDGET_S["e2e"], True) == 0
+        rec = _load(tmp_path, "e2e")
+        assert rec["parts"] == [name for name, _ in want]
+        assert [name for name, _ in calls] == [name for name, _ in want]
+        for (_, got), (_, share) in zip(calls, want):  # a share of what is left, or all
+            assert got == 1.0 if share is None else 0 < got <= share
     monkeypatch.setenv("GPU_SUITE_E2E", "perf,golden")
     with pytest.raises(ValueError, match="GPU_SUITE_E2E"):
         run_stage_in_process("e2e", tmp_path, DRY_BUDGET_S["e2e"], True)
