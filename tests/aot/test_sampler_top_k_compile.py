@@ -14,11 +14,13 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from pagedjax.aot.target import compile_only_devices
-from pagedjax.chunked_top_k import chunked_top_k
+from pagedjax.chunked_top_k import PER_CHUNK, TOPK_CHUNK, chunked_top_k
 from pagedjax.sampler import SamplingMetadata, SeqSamplingState, sample
 from pagedjax.sampling_params import SamplingParams
 
 B, V = 64, 128256
+# The first stage's values per row: 16 from each chunk (251 chunks of 512 since stop 64).
+FIRST_STAGE = -(-V // TOPK_CHUNK) * PER_CHUNK
 
 
 def _sorted_widths(hlo: str) -> list[int]:
@@ -47,11 +49,11 @@ def test_gpu_sampler_candidates_sort_no_whole_row(chunked):
     widths = _sorted_widths(hlo)
     if chunked:
         assert "__gpu$TopK" in hlo
-        assert widths and max(widths) <= 2016, widths  # 126 chunks x 16
+        assert widths and max(widths) <= FIRST_STAGE < V // 16, widths
     else:
         assert V in widths, widths
 
 
 def test_chunked_top_k_alone_sorts_no_whole_row():
     hlo = _compile(lambda x: chunked_top_k(x, 128), jnp.zeros((B, V), jnp.float32))
-    assert "__gpu$TopK" in hlo and _sorted_widths(hlo) == [2016]
+    assert "__gpu$TopK" in hlo and _sorted_widths(hlo) == [FIRST_STAGE]
