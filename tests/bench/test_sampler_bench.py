@@ -2,12 +2,7 @@
 session runs first; its times here are no claim): every variant is timed, and the chunked
 and radix-search calls give the tokens of the one-stage, bisecting ones."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from sampler import child  # noqa: E402
+from bench.sampler import child
 
 
 def test_gpu_calls_run_and_agree_on_cpu():
