@@ -452,9 +452,10 @@ def _smallest_key(pred, rows: int, radix_bits: int = 0) -> jax.Array:
     ``radix_bits`` 0: 32 bisection steps over the whole key range, one ``pred`` (one pass
     over the row) each. ``radix_bits`` r > 0: 32 / r steps, each testing the 2^r - 1 pivots
     that cut the interval left into 2^r equal parts. The pivots' ``pred`` calls are sibling
-    reductions of the same inputs, which XLA fuses into one kernel: a GPU reads the row
-    once per step instead of once per bit (4 bits: 8 reads instead of 32), for more
-    compares, which a GPU has to spare and a CPU does not (so CPU runners bisect)."""
+    reductions of the same inputs, which XLA fuses into multi-output kernels (for H100: one
+    for 2 bits' 3 pivots, two for 4 bits' 15), so a GPU reads the row 16 times instead of
+    32, for more compares, which a GPU has to spare and a CPU does not (CPU runners
+    bisect)."""
     info = jnp.iinfo(jnp.int32)
     if radix_bits == 0:
         def step(_, c):
