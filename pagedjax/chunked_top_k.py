@@ -7,7 +7,9 @@ every row. The sampler's candidates (`sampler.TOP_CANDIDATES` = 128) and top log
 (`bench/results/nvidia_h200/gpu_suite/sampler_gpu_2026-11-28.json`, docs/v1-core.md).
 
 Here each row is cut into chunks of `TOPK_CHUNK` logits and the 16 largest of each chunk are
-taken on that kernel; the k largest of those few thousand per row come from a small sort.
+taken first; the k largest of those few thousand per row come from a small sort. XLA takes a
+chunk's 16 on its top-k kernel for chunks of 1024, and by sorting each chunk for chunks of
+512 (compiled for H100), which the H200 ran faster (see `TOPK_CHUNK`).
 The chunks are strided, not contiguous: chunk j holds tokens j, j + C, j + 2C, ... for C
 chunks. A tokenizer numbers its tokens roughly by frequency, so a contiguous chunk of low ids
 holds many of a row's likely tokens: on the demo model's real logits (`bench/
