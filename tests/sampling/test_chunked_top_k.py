@@ -173,7 +173,7 @@ def test_candidates_decide_confident_rows_without_the_search(monkeypatch, chunke
 
     monkeypatch.setattr(ctk, "TOPK_CHUNK", 64)
     monkeypatch.setattr(sampler_mod, "_smallest_key",
-                        lambda pred, rows: jnp.full((rows,), jnp.iinfo(jnp.int32).max))
+                        lambda pred, rows, radix_bits=0: jnp.full((rows,), jnp.iinfo(jnp.int32).max))
     rng = np.random.default_rng(14)
     b, v = 16, 2048
     x = (rng.normal(size=(b, v)) * 6).astype(np.float32)
