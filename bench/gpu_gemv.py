@@ -6,7 +6,7 @@
 The sixth H200 run's whole Llama-3-8B decode step read its weights at 2.5-2.8 TB/s, ~55 % of
 the HBM's 4.8 TB/s (docs/gpu.md). This splits that step's weight traffic into its matmuls:
 
-- ``read_gbps``: a max over 2 GiB (`bench/kernels.read_bandwidth`), the ceiling;
+- ``read_gbps``: reductions over 2 GiB (`bench/kernels.read_bandwidth`), the ceiling;
 - ``dots``: one ``x [rows, in] @ W [in, out]`` per projection the unrolled layers run (fused
   qkv, o, fused gate-up, down) and the LM head, bf16, each alone: ms and GB/s of ``W``;
 - ``chain``: every layer's four matmuls and the head in one jit, layers feeding each other
@@ -15,8 +15,10 @@ the HBM's 4.8 TB/s (docs/gpu.md). This splits that step's weight traffic into it
   real step is in attention, norms, the sampler and gaps; if it is as slow as the step, in
   the matmuls themselves.
 
-Rows 1, 16 and 64 by default. Every figure is a median of ``--iters`` timed calls after two
-warm-ups, in one process; the JSON records device, versions and the load average.
+Rows 1, 16 and 64 by default. Every figure is a device time per call (`bench.kernels.bench`:
+the fastest of four rounds of back-to-back calls, ``--iters`` calls in all, after two
+warm-ups; the seventh run's file timed each call with a wait after it), in one process; the
+JSON records device, versions and the load average.
 """
 
 from __future__ import annotations

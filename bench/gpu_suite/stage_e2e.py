@@ -311,7 +311,9 @@ def _decode_step_ms(runner, batch: int, ctx: int, iters: int) -> float:
             for i in range(batch)]
     inputs = build_step_inputs(seqs, bs, runner.max_blocks_per_seq,
                                num_groups=runner.num_kv_groups)
-    return bench(lambda: runner.execute(inputs), iters, warmup=1)  # the warm-up compiles
+    # Per call, with a wait after each (as every run before the seventh timed the step); the
+    # warm-up compiles.
+    return bench(lambda: runner.execute(inputs), iters, warmup=1, pipelined=False)
 
 
 def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> None:
