@@ -43,7 +43,9 @@ interleaved, over `[rows, 49152]` fp32 logits (the demo model's vocabulary):
   the one-stage, bisecting call's (`radix_same_tokens`).
 
 Reports the median ms per call for each (heap setting, op, rows) over all reps, with the load
-average at the start. Writes bench/results/cpu/sampler.json and .png.
+average at the start; on a GPU a call's time is that of 4 back-to-back calls over 4 (device
+time; runs up to the seventh GPU run waited after each call, ~0.1-0.2 ms more). Writes
+bench/results/cpu/sampler.json and .png.
 """
 
 from __future__ import annotations
@@ -200,11 +202,17 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB, gpu_calls: bool | Non
         times: dict[str, list[float]] = {k: [] for k in calls}
         for f in calls.values():
             jax.block_until_ready(f())
+        # On a GPU each timing is 4 calls back to back and one wait (the device's time per
+        # call, as in a step where the host runs ahead; a wait per call added ~0.1-0.2 ms of
+        # dispatch and wake-up to runs up to the seventh); on a CPU a call and its wait.
+        burst = 4 if gpu_calls else 1
         for _ in range(iters):
             for k, f in calls.items():
                 t0 = time.perf_counter()
-                jax.block_until_ready(f())
-                times[k].append(time.perf_counter() - t0)
+                for _ in range(burst):
+                    res = f()
+                jax.block_until_ready(res)
+                times[k].append((time.perf_counter() - t0) / burst)
         out["ms"][str(b)] = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     return out
 
