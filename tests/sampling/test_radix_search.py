@@ -95,3 +95,11 @@ def test_a_bad_radix_setting_names_the_variable(monkeypatch, raw):
     monkeypatch.setenv("PAGEDJAX_SEARCH_RADIX_BITS", raw)
     with pytest.raises(ValueError, match="PAGEDJAX_SEARCH_RADIX_BITS"):
         sampler_mod._radix_from_env()
+
+
+def test_gpu_runners_search_two_bits_a_pass_by_default(monkeypatch):
+    """The seventh GPU run's verdict (docs/gpu.md): 2 bits unless the variable says otherwise."""
+    monkeypatch.delenv("PAGEDJAX_SEARCH_RADIX_BITS", raising=False)
+    assert sampler_mod._radix_from_env() == 2
+    monkeypatch.setenv("PAGEDJAX_SEARCH_RADIX_BITS", "0")
+    assert sampler_mod._radix_from_env() == 0
