@@ -18,11 +18,15 @@ its flags once per process):
   and copy events), their count, the span from the first to the last event, the gap
   (span - busy), and the kernels with the most time, names with trailing numbers merged
   (``fusion_12`` and ``fusion_40`` are one class). XLA runs op by op while a profiler is
-  active, command buffers or not, so the trace shows the kernels' own time and the launch
-  gaps without graphs; the two variants' untraced times show what the graphs save.
+  active (`default`, `no_command_buffers`: the kernels' own time and the gaps without
+  graphs) unless `--xla_enable_command_buffers_during_profiling` says otherwise
+  (`graphs_in_trace`: the gaps with graphs); `default` against `no_command_buffers`
+  untraced says what the graphs save.
 
-The variants run one after the other (each child builds its engine: ~1 min at 8B shapes),
-not interleaved. The JSON records device, versions, flags and the load average.
+The default variant also dumps XLA's thunk sequence (``--xla_dump_to``; `thunks`: counts of
+command buffers and of the launches outside them). The variants run one after the other
+(each child builds its engine: ~1 min at 8B shapes), not interleaved. The JSON records
+device, versions, flags and the load average.
 """
 
 from __future__ import annotations
@@ -43,11 +47,18 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-# name -> XLA flags added to the environment's XLA_FLAGS.
+# name -> XLA flags added to the environment's XLA_FLAGS. XLA runs op by op while a profiler
+# is on unless told otherwise (`graphs_in_trace`); an unknown flag aborts only its child.
 VARIANTS = {
     "default": "",
     "no_command_buffers": "--xla_gpu_enable_command_buffer=",
+    "graphs_in_trace": "--xla_enable_command_buffers_during_profiling=true",
 }
+# What the default variant's thunk-sequence dump is searched for: graphs, and what runs
+# outside them.
+THUNK_KINDS = ("kCommandBuffer", "kKernel", "kCustomKernel", "kGemm", "kCublasLtMatmul",
+               "kConditional", "kWhile", "kCustomCall", "kCopy", "kMemset32BitValue",
+               "kMemzero")
 # Derived timelines the profiler adds beside a GPU's raw stream lines: the same time again.
 _DERIVED_LINES = ("XLA Modules", "XLA Ops", "Steps", "Launch Stats", "Source", "TensorFlow")
 
@@ -106,6 +117,20 @@ def device_events(xplane_path: str) -> list[tuple[str, int, int]]:
                         out.extend((e.name, int(e.start_ns), int(e.duration_ns))
                                    for e in ln.events)
     return out
+
+
+def thunk_summary(dump_dir: str) -> dict:
+    """Counts of thunk kinds in XLA's thunk-sequence dumps (``--xla_dump_to``), the largest
+    file's head for reading: which launches a command buffer holds and which run bare."""
+    files = sorted(glob.glob(f"{dump_dir}/**/*thunk_sequence*", recursive=True),
+                   key=os.path.getsize, reverse=True)
+    res: dict = {"files": [Path(f).name for f in files][:20]}
+    if files:
+        text = Path(files[0]).read_text(errors="replace")
+        res["largest"] = Path(files[0]).name
+        res["counts"] = {k: len(re.findall(rf"\b{k}\b", text)) for k in THUNK_KINDS}
+        res["head"] = text[:6000]
+    return res
 
 
 def child(model: str, points: list[tuple[int, int]], steps: int, iters: int) -> dict:
@@ -183,13 +208,17 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ)
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {VARIANTS[v]}".strip()
         t0 = time.monotonic()
-        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f, tempfile.TemporaryDirectory() as dump:
+            if v == "default":  # the thunk sequence: what the command buffers hold
+                env["XLA_FLAGS"] += f" --xla_dump_to={dump}"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
                    "--points", args.points, "--steps", str(args.steps), "--iters",
                    str(args.iters), "--out", args.out, "--child", f.name]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             row = (json.loads(Path(f.name).read_text()) if p.returncode == 0
                    else {"error": p.stderr[-3000:]})
+            if v == "default":
+                row["thunks"] = thunk_summary(dump)
         row.update(xla_flags=env["XLA_FLAGS"], elapsed_s=time.monotonic() - t0)
         res["variants"][v] = row
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -202,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tr.get('gap_ms', 0):.2f}, {tr.get('events_per_step', 0):.0f} events")
             for t in tr.get("top", [])[:8]:
                 print(f"    {t['ms']:.3f} ms  x{t['per_step']:.0f}  {t['kernel'][:90]}")
+        if row.get("thunks", {}).get("counts"):
+            print(f"{v:<20} thunk sequence {row['thunks']['largest']}: {row['thunks']['counts']}")
         if "error" in row:
             print(f"{v}: FAILED\n{row['error']}")
     return 0 if all("error" not in r for r in res["variants"].values()) else 1

@@ -3,7 +3,7 @@ harness a GPU session runs, at toy shapes on CPU (its times here are no claim)."
 
 import json
 
-from bench.gpu_step_profile import busy_summary, kernel_class, main
+from bench.gpu_step_profile import busy_summary, kernel_class, main, thunk_summary
 
 
 def test_busy_time_is_the_union_of_events_and_the_gap_the_rest():
@@ -31,8 +31,10 @@ def test_harness_runs_each_variant_in_its_own_process(tmp_path):
     assert main(["--model", "tiny", "--points", "2x32", "--steps", "2", "--iters", "4",
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert set(res["variants"]) == {"default", "no_command_buffers"}
+    assert set(res["variants"]) == {"default", "no_command_buffers", "graphs_in_trace"}
     assert "--xla_gpu_enable_command_buffer=" in res["variants"]["no_command_buffers"]["xla_flags"]
+    assert "--xla_dump_to=" in res["variants"]["default"]["xla_flags"]
+    assert "files" in res["variants"]["default"]["thunks"]
     for v in res["variants"].values():
         (pt,) = v["points"]
         assert (pt["batch"], pt["context"]) == (2, 32)
@@ -40,3 +42,16 @@ def test_harness_runs_each_variant_in_its_own_process(tmp_path):
         assert pt["trace"]["events_per_step"] > 0 and pt["trace"]["busy_ms"] > 0
         assert pt["trace"]["span_ms"] >= pt["trace"]["busy_ms"]
     assert res["load_avg_1m_at_start"] >= 0
+
+
+def test_thunk_summary_counts_kinds_in_the_largest_dump(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "m1.thunk_sequence.txt").write_text(
+        "kCommandBuffer {\n  kKernel f1\n  kKernel f2\n}\nkConditional\nkKernel f3\n")
+    (tmp_path / "m0.thunk_sequence.txt").write_text("kKernel\n")
+    (tmp_path / "m0.hlo.txt").write_text("kKernel kKernel kKernel kKernel kKernel kKernel\n")
+    res = thunk_summary(str(tmp_path))
+    assert res["largest"] == "m1.thunk_sequence.txt" and len(res["files"]) == 2
+    assert res["counts"]["kCommandBuffer"] == 1 and res["counts"]["kKernel"] == 3
+    assert res["counts"]["kConditional"] == 1 and res["counts"]["kWhile"] == 0
+    assert thunk_summary(str(tmp_path / "none")) == {"files": []}
