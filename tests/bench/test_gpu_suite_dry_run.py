@@ -89,6 +89,7 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
                                                   * r["context"] * perf["kv_bytes_per_token"])
                                                  / perf["read_gbps"] / 1e6)
         assert r["copy_roofline_ms"] > 0 and r["step_read_gbps"] > 0
+        assert r["pipelined_step_ms"] > 0  # the same step dispatched back to back
     other = perf["other_layer_loop"]  # the first point again under the other layer loop
     assert other["layer_loop"] != perf["layer_loop"] and other["step_ms"] > 0
     assert perf["offline_sharegpt"]["output_tokens"] > 0
