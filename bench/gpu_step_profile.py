@@ -23,10 +23,12 @@ its flags once per process):
   (`graphs_in_trace`: the gaps with graphs); `default` against `no_command_buffers`
   untraced says what the graphs save.
 
-The default variant also dumps XLA's thunk sequence (``--xla_dump_to``; `thunks`: counts of
-command buffers and of the launches outside them). The variants run one after the other
-(each child builds its engine: ~1 min at 8B shapes), not interleaved. The JSON records
-device, versions, flags and the load average.
+The default variant also dumps XLA's thunk sequences (``--xla_dump_to``; `thunks`: per dump
+file, the largest three, how often each thunk kind appears, those nested in a command buffer
+included, so `kCommandBuffer` 1 and `kCustomKernel` 646 is one graph of 646 kernels). The
+variants run one after the other (each child builds its engine: ~1 min at 8B shapes), not
+interleaved; a child past ``--child-timeout-s`` is stopped and its row says so. The JSON
+records device, versions, the flags each child saw and the load average.
 """
 
 from __future__ import annotations
@@ -119,17 +121,21 @@ def device_events(xplane_path: str) -> list[tuple[str, int, int]]:
     return out
 
 
-def thunk_summary(dump_dir: str) -> dict:
-    """Counts of thunk kinds in XLA's thunk-sequence dumps (``--xla_dump_to``), the largest
+def thunk_summary(dump_dir: str, top: int = 3) -> dict:
+    """Counts of thunk kinds (nested ones included) in XLA's thunk-sequence dumps
+    (``--xla_dump_to``) for the ``top`` largest files (the step's shapes), and the largest
     file's head for reading: which launches a command buffer holds and which run bare."""
     files = sorted(glob.glob(f"{dump_dir}/**/*thunk_sequence*", recursive=True),
                    key=os.path.getsize, reverse=True)
     res: dict = {"files": [Path(f).name for f in files][:20]}
     if files:
-        text = Path(files[0]).read_text(errors="replace")
         res["largest"] = Path(files[0]).name
-        res["counts"] = {k: len(re.findall(rf"\b{k}\b", text)) for k in THUNK_KINDS}
-        res["head"] = text[:6000]
+        res["counts"] = {}
+        for f in files[:top]:
+            text = Path(f).read_text(errors="replace")
+            res["counts"][Path(f).name] = {k: len(re.findall(rf"\b{k}\b", text))
+                                           for k in THUNK_KINDS}
+        res["head"] = Path(files[0]).read_text(errors="replace")[:6000]
     return res
 
 
@@ -157,6 +163,7 @@ def child(model: str, points: list[tuple[int, int]], steps: int, iters: int) -> 
                           warmup=False, enable_prefix_caching=False)
     runner = llm.engine.runner
     res: dict = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                 "xla_flags_seen": os.environ.get("XLA_FLAGS", ""),
                  "setup_s": time.monotonic() - t0, "points": []}
     for b, c in points:
         per = -(-c // runner.block_size)
@@ -188,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--steps", type=int, default=5, help="steps in each trace")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--child-timeout-s", type=float, default=420,
+                    help="a variant's process is stopped past this (its row records why)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--child", help=argparse.SUPPRESS)  # a variant's process: write JSON here
     args = ap.parse_args(argv)
@@ -214,9 +223,14 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--model", args.model,
                    "--points", args.points, "--steps", str(args.steps), "--iters",
                    str(args.iters), "--out", args.out, "--child", f.name]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            row = (json.loads(Path(f.name).read_text()) if p.returncode == 0
-                   else {"error": p.stderr[-3000:]})
+            try:
+                p = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                   timeout=args.child_timeout_s)
+                row = (json.loads(Path(f.name).read_text()) if p.returncode == 0
+                       else {"error": p.stderr[-3000:]})
+            except subprocess.TimeoutExpired as e:
+                err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+                row = {"error": f"stopped after {args.child_timeout_s:.0f} s\n{(err or '')[-3000:]}"}
             if v == "default":
                 row["thunks"] = thunk_summary(dump)
         row.update(xla_flags=env["XLA_FLAGS"], elapsed_s=time.monotonic() - t0)
@@ -231,8 +245,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{tr.get('gap_ms', 0):.2f}, {tr.get('events_per_step', 0):.0f} events")
             for t in tr.get("top", [])[:8]:
                 print(f"    {t['ms']:.3f} ms  x{t['per_step']:.0f}  {t['kernel'][:90]}")
-        if row.get("thunks", {}).get("counts"):
-            print(f"{v:<20} thunk sequence {row['thunks']['largest']}: {row['thunks']['counts']}")
+        for name, counts in row.get("thunks", {}).get("counts", {}).items():
+            print(f"{v:<20} thunk sequence {name}: "
+                  f"{ {k: n for k, n in counts.items() if n} }")
         if "error" in row:
             print(f"{v}: FAILED\n{row['error']}")
     return 0 if all("error" not in r for r in res["variants"].values()) else 1

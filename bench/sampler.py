@@ -205,7 +205,7 @@ def child(rows: list[int], iters: int, vocab: int = VOCAB, gpu_calls: bool | Non
         # On a GPU each timing is 4 calls back to back and one wait (the device's time per
         # call, as in a step where the host runs ahead; a wait per call added ~0.1-0.2 ms of
         # dispatch and wake-up to runs up to the seventh); on a CPU a call and its wait.
-        burst = 4 if gpu_calls else 1
+        burst = 1 if on_cpu else 4
         for _ in range(iters):
             for k, f in calls.items():
                 t0 = time.perf_counter()

@@ -32,9 +32,13 @@ def test_harness_runs_each_variant_in_its_own_process(tmp_path):
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert set(res["variants"]) == {"default", "no_command_buffers", "graphs_in_trace"}
-    assert "--xla_gpu_enable_command_buffer=" in res["variants"]["no_command_buffers"]["xla_flags"]
-    assert "--xla_dump_to=" in res["variants"]["default"]["xla_flags"]
-    assert "files" in res["variants"]["default"]["thunks"]
+    # What each child process saw, not what the parent meant to give it.
+    seen = {k: v["xla_flags_seen"] for k, v in res["variants"].items()}
+    assert "--xla_gpu_enable_command_buffer=" in seen["no_command_buffers"]
+    assert "--xla_enable_command_buffers_during_profiling=true" in seen["graphs_in_trace"]
+    assert "--xla_dump_to=" in seen["default"] and "--xla_dump_to=" not in seen["graphs_in_trace"]
+    assert "--xla_gpu_enable_command_buffer=" not in seen["default"]
+    assert isinstance(res["variants"]["default"]["thunks"]["files"], list)
     for v in res["variants"].values():
         (pt,) = v["points"]
         assert (pt["batch"], pt["context"]) == (2, 32)
@@ -52,6 +56,18 @@ def test_thunk_summary_counts_kinds_in_the_largest_dump(tmp_path):
     (tmp_path / "m0.hlo.txt").write_text("kKernel kKernel kKernel kKernel kKernel kKernel\n")
     res = thunk_summary(str(tmp_path))
     assert res["largest"] == "m1.thunk_sequence.txt" and len(res["files"]) == 2
-    assert res["counts"]["kCommandBuffer"] == 1 and res["counts"]["kKernel"] == 3
-    assert res["counts"]["kConditional"] == 1 and res["counts"]["kWhile"] == 0
+    big, small = res["counts"]["m1.thunk_sequence.txt"], res["counts"]["m0.thunk_sequence.txt"]
+    assert big["kCommandBuffer"] == 1 and big["kKernel"] == 3  # nested kernels counted
+    assert big["kConditional"] == 1 and big["kWhile"] == 0
+    assert small["kKernel"] == 1 and set(res["counts"]) == {"m1.thunk_sequence.txt",
+                                                           "m0.thunk_sequence.txt"}
+    assert res["head"].startswith("kCommandBuffer")
     assert thunk_summary(str(tmp_path / "none")) == {"files": []}
+
+
+def test_a_child_past_its_time_is_recorded_not_waited_for(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["--model", "tiny", "--points", "2x32", "--variants", "default",
+                 "--child-timeout-s", "0.5", "--out", str(out)]) == 1
+    row = json.loads(out.read_text())["variants"]["default"]
+    assert row["error"].startswith("stopped after") and row["elapsed_s"] < 30
