@@ -145,11 +145,8 @@ def child(model: str, points: list[tuple[int, int]], steps: int, iters: int) -> 
     import jax.numpy as jnp
 
     from bench.gpu_suite.seeded import SPECS, NoTokenizer, device_random_params
-    from bench.gpu_suite.stage_e2e import _decode_step_ms
-    from bench.kernels import bench
+    from bench.gpu_suite.stage_e2e import _decode_step_ms, decode_step_inputs
     from pagedjax import LLM
-    from pagedjax.core.scheduler import ScheduledSeq
-    from pagedjax.worker.step_inputs import build_step_inputs
 
     on_cpu = jax.devices()[0].platform == "cpu"
     cfg = SPECS[model].config
@@ -166,14 +163,10 @@ def child(model: str, points: list[tuple[int, int]], steps: int, iters: int) -> 
                  "xla_flags_seen": os.environ.get("XLA_FLAGS", ""),
                  "setup_s": time.monotonic() - t0, "points": []}
     for b, c in points:
-        per = -(-c // runner.block_size)
-        seqs = [ScheduledSeq(i, str(i), [7], c - 1, list(range(i * per, (i + 1) * per)), True)
-                for i in range(b)]
-        inputs = build_step_inputs(seqs, runner.block_size, runner.max_blocks_per_seq,
-                                   num_groups=runner.num_kv_groups)
         row = {"batch": b, "context": c,
                "sync_ms": _decode_step_ms(runner, b, c, iters) * 1e3,
-               "pipelined_ms": bench(lambda i=inputs: runner.execute(i), iters) * 1e3}
+               "pipelined_ms": _decode_step_ms(runner, b, c, iters, pipelined=True) * 1e3}
+        inputs = decode_step_inputs(runner, b, c)
         with tempfile.TemporaryDirectory() as d:
             jax.block_until_ready(runner.execute(inputs))
             jax.profiler.start_trace(d)

@@ -299,11 +299,9 @@ def _top_k_ab(engine, reqs: list, budget: Budget, max_tokens: int) -> dict[str, 
     return res
 
 
-def _decode_step_ms(runner, batch: int, ctx: int, iters: int, pipelined: bool = False) -> float:
-    """Time of one decode step of ``batch`` sequences at context ``ctx`` (disjoint blocks):
-    the median with a wait after each step, or with ``pipelined`` the device's time per step
-    dispatched back to back (`bench.kernels.bench`), what async scheduling can reach."""
-    from bench.kernels import bench
+def decode_step_inputs(runner, batch: int, ctx: int):
+    """The inputs of one decode step of ``batch`` sequences at context ``ctx``, each on blocks
+    of its own."""
     from pagedjax.core.scheduler import ScheduledSeq
     from pagedjax.worker.step_inputs import build_step_inputs
 
@@ -311,8 +309,17 @@ def _decode_step_ms(runner, batch: int, ctx: int, iters: int, pipelined: bool = 
     per = -(-ctx // bs)
     seqs = [ScheduledSeq(i, str(i), [7], ctx - 1, list(range(i * per, (i + 1) * per)), True)
             for i in range(batch)]
-    inputs = build_step_inputs(seqs, bs, runner.max_blocks_per_seq,
-                               num_groups=runner.num_kv_groups)
+    return build_step_inputs(seqs, bs, runner.max_blocks_per_seq,
+                             num_groups=runner.num_kv_groups)
+
+
+def _decode_step_ms(runner, batch: int, ctx: int, iters: int, pipelined: bool = False) -> float:
+    """Time of one decode step of ``batch`` sequences at context ``ctx`` (disjoint blocks):
+    the median with a wait after each step, or with ``pipelined`` the device's time per step
+    dispatched back to back (`bench.kernels.bench`), what async scheduling can reach."""
+    from bench.kernels import bench
+
+    inputs = decode_step_inputs(runner, batch, ctx)
     # By default per call, with a wait after each (as every run before the seventh timed the
     # step); the warm-up compiles.
     return bench(lambda: runner.execute(inputs), iters, warmup=1, pipelined=pipelined)
