@@ -420,7 +420,7 @@ def mosaic_paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     m, lsum = m.reshape(splits, parts, *m.shape[1:])[:, 0], lsum.reshape(
         splits, parts, *lsum.shape[1:])[:, 0]
     # The kernel's running max is in base 2: scale it to base e for the shared combine.
-    out = combine_splits(acc, m * math.log(2.0), lsum)[:, :, :group]
+    out = combine_splits(acc, m * math.log(2.0), lsum, rows=group)
     if kv_scale is not None:
         out = scale_channels(out, kv_scale[1])
     return out.reshape(num_seqs, hq, d).astype(q.dtype)

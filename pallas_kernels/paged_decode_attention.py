@@ -238,16 +238,39 @@ def _decode_pallas(
         v5.reshape(flat_shape),
         *extra,
     )
-    out = combine_splits(acc, m, denom)[:, :, :group]
+    out = combine_splits(acc, m, denom, rows=group)
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, lsum: jax.Array) -> jax.Array:
-    """Merge flash-decoding partials along axis 0; rows that saw no token become 0."""
-    m_max = m.max(axis=0)
-    w = jnp.exp(m - m_max[None])
-    denom = (w * lsum).sum(axis=0)
-    num = (w[..., None] * acc).sum(axis=0)
+# Up to this many splits the merge is unrolled into elementwise ops (`combine_splits`).
+UNROLLED_MERGE_MAX_SPLITS = 64
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, lsum: jax.Array,
+                   rows: int | None = None) -> jax.Array:
+    """Merge flash-decoding partials along axis 0; rows that saw no token become 0.
+
+    ``acc [P, S, H, R, D]``, ``m`` / ``lsum [P, S, H, R]``; ``rows`` keeps the first rows of
+    axis 3 (the query group without its padding). Up to `UNROLLED_MERGE_MAX_SPLITS` splits
+    the merge is written as elementwise ops over the static split count, so that XLA fuses
+    it, with the slice, into one kernel: reductions over axis 0 compile to a kernel each
+    (max, denominator, numerator) plus the slice, 4 launches a layer in a batch-1 GPU step
+    (docs/gpu.md)."""
+    if rows is not None:
+        acc, m, lsum = acc[:, :, :, :rows], m[..., :rows], lsum[..., :rows]
+    splits = acc.shape[0]
+    if splits > UNROLLED_MERGE_MAX_SPLITS:
+        m_max = m.max(axis=0)
+        w = jnp.exp(m - m_max[None])
+        denom = (w * lsum).sum(axis=0)
+        num = (w[..., None] * acc).sum(axis=0)
+    else:
+        m_max = functools.reduce(jnp.maximum, [m[i] for i in range(splits)])
+        denom, num = 0.0, 0.0
+        for i in range(splits):
+            w = jnp.exp(m[i] - m_max)
+            denom = denom + w * lsum[i]
+            num = num + w[..., None] * acc[i]
     safe = jnp.where(denom > 0, denom, 1.0)
     return jnp.where(denom[..., None] > 0, num / safe[..., None], 0.0)
 
