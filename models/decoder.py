@@ -68,6 +68,10 @@ class AttentionFn(Protocol):
                  softcap: float | None = None) -> tuple[jax.Array, KVCache]: ...
 
 
+# ``(x, delta | None, weight, eps) -> (x + delta, rms_norm(x + delta) * weight)``.
+NormFn = Callable[[jax.Array, jax.Array | None, jax.Array, float], tuple[jax.Array, jax.Array]]
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm in fp32. Gemma's ``(1 + w)`` weights are stored with the 1 already added
     (`models.weights`), so one norm serves every family."""
@@ -122,10 +126,15 @@ class DecoderLayer(nn.Module):
     static_layer: int | None = None  # the unrolled loop's layer index (window, rope known)
     moe_fn: Callable[..., jax.Array] | None = None  # routed experts (None: `moe_mlp`)
     packed_matmul: Callable[..., jax.Array] | None = None  # packed weights (`models.qlinear`)
+    norm_fn: NormFn | None = None  # residual add + RMSNorm in one (`DecoderLM.norm_fn`)
 
     @nn.compact
     def __call__(self, carry, layer, rope, meta):
         x, kv_cache = carry
+        pending = None
+        if self.norm_fn is not None:
+            # The previous layer's output rides in the carry unadded: the first norm adds it.
+            x, pending = x
         c = self.config
         dense = lambda feats, name, bias=False: Linear(  # noqa: E731
             feats, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
@@ -135,7 +144,10 @@ class DecoderLayer(nn.Module):
         lead = x.shape[:-1]
         nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
 
-        h = rms_norm(x, norm("attn_norm"), c.rms_norm_eps)
+        if self.norm_fn is not None:
+            x, h = self.norm_fn(x, pending, norm("attn_norm"), c.rms_norm_eps)
+        else:
+            h = rms_norm(x, norm("attn_norm"), c.rms_norm_eps)
         if self.fused:
             qkv = dense(nq + 2 * nkv, "qkv_proj", c.qkv_bias)(h)
             q, k, v = split_fused(qkv, (nq, nkv, nkv), self.fused_shards)
@@ -157,9 +169,11 @@ class DecoderLayer(nn.Module):
         attn = dense(c.hidden_size, "o_proj", c.o_bias)(attn.reshape(*lead, nq))
         if c.sandwich_norm:
             attn = rms_norm(attn, norm("post_attn_norm"), c.rms_norm_eps)
-        x = x + attn
-
-        h = rms_norm(x, norm("mlp_norm"), c.rms_norm_eps)
+        if self.norm_fn is not None:
+            x, h = self.norm_fn(x, attn, norm("mlp_norm"), c.rms_norm_eps)
+        else:
+            x = x + attn
+            h = rms_norm(x, norm("mlp_norm"), c.rms_norm_eps)
         if c.num_experts:
             out = self._moe(h)
         else:
@@ -172,6 +186,8 @@ class DecoderLayer(nn.Module):
             out = dense(c.hidden_size, "down_proj")(activation(c.hidden_act, gate) * up)
         if c.sandwich_norm:
             out = rms_norm(out, norm("post_mlp_norm"), c.rms_norm_eps)
+        if self.norm_fn is not None:
+            return ((x, out), kv_cache), None
         return (x + out, kv_cache), None
 
     def _window_and_rope(self, layer, rope):
@@ -225,6 +241,11 @@ class DecoderLM(nn.Module):
     moe_fn: Callable[..., jax.Array] | None = None  # e.g. `parallel.experts.ExpertParallelMoE`
     # Multiplies by a packed weight directly (`models.qlinear.Linear`); None: XLA dequantizes.
     packed_matmul: Callable[..., jax.Array] | None = None
+    # ``(x, delta | None, weight, eps) -> (x + delta, rms_norm(x + delta) * weight)`` in one
+    # (`pallas_kernels.add_rms_norm`, on GPUs); None: `rms_norm` after XLA's add. With it, each
+    # layer hands its output to the next unadded (the carry's residual is a pair), so every
+    # add meets a norm.
+    norm_fn: NormFn | None = None
 
     @nn.compact
     def __call__(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache, meta: Any,
@@ -257,6 +278,9 @@ class DecoderLM(nn.Module):
         if c.embed_scale:  # Gemma; HF rounds the factor to the activation dtype first
             x = x * jnp.asarray(c.hidden_size ** 0.5, self.dtype)
         rope = model_rotary_tables(c, positions)
+        if self.norm_fn is not None:
+            # The residual and the output not yet added to it; a scan's carry needs an array.
+            x = (x, jnp.zeros_like(x) if self.scan_layers else None)
 
         if self.scan_layers:
             layers = nn.scan(
@@ -266,7 +290,7 @@ class DecoderLM(nn.Module):
                 in_axes=(0, nn.broadcast, nn.broadcast),
                 length=c.num_layers,
             )(c, self.attn_fn, self.dtype, moe_fn=self.moe_fn, packed_matmul=self.packed_matmul,
-              name="layers")
+              norm_fn=self.norm_fn, name="layers")
             (x, kv_cache), _ = layers((x, kv_cache), jnp.arange(c.num_layers, dtype=jnp.int32),
                                       rope, meta)
         else:
@@ -284,14 +308,21 @@ class DecoderLM(nn.Module):
                 layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True,
                                      fused_shards=self.fused_shards, static_layer=i,
                                      moe_fn=self.moe_fn, packed_matmul=matmul,
-                                     name=f"{UNSTACKED_PREFIX}{i}")
+                                     norm_fn=self.norm_fn, name=f"{UNSTACKED_PREFIX}{i}")
                 carry, _ = layer(carry, jnp.int32(i), rope, meta)
             x, kv_cache = carry
 
-        x = rms_norm(x, self.param("final_norm", nn.initializers.ones, (c.hidden_size,), self.dtype),
-                     c.rms_norm_eps)
-        if logits_indices is not None:
-            x = x.reshape(-1, c.hidden_size)[logits_indices]
+        final_norm = self.param("final_norm", nn.initializers.ones, (c.hidden_size,), self.dtype)
+        if self.norm_fn is not None:
+            x, pending = x
+            if logits_indices is not None:  # rows first: the norm is per row
+                x = x.reshape(-1, c.hidden_size)[logits_indices]
+                pending = pending.reshape(-1, c.hidden_size)[logits_indices]
+            x = self.norm_fn(x, pending, final_norm, c.rms_norm_eps)[1]
+        else:
+            x = rms_norm(x, final_norm, c.rms_norm_eps)
+            if logits_indices is not None:
+                x = x.reshape(-1, c.hidden_size)[logits_indices]
         if return_hidden:
             return x, kv_cache
         # The LM head: the (tied) embedding [V, H], an untied [H, V], or either packed.

@@ -82,6 +82,22 @@ def parse_thunks(text: str) -> dict[str, tuple[tuple[int, ...], int, int]]:
     return out
 
 
+def thunk_launches(text: str) -> list[str]:
+    """The kernel launched by each thunk of a thunk sequence, in order (a name repeats for
+    every launch: the unrolled layers run the same fusions). What a step costs in launches,
+    where `parse_thunks` keeps one entry a name."""
+    return [m.group(1) for m in _THUNK.finditer(text)]
+
+
+def compile_launches(lowered) -> list[str]:
+    """Compile ``lowered`` for its (compile-only) GPU and return its kernel launches in
+    order (`thunk_launches` of the largest thunk sequence XLA dumps: the step's own)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        lowered.compile(compiler_options={"xla_dump_to": tmp})
+        seqs = sorted(Path(tmp).glob("*thunk_sequence.txt"), key=lambda f: f.stat().st_size)
+        return thunk_launches(seqs[-1].read_text()) if seqs else []
+
+
 @contextlib.contextmanager
 def _stderr_to(path: Path):
     saved = os.dup(2)

@@ -49,7 +49,7 @@ from pagedjax.worker.paged_attention import PagedAttention, PagedMeta
 from pagedjax.worker.shapes import MIN_PREFILL_TOKENS, ShapePlan
 from pagedjax.worker.step_inputs import StepInputs, bucket
 from pallas_kernels import copy_blocks, swap_in, swap_out
-from pallas_kernels.backend import cost_follows_length
+from pallas_kernels.backend import ENV_BACKEND, cost_follows_length
 from pallas_kernels.kv_quant import (
     PER_TOKEN_BACKENDS,
     PER_TOKEN_DTYPE,
@@ -96,6 +96,32 @@ def default_layer_loop(platform: str, tp: int) -> str:
     Several CPU devices (tests, the TP benchmark) keep the scan for its compile time."""
     gpu = platform in ("gpu", "cuda", "rocm")
     return "unrolled" if gpu or (tp == 1 and platform == "cpu") else "scan"
+
+
+ENV_FUSED_NORM = "PAGEDJAX_FUSED_NORM"
+
+
+def fused_norm_fn(attention_backend: str | None, tp: int, platform: str):
+    """The model's residual add + RMSNorm (`DecoderLM.norm_fn`): the Pallas kernel
+    (`pallas_kernels.add_rms_norm`) on one GPU with Pallas attention, None (XLA's add and
+    norm) elsewhere. Why only there: on a GPU a norm at batch 1 is three small launches, two
+    with the kernel (the deviceless H100 8B step: 582 -> 518 launches); on CPU XLA fuses the
+    norm into its neighbours and a Pallas kernel would be interpreted; under tensor
+    parallelism the partitioner cannot split a custom call (the hidden states are replicated
+    there, so it would run whole on every device: unmeasured, so not chosen). ``$PAGEDJAX_FUSED_NORM``:
+    ``1`` on anywhere (interpreted off a GPU: the tests), ``0`` off, ``auto`` (default) the
+    rule above."""
+    choice = (os.environ.get(ENV_FUSED_NORM) or "auto").lower()
+    if choice not in ("0", "1", "auto"):
+        raise ValueError(f"{ENV_FUSED_NORM}={choice!r}; expected 0, 1 or auto")
+    backend = (attention_backend or os.environ.get(ENV_BACKEND) or "pallas").lower()
+    on = choice == "1" or (choice == "auto" and tp == 1 and platform in ("gpu", "cuda", "rocm")
+                           and backend == "pallas")
+    if not on:
+        return None
+    from pallas_kernels.add_rms_norm import add_rms_norm
+
+    return add_rms_norm
 
 
 def resolve_async_scheduling(choice: bool | None, tp: int, devices=None) -> bool:
@@ -303,7 +329,9 @@ class ModelRunner:
                                                     devices)
         self.model = DecoderLM(config, attn, dtype, scan_layers=self.scan_layers, moe_fn=moe_fn,
                                packed_matmul=native_packed_matmul(self.tp, devices),
-                               fused_shards=self.tp)
+                               fused_shards=self.tp,
+                               norm_fn=fused_norm_fn(engine_config.attention_backend, self.tp,
+                                                     platform))
         # Plain greedy batches sample with the native one-pass kernel on one CPU device
         # (`pagedjax.sampler.sample_greedy`'s ``native``); XLA's three passes elsewhere, or
         # with ``PAGEDJAX_NATIVE_GREEDY=0`` (for comparisons).

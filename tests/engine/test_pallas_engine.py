@@ -19,7 +19,16 @@ class _NoTokenizer:
         return " ".join(map(str, ids))
 
 
-def test_pallas_backend_engine_matches_reference():
+@pytest.mark.parametrize("fused_norm", ["0", "1"])
+def test_pallas_backend_engine_matches_reference(monkeypatch, fused_norm):
+    """Greedy tokens equal the contiguous reference's, with XLA's norms and with the fused
+    residual add + RMSNorm kernel a GPU runner uses (`fused_norm_fn`; interpreted here)."""
+    from pallas_kernels import add_rms_norm as norm_module
+
+    calls = []
+    real = norm_module.add_rms_norm
+    monkeypatch.setattr(norm_module, "add_rms_norm", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("PAGEDJAX_FUSED_NORM", fused_norm)
     cfg = ModelConfig.from_hf({**TINY_HF_CONFIG, "num_attention_heads": 6, "num_key_value_heads": 2})
     params = assemble_params(cfg, random_hf_tensors(cfg, seed=4).get)
     rng = np.random.default_rng(0)
@@ -30,6 +39,7 @@ def test_pallas_backend_engine_matches_reference():
                         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     want = ReferenceGenerator(cfg, params).generate(prompts, 12)
     assert [o.outputs[0].token_ids for o in outs] == want
+    assert bool(calls) == (fused_norm == "1")
     bm = llm.engine.block_manager
     bm.check_invariants()
     assert bm.get_num_free_gpu_blocks() == 24

@@ -19,6 +19,8 @@ from jax._src.lib.mlir import ir
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels import copy_blocks, paged_decode_attention, ragged_paged_attention, write_kv
+from pallas_kernels._common import next_pow2
+from pallas_kernels.add_rms_norm import add_rms_norm
 from pallas_kernels.backend import interpret_mode
 
 S = jax.ShapeDtypeStruct
@@ -116,6 +118,17 @@ def test_cache_ops_lower_to_triton(hq, hkv, d, bs, dtype):
                               cache, cache, S((3, 2), jnp.int32))
     assert len(_triton_modules(lowered)) == 1
     assert lowered.as_text().count("output_operand_alias<") >= 2
+
+
+@pytest.mark.parametrize("rows,hidden,dtype", [(1, 4096, jnp.bfloat16), (7, 576, jnp.float32)])
+def test_add_rms_norm_lowers_to_triton(rows, hidden, dtype):
+    """One Triton call with an add and one without; 576 (SmolLM2) runs a padded 1024 row."""
+    x, w = S((rows, hidden), dtype), S((hidden,), dtype)
+    lowered = _lower_for_cuda(lambda x, d, w: (add_rms_norm(x, d, w, 1e-5),
+                                               add_rms_norm(x, None, w, 1e-5)), x, x, w)
+    modules = _triton_modules(lowered)
+    assert len(modules) == 2
+    assert all(f"tensor<{next_pow2(hidden)}x" in m for m in modules)
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn, jnp.float8_e5m2])
