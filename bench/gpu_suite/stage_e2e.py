@@ -446,6 +446,63 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
         perf["mosaic_lowering"] = rows  # the name of the fifth run's files
         rec.save()
 
+    def other_norm() -> None:
+        """Decode steps with the residual add + RMSNorm the default did not pick
+        (``PAGEDJAX_FUSED_NORM``, read when the runner is built): XLA's where the default is
+        the Pallas kernel (one GPU, since stop 66: fewer launches at batch 1, docs/gpu.md),
+        the kernel elsewhere. Points: batch 1 (what it is for) and the first (64)."""
+        from pagedjax.worker.model_runner import ENV_FUSED_NORM
+
+        perf["fused_norm"] = eng.runner.model.norm_fn is not None
+        if not budget.allows(60 if not dry_run else 1):
+            rec.summarize(f"{spec.name} decode: the other norm", "not run: out of time",
+                          "skipped")
+            return
+        pts = [p for p in points if p[0] == 1][:1] + [points[0]]
+        old = os.environ.get(ENV_FUSED_NORM)
+        os.environ[ENV_FUSED_NORM] = "0" if perf["fused_norm"] else "1"
+        rows, alt = [], None
+        try:
+            alt = LLM.from_params(cfg, params, NoTokenizer(), attention_backend=backend,
+                                  block_size=16,
+                                  num_gpu_blocks=max(b * -(-c // 16) for b, c in pts) + 16,
+                                  max_num_seqs=max(b for b, _ in pts),
+                                  max_num_batched_tokens=512 if dry_run else 2048,
+                                  max_model_len=mml, warmup=False)
+            for b, c in pts:
+                if rows and not budget.allows(20 if not dry_run else 0):
+                    break
+                ms = _decode_step_ms(alt.engine.runner, b, c, 3 if dry_run else 10) * 1e3
+                pipe = _decode_step_ms(alt.engine.runner, b, c, 3 if dry_run else 8,
+                                       pipelined=True) * 1e3
+                rows.append({"batch": b, "context": c, "other_step_ms": ms,
+                             "other_pipelined_step_ms": pipe})
+        except Exception as e:  # noqa: BLE001 -- recorded; the rest of the stage still runs
+            perf["other_norm_error"] = f"{type(e).__name__}: {e}"[:2000]
+            rec.summarize(f"{spec.name} decode: the other norm", perf["other_norm_error"][:200],
+                          "FAIL")
+        finally:
+            if old is None:
+                os.environ.pop(ENV_FUSED_NORM, None)
+            else:
+                os.environ[ENV_FUSED_NORM] = old
+        del alt
+        gc.collect()
+        default = {(r["batch"], r["context"]): r for r in perf["decode_vs_roofline"]}
+        for r in rows:
+            d = default.get((r["batch"], r["context"]), {})
+            r["default_step_ms"] = d.get("step_ms")
+            r["default_pipelined_step_ms"] = d.get("pipelined_step_ms")
+            fused, plain = ((r["default_step_ms"], r["other_step_ms"]) if perf["fused_norm"]
+                            else (r["other_step_ms"], r["default_step_ms"]))
+            r["fused_over_xla"] = fused / plain if fused and plain else None
+            rec.summarize(f"{spec.name} decode b{r['batch']} ctx{r['context']}: fused norm / "
+                          f"XLA's", f"{fused} vs {plain} ms" if r["fused_over_xla"] is None
+                          else f"{fused:.2f} vs {plain:.2f} ms ({r['fused_over_xla']:.3f}x)",
+                          "info")
+        perf["fused_norm_ab"] = rows
+        rec.save()
+
     perf["decode_vs_roofline"] = []
     for b, c in points:
         if perf["decode_vs_roofline"] and not roof.allows(20 if not dry_run else 1):
@@ -465,6 +522,7 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
         if len(perf["decode_vs_roofline"]) == 1:
             other_layer_loop()
     if perf["decode_vs_roofline"]:
+        other_norm()
         other_lowering()
         default = {(r["batch"], r["context"]): r["step_ms"] for r in perf["decode_vs_roofline"]}
         for r in perf.get("mosaic_lowering", []):

@@ -108,9 +108,9 @@ def fused_norm_fn(attention_backend: str | None, tp: int, platform: str):
     with the kernel (the deviceless H100 8B step: 582 -> 518 launches); on CPU XLA fuses the
     norm into its neighbours and a Pallas kernel would be interpreted; under tensor
     parallelism the partitioner cannot split a custom call (the hidden states are replicated
-    there, so it would run whole on every device: unmeasured, so not chosen). ``$PAGEDJAX_FUSED_NORM``:
-    ``1`` on anywhere (interpreted off a GPU: the tests), ``0`` off, ``auto`` (default) the
-    rule above."""
+    there, so it would run whole on every device: unmeasured, so not chosen).
+    ``$PAGEDJAX_FUSED_NORM``: ``1`` on anywhere (interpreted off a GPU: the tests), ``0``
+    off, ``auto`` (default) the rule above."""
     choice = (os.environ.get(ENV_FUSED_NORM) or "auto").lower()
     if choice not in ("0", "1", "auto"):
         raise ValueError(f"{ENV_FUSED_NORM}={choice!r}; expected 0, 1 or auto")

@@ -98,6 +98,15 @@ def test_e2e_stage_checks_pass_with_every_feature_exercised(dry_run):
         (r["batch"], r["context"]) for r in perf["decode_vs_roofline"][::len(perf["decode_vs_roofline"]) - 1]]
     assert all(r["mosaic_step_ms"] > 0 and r["triton_step_ms"] > 0 for r in mosaic)
     assert os.environ.get("PAGEDJAX_PALLAS_LOWERING") is None  # restored after
+    # Batch 1 and the first point again with the other norm (on CPU: the fused kernel,
+    # interpreted), the ratio fused / XLA's from the two.
+    assert perf["fused_norm"] is False
+    norm = perf["fused_norm_ab"]
+    assert [(r["batch"], r["context"]) for r in norm] == [(1, 32), (4, 64)]
+    for r in norm:
+        assert r["other_step_ms"] > 0 and r["other_pipelined_step_ms"] > 0
+        assert r["fused_over_xla"] == pytest.approx(r["other_step_ms"] / r["default_step_ms"])
+    assert os.environ.get("PAGEDJAX_FUSED_NORM") is None
     ab = perf["async_ab"]  # the same requests with async scheduling on and off, same tokens
     assert [r["mode"] for r in ab["runs"]] == ["async", "sync", "async", "sync"]
     assert ab["identical"] and all(r["output_tokens"] > 0 for r in ab["runs"])
