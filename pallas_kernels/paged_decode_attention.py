@@ -253,9 +253,10 @@ def combine_splits(acc: jax.Array, m: jax.Array, lsum: jax.Array,
     ``acc [P, S, H, R, D]``, ``m`` / ``lsum [P, S, H, R]``; ``rows`` keeps the first rows of
     axis 3 (the query group without its padding). Up to `UNROLLED_MERGE_MAX_SPLITS` splits
     the merge is written as elementwise ops over the static split count, so that XLA fuses
-    it, with the slice, into one kernel: reductions over axis 0 compile to a kernel each
-    (max, denominator, numerator) plus the slice, 4 launches a layer in a batch-1 GPU step
-    (docs/gpu.md)."""
+    it into two kernels (the maximum; the sums, the division and the slice): reductions over
+    axis 0 compile to a kernel each (max, denominator, numerator) plus the slice, 4 launches
+    a layer in a batch-1 GPU step (docs/gpu.md). Beyond, the unrolled code would grow with
+    the splits (a long context over one KV head runs up to 264), so it reduces."""
     if rows is not None:
         acc, m, lsum = acc[:, :, :, :rows], m[..., :rows], lsum[..., :rows]
     splits = acc.shape[0]

@@ -51,9 +51,10 @@ def _decode_launches(num_kv_heads: int, pages: int) -> list[str]:
 
 @pytest.mark.parametrize("num_kv_heads", [8, 2])
 def test_split_merge_takes_two_launches_after_the_decode_kernel(num_kv_heads):
-    """A 4096-token context at batch 1 runs 32 (8 KV heads) or 64 (2) splits; what follows
-    the kernel is the merge: the running maximum, then one fusion for the weighted sums, the
-    division and the slice to the query group (it was 3 reductions and a slice)."""
+    """A 4096-token context at batch 1 runs 32 splits (one a 128-token chunk) over 8 or 2 KV
+    heads; what follows the kernel is the merge: the maximum over the splits, then one
+    fusion for the weighted sums, the division and the slice to the query group (it was 3
+    reductions and a slice)."""
     launches = _decode_launches(num_kv_heads, pages=256)
     at = [i for i, n in enumerate(launches) if n.startswith("paged_decode")]
     assert len(at) == 1, launches

@@ -227,3 +227,33 @@ def test_tuning_file_overrides_table(tmp_path, monkeypatch):
     assert tuning.lookup("decode", jnp.bfloat16, 128, "sm90") == tuning.KernelTuning(8, 4, 32)
     assert tuning.lookup("decode", jnp.float32, 128, "sm90") == tuning.TABLE["sm90"][
         ("decode", 4, 128)]
+
+
+@pytest.mark.parametrize("splits", [1, 3, 64, 65, 130])
+def test_split_merge_matches_float64_either_way(splits):
+    """`combine_splits` unrolls up to UNROLLED_MERGE_MAX_SPLITS splits (one fusion on a GPU)
+    and reduces beyond (a batch-1 decode with few KV heads and a long context runs up to 264
+    splits); both equal a float64 merge, and a row no split saw (every m at the kernel's mask
+    value, every sum 0) comes out 0."""
+    from pallas_kernels._common import MASK_VALUE
+    from pallas_kernels.paged_decode_attention import UNROLLED_MERGE_MAX_SPLITS, combine_splits
+
+    assert UNROLLED_MERGE_MAX_SPLITS == 64  # the cases straddle it
+    rng = np.random.default_rng(splits)
+    acc = rng.standard_normal((splits, 2, 3, 16, 8)).astype(np.float32)
+    m = (rng.standard_normal((splits, 2, 3, 16)) * 20).astype(np.float32)
+    lsum = rng.uniform(0.5, 4, (splits, 2, 3, 16)).astype(np.float32)
+    # Splits past a short context saw nothing; row (1, 2, 5) saw nothing at all.
+    m[splits // 2 + 1:, 0, 1] = MASK_VALUE
+    lsum[splits // 2 + 1:, 0, 1] = 0
+    acc[splits // 2 + 1:, 0, 1] = 0
+    m[:, 1, 2, 5], lsum[:, 1, 2, 5], acc[:, 1, 2, 5] = MASK_VALUE, 0, 0
+    out = np.asarray(combine_splits(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(lsum), rows=12))
+    a, mm, ls = (x.astype(np.float64)[:, :, :, :12] for x in (acc, m, lsum))
+    w = np.exp(mm - mm.max(0))
+    den = (w * ls).sum(0)
+    want = np.where(den[..., None] > 0, (w[..., None] * a).sum(0)
+                    / np.where(den > 0, den, 1)[..., None], 0)
+    assert out.shape == (2, 3, 12, 8)
+    np.testing.assert_allclose(out, want, atol=2e-6, rtol=2e-5)
+    assert not out[1, 2, 5].any()
