@@ -11,7 +11,6 @@ sum, which XLA fused into the add before) and K and V handed to `write_kv` as on
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import jax
@@ -19,11 +18,10 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from pagedjax.aot import step as aot_step
+from pagedjax.aot.launches import step_launches
 from pagedjax.aot.resources import compile_launches, thunk_launches
 from pagedjax.aot.target import compile_only_devices
-from pagedjax.config import EngineConfig
-from pagedjax.worker.model_runner import ENV_FUSED_NORM, ModelRunner
+from pagedjax.worker.model_runner import ENV_FUSED_NORM
 from pallas_kernels import paged_decode_attention
 
 from .test_resources import THUNKS
@@ -63,21 +61,8 @@ def test_split_merge_takes_two_launches_after_the_decode_kernel(num_kv_heads):
 
 def _step_launches(monkeypatch, fused: str, layers: int = 2) -> list[str]:
     monkeypatch.setenv(ENV_FUSED_NORM, fused)
-    config = dataclasses.replace(aot_step.MODELS["llama3-8b"], num_layers=layers,
-                                 vocab_size=4096)
-    devices = compile_only_devices("h100")
-    ec = EngineConfig(block_size=16, attention_backend="pallas", num_gpu_blocks=1,
-                      max_num_seqs=8, max_num_batched_tokens=256, layer_loop="unrolled")
-    runner = ModelRunner.compile_only(config, ec, jnp.bfloat16, 4096, devices)
-    inputs, pages = aot_step._inputs(aot_step.StepShape("b1", ((1, 4096),)), runner)
-    params, k, v = runner.abstract_state(max(pages, 64))
-    sh = SingleDeviceSharding(devices[0])
-    host = (inputs.input_ids, inputs.positions, runner.step_meta(inputs.meta),
-            inputs.logits_indices)
-    args = jax.tree.map(lambda x: aot_step._abstract(jnp.asarray(x), sh), host)
-    with jax.default_device(devices[0]), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return compile_launches(ModelRunner._step.lower(runner, params, k, v, *args))
+    return step_launches("llama3-8b", "h100", batch=1, context=4096, layers=layers,
+                         vocab_size=4096)
 
 
 def test_fused_norm_cuts_a_launch_a_norm_in_the_batch1_step(monkeypatch):
