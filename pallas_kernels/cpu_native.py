@@ -56,7 +56,7 @@ SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
                              "dense_matmul_cpu.cc", "zeros_huge_pages_cpu.cc",
                              "greedy_rows_cpu.cc", "lm_head_greedy_cpu.cc",
-                             "sample_rows_cpu.cc"))
+                             "sample_rows_cpu.cc", "cpu_isa.cc"))
 HEADERS = (Path(__file__).with_name("csrc") / "row_math.h",)
 SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
@@ -141,6 +141,19 @@ def _register() -> bool:
     jax.ffi.register_ffi_target(
         SAMPLE_TARGET, jax.ffi.pycapsule(lib.PagedjaxSampleRowsCpu), platform="cpu")
     return True
+
+
+ISA_BITS = {"avx512f": 1, "avx512bf16": 2, "avx2_fma": 4}
+
+
+@functools.cache
+def compiled_isa() -> frozenset[str]:
+    """The vector paths the native library was compiled with (`csrc/cpu_isa.cc`): a subset of
+    ``ISA_BITS`` (empty: portable loops only). Built with ``-march=native``, so the host's."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    bits = ctypes.cdll.LoadLibrary(str(build())).PagedjaxCpuIsa()
+    return frozenset(name for name, bit in ISA_BITS.items() if bits & bit)
 
 
 @functools.cache

@@ -101,6 +101,26 @@ def default_layer_loop(platform: str, tp: int) -> str:
 ENV_FUSED_NORM = "PAGEDJAX_FUSED_NORM"
 
 
+ENV_SCREENED_HEAD = "PAGEDJAX_SCREENED_HEAD"
+
+
+def screened_head_setting() -> bool:
+    """Whether greedy rows take their tokens from the bfloat16-screened LM head
+    (``PAGEDJAX_SCREENED_HEAD``: 1 on, 0 off, unset / auto: where the native library has
+    AVX512-BF16). The screen's tokens are exactly the float32 head's either way; it is only
+    faster where `vdpbf16ps` computes it: without that instruction its portable loop made a
+    batch-1 step twice as slow as the float32 head on an AVX2 host (docs/v1-core.md "AVX2
+    hosts")."""
+    v = os.environ.get(ENV_SCREENED_HEAD, "auto").lower()
+    if v in ("0", "false", "off"):
+        return False
+    if v in ("1", "true", "on"):
+        return True
+    from pallas_kernels import cpu_native
+
+    return cpu_native.available() and "avx512bf16" in cpu_native.compiled_isa()
+
+
 def fused_norm_fn(attention_backend: str | None, tp: int, platform: str):
     """The model's residual add + RMSNorm (`DecoderLM.norm_fn`): the Pallas kernel
     (`pallas_kernels.add_rms_norm`) on one GPU with Pallas attention, None (XLA's add and
@@ -498,11 +518,11 @@ class ModelRunner:
         """The LM head's float32 panels when the runner applies the head itself: greedy
         sampling through the native kernels (one CPU device), unrolled float32 layers with
         the head in panels (`models.qlinear.dense_panelize`), no final soft-capping (which
-        may turn distinct logits into ties), and ``PAGEDJAX_SCREENED_HEAD`` not 0 (for
-        comparisons). Else None: the step computes the logits."""
+        may turn distinct logits into ties), and a screen that pays (`screened_head_setting`).
+        Else None: the step computes the logits."""
         c = self.model_config
         if (not self.native_greedy or self.scan_layers or c.final_softcap
-                or os.environ.get("PAGEDJAX_SCREENED_HEAD", "1") in ("0", "false")):
+                or not screened_head_setting()):
             return None
         return self._panels_of_head(params)
 

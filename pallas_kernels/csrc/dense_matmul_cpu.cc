@@ -29,8 +29,8 @@
 // four) read together, one register block over all of them: the demo model's weight matmuls at
 // one row went from ~23.3 to ~19.7 ms, at two and three rows 6-8 % faster (docs/v1-core.md).
 //
-// With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; without
-// it, a portable loop. Each output is one fused multiply-add chain over k = 0 .. K-1 in
+// With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; with AVX2 and FMA a
+// 6 x 16 one over each 16-column strip of a panel; else a portable loop. Each output is one fused multiply-add chain over k = 0 .. K-1 in
 // order, the same whichever block or chunk holds its row: results do not depend on the
 // number of rows (a row scores the same in a decode step as in a verification step) and
 // differ from a float dot only by reassociation.
@@ -184,6 +184,125 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
   for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
     const char* ahead = next != nullptr && j * per < lines ? next + 64 * j * per : nullptr;
     const int64_t n = std::min(per, lines - j * per);
+    switch (std::min(kBlockRows, m1 - m)) {
+      case 6: block<6>(p, b, m, ahead, n); break;
+      case 5: block<5>(p, b, m, ahead, n); break;
+      case 4: block<4>(p, b, m, ahead, n); break;
+      case 3: block<3>(p, b, m, ahead, n); break;
+      case 2: block<2>(p, b, m, ahead, n); break;
+      case 1: block<1>(p, b, m, ahead, n); break;
+      default: break;
+    }
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 with FMA (AMD Zen 2-3, Intel without AVX-512): 16 vector registers of 8 floats, so a
+// panel's 64 columns do not fit one register block of several rows as they do above. Batched
+// rows run a 6 x 16 block (12 accumulators, 2 weight vectors, one broadcast: the usual AVX2
+// GEMM shape) over each of the panel's four 16-column strips in turn; a strip of one k is one
+// cache line, so the four passes read the panel once per 6 rows, from L2. One to three rows
+// read the panel's full width in one pass (1 x 64) or two (2-3 x 32): they are bound by memory,
+// not by the FMAs. Each output is the same FMA chain over k as everywhere else, so results
+// are bit-identical to the AVX-512 and portable paths (`tests/kernels/test_cpu_isa_paths.py`).
+
+// Rows [m0, m0 + MR) x columns [c0, c0 + 8 NV) of panel b; `ahead`, `lines` as in the
+// AVX-512 `block`.
+template <int MR, int NV>
+void strip(const Dense& p, int64_t b, int64_t m0, int64_t c0, const char* ahead, int64_t lines) {
+  const int64_t K = p.K;
+  const float* w = p.w + b * K * kCols + c0;
+  const float* x = p.x + m0 * K;
+  __m256 c[MR][NV];
+  for (int q = 0; q < MR; ++q)
+    for (int v = 0; v < NV; ++v) c[q][v] = _mm256_setzero_ps();
+  // The later panel's lines one every `every` k, issued between runs of k.
+  const int64_t every = std::max<int64_t>(1, K / std::max<int64_t>(1, lines));
+  int64_t line = ahead != nullptr ? 0 : lines;
+  for (int64_t k0 = 0; k0 < K; k0 += every) {
+    if (line < lines) _mm_prefetch(ahead + 64 * line++, _MM_HINT_T1);
+    const int64_t k1 = std::min(K, k0 + every);
+    for (int64_t k = k0; k < k1; ++k) {
+      const float* wk = w + k * kCols;
+      for (int v = 0; v < NV; v += 2)  // this strip's line(s) kAhead rows of k further on
+        _mm_prefetch(reinterpret_cast<const char*>(wk + kAhead * kCols + 8 * v), _MM_HINT_T0);
+      __m256 wv[NV];
+      for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
+#pragma GCC unroll 6
+      for (int q = 0; q < MR; ++q) {
+        const __m256 a = _mm256_broadcast_ss(x + q * K + k);
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; ++v) c[q][v] = _mm256_fmadd_ps(a, wv[v], c[q][v]);
+      }
+    }
+  }
+  // Only the columns of this strip that exist (panels pad with zeros): plain stores for a
+  // whole strip, a mask for the last panel's part. Loops of fixed trip counts: an
+  // accumulator indexed at run time (a `break` here) made GCC keep them all in memory,
+  // storing every one of them every k (a quarter of the FMA peak).
+  const int64_t nc = p.cols(b) - c0;
+  if (nc >= 8 * NV) {
+#pragma GCC unroll 6
+    for (int q = 0; q < MR; ++q)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v)
+        _mm256_storeu_ps(p.y + (m0 + q - p.row0) * p.ldy + (b * kCols + c0 + 8 * v - p.col0),
+                         c[q][v]);
+    return;
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; ++v) {
+    const int left = int(std::clamp<int64_t>(nc - 8 * v, 0, 8));
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 6
+    for (int q = 0; q < MR; ++q)
+      _mm256_maskstore_ps(p.y + (m0 + q - p.row0) * p.ldy + (b * kCols + c0 + 8 * v - p.col0),
+                          mask, c[q][v]);
+  }
+}
+
+// Rows [m0, m0 + MR) of panel b, in strips of 16 columns; the later panel's lines spread over
+// the strips.
+template <int MR>
+void block(const Dense& p, int64_t b, int64_t m0, const char* ahead, int64_t lines) {
+  const int64_t nc = p.cols(b), quarter = (lines + 3) / 4;
+  for (int s = 0; s < 4 && 16 * s < nc; ++s) {
+    const int64_t from = std::min<int64_t>(lines, s * quarter);
+    const int64_t n = std::min<int64_t>(quarter, lines - from);
+    strip<MR, 2>(p, b, m0, 16 * s, ahead != nullptr && n > 0 ? ahead + 64 * from : nullptr,
+                 ahead != nullptr ? n : 0);
+  }
+}
+
+// All rows (M <= kGroupMaxRows) of panels [b, b + g): one pass per panel at one row, two
+// half-width passes at two or three.
+void group(const Dense& p, int64_t b, int64_t g) {
+  for (int64_t i = b; i < b + g; ++i) {
+    switch (p.M) {
+      case 1: strip<1, 8>(p, i, 0, 0, nullptr, 0); break;
+      case 2:
+        strip<2, 4>(p, i, 0, 0, nullptr, 0);
+        if (p.cols(i) > 32) strip<2, 4>(p, i, 0, 32, nullptr, 0);
+        break;
+      default:
+        strip<3, 4>(p, i, 0, 0, nullptr, 0);
+        if (p.cols(i) > 32) strip<3, 4>(p, i, 0, 32, nullptr, 0);
+        break;
+    }
+  }
+}
+
+// `nb`: the panel this thread takes next (out of range: none).
+void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
+  const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
+  const int64_t lines = p.K * kCols * int64_t(sizeof(float)) / 64;
+  const int64_t per = (lines + blocks - 1) / blocks;
+  const char* next = blocks > 1 && nb >= 0 && nb < p.panels
+                         ? reinterpret_cast<const char*>(p.w + nb * p.K * kCols)
+                         : nullptr;
+  for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
+    const char* ahead = next != nullptr && j * per < lines ? next + 64 * j * per : nullptr;
+    const int64_t n = std::max<int64_t>(0, std::min(per, lines - j * per));
     switch (std::min(kBlockRows, m1 - m)) {
       case 6: block<6>(p, b, m, ahead, n); break;
       case 5: block<5>(p, b, m, ahead, n); break;

@@ -70,8 +70,11 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
                           ("recompute", True, True, SPEC, None),
                           ("recompute", True, True, None, "unrolled")])
 def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling, spec,
-                                    layer_loop):
+                                    layer_loop, monkeypatch):
     config, params = tiny
+    # The screen on whatever the host (by default only with AVX512-BF16), so its path is
+    # covered everywhere.
+    monkeypatch.setenv("PAGEDJAX_SCREENED_HEAD", "1")
     # 24 blocks of 8 slots for up to 8 sequences of up to 128 tokens: preemption is frequent.
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=24, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,

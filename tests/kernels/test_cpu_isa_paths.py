@@ -1,0 +1,127 @@
+"""The native CPU kernels pick their vector path when they are compiled (``-march=native``), so
+one host runs one path. Here the panel matmul (`csrc/dense_matmul_cpu.cc`) is compiled again
+for each instruction set this host can run (portable x86-64, AVX2 + FMA, the host's own, AVX-512
+where it has it) and the paths must agree bit for bit (each output is the same FMA chain over k
+whatever the register block), and with float64; the library reports the paths it was built
+with (`cpu_native.compiled_isa`), which choose whether the LM head is screened."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.qlinear import to_dense_panels
+from pagedjax.worker.model_runner import screened_head_setting
+from pallas_kernels import cpu_native
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(),
+                                reason="native CPU kernels need a C++ compiler")
+
+SYMBOL = "PagedjaxDenseMatmulCpu"
+
+
+def _cpu_flags() -> set[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _runnable_arches() -> list[str]:
+    """-march values whose code this host runs: x86-64 always, x86-64-v3 with AVX2 and FMA
+    (and the rest of that level), native (whatever the host has)."""
+    flags = _cpu_flags()
+    arches = ["x86-64"]
+    if {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"} <= flags:
+        arches.append("x86-64-v3")
+    arches.append("native")
+    return arches
+
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """{march: jitted matmul through that build}."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the vector paths are x86 ones")
+    src = (Path(cpu_native.__file__).with_name("csrc") / "dense_matmul_cpu.cc").read_text()
+    out = tmp_path_factory.mktemp("isa")
+    fns = {}
+    for march in _runnable_arches():
+        tag = re.sub(r"\W", "_", march)
+        name = f"{SYMBOL}_isa_{tag}"
+        cc = out / f"{tag}.cc"
+        # Only the handler renamed, so each build registers as its own FFI target (the live-
+        # rows handler keeps its name: its library is never registered).
+        cc.write_text(re.sub(rf"\b{SYMBOL}\b", name, src))
+        flags = [f for f in cpu_native.FLAGS if not f.startswith("-march")]
+        lib = out / f"{tag}.so"
+        subprocess.run([cpu_native._compiler(), *flags, f"-march={march}",
+                        f"-I{jax.ffi.include_dir()}", str(cc), "-o", str(lib)],
+                       check=True, capture_output=True)
+        handle = ctypes.cdll.LoadLibrary(str(lib))
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, name)),
+                                    platform="cpu")
+
+        def mm(x, w, n, target=name):
+            return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, w)
+
+        fns[march] = jax.jit(mm, static_argnums=2)
+    return fns
+
+
+def test_this_host_runs_more_than_the_portable_path(variants):
+    """At least the portable and the native build; on any x86 host of the last decade also
+    AVX2 + FMA (the AVX2 path is what an AVX2-only host runs)."""
+    assert "x86-64" in variants and "native" in variants
+    if {"avx2", "fma"} <= _cpu_flags():
+        assert "x86-64-v3" in variants
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 13, 64, 65, 130])
+@pytest.mark.parametrize("k,n", [(576, 960), (37, 63), (64, 65), (50, 64 * 3 + 17),
+                                 (33, 64 * 2 + 40)])
+def test_every_vector_path_gives_the_same_bits(variants, m, k, n):
+    """Row counts on every register block (1-3 rows: full-width or half passes; 4-7: the
+    6-row block and its remainders; 64+: work items, cut between threads), depths off the
+    vector width, last panels of 17, 40 and 63 columns (masked stores of a part vector)."""
+    rng = np.random.default_rng(m * 7919 + k * 31 + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    panels = to_dense_panels(jnp.asarray(w))
+    outs = {march: np.asarray(fn(jnp.asarray(x), panels, n)) for march, fn in variants.items()}
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    tol = 4 * np.sqrt(k) * np.finfo(np.float32).eps * np.abs(x).max() * np.abs(w).max()
+    np.testing.assert_allclose(outs["x86-64"], want, atol=tol, rtol=0)
+    for march, got in outs.items():
+        assert got.shape == (m, n)
+        np.testing.assert_array_equal(got, outs["x86-64"], err_msg=march)
+
+
+def test_the_library_reports_the_paths_of_this_host():
+    """-march=native: AVX-512, its BF16 and AVX2 + FMA paths are compiled exactly where the
+    host has them."""
+    flags = _cpu_flags()
+    isa = cpu_native.compiled_isa()
+    assert isa <= set(cpu_native.ISA_BITS)
+    assert ("avx512f" in isa) == ("avx512f" in flags)
+    assert ("avx512bf16" in isa) == ({"avx512f", "avx512_bf16"} <= flags)
+    assert ("avx2_fma" in isa) == ({"avx2", "fma"} <= flags)
+
+
+def test_the_lm_head_is_screened_where_vdpbf16ps_computes_it(monkeypatch):
+    """By default only with AVX512-BF16 (the screen's portable loop is slower than the float32
+    head it replaces); 1 / 0 force it either way."""
+    monkeypatch.delenv("PAGEDJAX_SCREENED_HEAD", raising=False)
+    assert screened_head_setting() == ("avx512bf16" in cpu_native.compiled_isa())
+    for v, want in (("auto", "avx512bf16" in cpu_native.compiled_isa()), ("1", True),
+                    ("on", True), ("0", False), ("false", False)):
+        monkeypatch.setenv("PAGEDJAX_SCREENED_HEAD", v)
+        assert screened_head_setting() is want, v
