@@ -1,7 +1,8 @@
 // This host's fp32 FMA peak: what no fp32 matmul on it can beat, so the floor under a batched
 // decode step whose time is its weight matmuls (docs/v1-core.md, "How far fp32 can go here").
-// Each thread runs ACC independent chains of 16-lane AVX-512 FMAs on registers (enough chains
-// to cover the FMA latency on both pipes), nothing read from memory; GFLOP/s = 2 x 16 x FMAs.
+// Each thread runs ACC independent chains of 16-lane AVX-512 FMAs (8-lane AVX2 ones on a host
+// without AVX-512) on registers (enough chains to cover the FMA latency on both pipes),
+// nothing read from memory; GFLOP/s = 2 x lanes x FMAs.
 //
 //   g++ -O2 -march=native -std=c++17 -pthread bench/fma_peak.cc -o /tmp/fma_peak
 //   /tmp/fma_peak THREADS SECONDS [bf16]   (e.g. 1 2, then 2 2)
@@ -27,11 +28,31 @@ constexpr int kAcc = 12;  // independent accumulators: latency 4 x 2 pipes, with
 
 // One round: kAcc FMAs per inner iteration, `iters` iterations. The multiplier is just below
 // 1 and the addend tiny, so values stay finite and normal whatever the count.
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec splat(float x) { return _mm512_set1_ps(x); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lane_sum(Vec v) { return _mm512_reduce_add_ps(v); }
+#else  // AVX2 + FMA hosts (AMD Zen 2-3, Intel without AVX-512): 8-lane vectors
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec splat(float x) { return _mm256_set1_ps(x); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float lane_sum(Vec v) {
+  alignas(32) float o[8];
+  _mm256_store_ps(o, v);
+  float s = 0.f;
+  for (float x : o) s += x;
+  return s;
+}
+#endif
+
 template <bool kBf16>
 float run(int64_t iters, float seed) {
-  __m512 acc[kAcc];
-  for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_set1_ps(seed + i);
-  const __m512 m = _mm512_set1_ps(0.999999f), a = _mm512_set1_ps(1e-7f);
+  Vec acc[kAcc];
+  for (int i = 0; i < kAcc; ++i) acc[i] = splat(seed + i);
+  const Vec m = splat(0.999999f), a = splat(1e-7f);
 #if defined(__AVX512BF16__)
   // bfloat16 pairs (1, 1) and (1e-7, 1e-7): each instruction adds ~2e-7 per lane.
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);
@@ -45,13 +66,13 @@ float run(int64_t iters, float seed) {
         acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
 #endif
       } else {
-        acc[i] = _mm512_fmadd_ps(acc[i], m, a);
+        acc[i] = fma(acc[i], m, a);
       }
     }
   }
-  __m512 s = acc[0];
-  for (int i = 1; i < kAcc; ++i) s = _mm512_add_ps(s, acc[i]);
-  return _mm512_reduce_add_ps(s);
+  Vec s = acc[0];
+  for (int i = 1; i < kAcc; ++i) s = s + acc[i];
+  return lane_sum(s);
 }
 
 }  // namespace
@@ -94,7 +115,7 @@ int main(int argc, char** argv) {
     total += fmas[t];
     s += sink[t];
   }
-  const double flop = (bf16 ? 2.0 * 32 : 2.0 * 16) * total / el / 1e9;
+  const double flop = (bf16 ? 2.0 * 32 : 2.0 * kLanes) * total / el / 1e9;
   std::printf("threads %d  %.1f GFLOP/s %s (%.1f per thread)  [checksum %g]\n", threads, flop,
               bf16 ? "bf16 dot (vdpbf16ps)" : "fp32", flop / threads, s);
   return 0;

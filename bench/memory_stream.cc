@@ -1,7 +1,8 @@
 // How fast this host streams a buffer the size of the demo model's fp32 weights (538 MB) once
 // per pass, as a batch-1 decode step reads them: THREADS threads each read their half (or
-// share) front to back with AVX-512 loads, on 2 MiB pages, with no software prefetch (0),
-// prefetcht0 (1) or prefetchnta (2) 4 KiB ahead; prints the median pass after 5 untimed ones.
+// share) front to back with AVX-512 loads (AVX2 ones on a host without AVX-512), on 2 MiB
+// pages, with no software prefetch (0), prefetcht0 (1) or prefetchnta (2) 4 KiB ahead;
+// prints the median pass after 5 untimed ones.
 // The host's figure moves with the hour (53-84 GB/s on 2026-11-27; docs/v1-core.md).
 //
 //   g++ -O3 -march=native -std=c++17 -pthread bench/memory_stream.cc -o /tmp/memory_stream
@@ -37,7 +38,11 @@ int main(int argc, char** argv) {
     for (int t = 0; t < threads; ++t)
       pool.emplace_back([&, t] {
         const float* b = buf + t * share;
+#if defined(__AVX512F__)
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#else  // AVX2 hosts: two 8-lane loads per 16 floats
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#endif
         for (size_t i = 0; i < share; i += 64) {
           if (mode != 0 && i + 1024 < share) {
             const char* q = reinterpret_cast<const char*>(b + i + 1024);
@@ -48,12 +53,25 @@ int main(int argc, char** argv) {
                 _mm_prefetch(q + 64 * l, _MM_HINT_T0);
             }
           }
+#if defined(__AVX512F__)
           a0 = _mm512_add_ps(a0, _mm512_load_ps(b + i));
           a1 = _mm512_add_ps(a1, _mm512_load_ps(b + i + 16));
           a2 = _mm512_add_ps(a2, _mm512_load_ps(b + i + 32));
           a3 = _mm512_add_ps(a3, _mm512_load_ps(b + i + 48));
         }
         sink[t] += _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+#else
+          for (int h = 0; h < 64; h += 32) {
+            a0 = _mm256_add_ps(a0, _mm256_load_ps(b + i + h));
+            a1 = _mm256_add_ps(a1, _mm256_load_ps(b + i + h + 8));
+            a2 = _mm256_add_ps(a2, _mm256_load_ps(b + i + h + 16));
+            a3 = _mm256_add_ps(a3, _mm256_load_ps(b + i + h + 24));
+          }
+        }
+        alignas(32) float o[8];
+        _mm256_store_ps(o, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+        for (float x : o) sink[t] += x;
+#endif
       });
     for (auto& th : pool) th.join();
     secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());

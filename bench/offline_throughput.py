@@ -147,7 +147,8 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
         return cmd + [a for kv in engine_args for a in ("--engine-arg", kv)]
     if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
                 "pagedjax-sampler-full", "pagedjax-xla-greedy", "pagedjax-wait-helpers",
-                "pagedjax-take-over", "pagedjax-full-head", "pagedjax-all-rows",
+                "pagedjax-take-over", "pagedjax-full-head", "pagedjax-screened-head",
+                "pagedjax-all-rows",
                 "pagedjax-tcmalloc", "pagedjax-xla-sampler"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
@@ -164,6 +165,8 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             cmd = ["env", "PAGEDJAX_MATMUL_TAKE_OVER=1", *cmd]
         if name == "pagedjax-full-head":  # greedy rows through the float32 LM head's logits
             cmd = ["env", "PAGEDJAX_SCREENED_HEAD=0", *cmd]
+        if name == "pagedjax-screened-head":  # the bf16-screened head whatever the host's ISA
+            cmd = ["env", "PAGEDJAX_SCREENED_HEAD=1", *cmd]
         if name == "pagedjax-all-rows":  # matmuls over a step's padding rows too
             cmd = ["env", "PAGEDJAX_LIVE_ROWS=0", *cmd]
         if name == "pagedjax-tcmalloc":  # tcmalloc preloaded, as vLLM's CPU engine runs

@@ -106,11 +106,11 @@ ENV_SCREENED_HEAD = "PAGEDJAX_SCREENED_HEAD"
 
 def screened_head_setting() -> bool:
     """Whether greedy rows take their tokens from the bfloat16-screened LM head
-    (``PAGEDJAX_SCREENED_HEAD``: 1 on, 0 off, unset / auto: where the native library has
-    AVX512-BF16). The screen's tokens are exactly the float32 head's either way; it is only
-    faster where `vdpbf16ps` computes it: without that instruction its portable loop made a
-    batch-1 step twice as slow as the float32 head on an AVX2 host (docs/v1-core.md "AVX2
-    hosts")."""
+    (``PAGEDJAX_SCREENED_HEAD``: 1 on, 0 off, unset / auto: where the native library has a
+    vector path for it, AVX512-BF16 or AVX2 + FMA). The screen's tokens are exactly the
+    float32 head's either way; its portable loop is slower than the float32 head (a batch-1
+    step twice as slow on an AVX2 host before that host had a path of its own; with it, 0.97x
+    at batch 1 and 1.07-1.13x batched: docs/v1-core.md "AVX2 hosts")."""
     v = os.environ.get(ENV_SCREENED_HEAD, "auto").lower()
     if v in ("0", "false", "off"):
         return False
@@ -118,7 +118,8 @@ def screened_head_setting() -> bool:
         return True
     from pallas_kernels import cpu_native
 
-    return cpu_native.available() and "avx512bf16" in cpu_native.compiled_isa()
+    return cpu_native.available() and bool({"avx512bf16", "avx2_fma"}
+                                           & cpu_native.compiled_isa())
 
 
 def fused_norm_fn(attention_backend: str | None, tp: int, platform: str):

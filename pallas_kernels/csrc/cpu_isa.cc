@@ -1,9 +1,9 @@
 // Which vector paths this build of the native CPU kernels holds. The library is compiled with
 // -march=native, so the build host's instruction sets choose each kernel's path at compile
 // time; Python asks here where the choice of kernel depends on it
-// (`pallas_kernels.cpu_native.compiled_isa`): the bfloat16-screened LM head pays only with
-// AVX512-BF16's `vdpbf16ps` (its portable loop ran a batch-1 step at half the speed of the
-// float32 head on an AVX2 host; docs/v1-core.md "AVX2 hosts").
+// (`pallas_kernels.cpu_native.compiled_isa`): the bfloat16-screened LM head pays only with a
+// vector path (AVX512-BF16's `vdpbf16ps` or AVX2's FMAs); its portable loop ran a batch-1
+// step at half the speed of the float32 head (docs/v1-core.md "AVX2 hosts").
 
 extern "C" int PagedjaxCpuIsa() {
   int bits = 0;

@@ -6,7 +6,8 @@
 // Why: the LM head is a fifth of a decode step's weight bytes and FLOPs on the demo model
 // (49152 x 576 of 135 M parameters). A greedy row wants only its argmax, so the head is
 // screened in bfloat16 (AVX512-BF16's `vdpbf16ps`: twice the FMA's work per instruction on
-// this project's host, from half the bytes), each score s_j comes with a proven bound on its
+// this project's host, from half the bytes; with AVX2 the pairs widened in registers for
+// FMAs: half the bytes, the same work), each score s_j comes with a proven bound on its
 // distance to the float32 logit r_j, and only columns that could still be the maximum are
 // computed again in float32, by the panel matmul's own chain. On the demo model that is ~2
 // columns a row (docs/v1-core.md "The LM head screened in bfloat16").
@@ -67,6 +68,7 @@ struct Head {
   const float* w;          // [panels, K, 64] float32
   const float* scale;      // [M]: C ||x_m||
   const uint8_t* full;     // [M]: 1 = not screened
+  const float* xf;         // [M, 2 Kp2]: x rounded to bfloat16, as floats (the AVX2 path)
 };
 
 // The float32 logit of (row m, column j): the panel matmul's chain, k = 0 .. K-1 in order,
@@ -221,6 +223,71 @@ void screen_panel(const Head& h, int64_t b, Local& loc) {
     }
   }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 with FMA (no `vdpbf16ps`): the bfloat16 pairs are widened to float32 in registers (a
+// shift for k even, a mask for k odd) and multiplied by fused multiply-adds. A product of two
+// bfloat16 values is exact in float32, so each FMA rounds once, as the portable loop's add
+// does: the same scores bit for bit, in the same order (k even, then k odd, per pair), and the
+// bound above holds as it is. Half the float32 head's bytes for the same FMAs: it pays where
+// the head is read from memory (few rows), not where the FMAs set the pace.
+// Rows [m0, m0 + MR) x columns [c0, c0 + 16) of panel b, into s[q * 64 + c0 ...]: 12
+// accumulators, a strip of one pair of k is one cache line.
+template <int MR>
+void screen_strip(const Head& h, int64_t b, int64_t m0, int64_t c0, float* s) {
+  const int64_t Kp2 = h.Kp2;
+  const uint16_t* w = h.wb + (b * Kp2 * kCols + c0) * 2;
+  const float* xf = h.xf + m0 * 2 * Kp2;
+  __m256 c[MR][2];
+  for (int q = 0; q < MR; ++q) c[q][0] = c[q][1] = _mm256_setzero_ps();
+  const __m256i odd = _mm256_set1_epi32(int32_t(0xFFFF0000u));
+  for (int64_t kp = 0; kp < Kp2; ++kp) {
+    const uint16_t* wk = w + kp * kCols * 2;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 2), _MM_HINT_T0);
+    const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk));
+    const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wk + 16));
+    const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(v0, 16));
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(v1, 16));
+#pragma GCC unroll 6
+    for (int q = 0; q < MR; ++q) {
+      const __m256 a = _mm256_broadcast_ss(xf + q * 2 * Kp2 + 2 * kp);
+      c[q][0] = _mm256_fmadd_ps(a, e0, c[q][0]);
+      c[q][1] = _mm256_fmadd_ps(a, e1, c[q][1]);
+    }
+    const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(v0, odd));
+    const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(v1, odd));
+#pragma GCC unroll 6
+    for (int q = 0; q < MR; ++q) {
+      const __m256 a = _mm256_broadcast_ss(xf + q * 2 * Kp2 + 2 * kp + 1);
+      c[q][0] = _mm256_fmadd_ps(a, o0, c[q][0]);
+      c[q][1] = _mm256_fmadd_ps(a, o1, c[q][1]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int q = 0; q < MR; ++q) {  // fixed trip counts: the accumulators stay in registers
+    _mm256_storeu_ps(s + q * kCols + c0, c[q][0]);
+    _mm256_storeu_ps(s + q * kCols + c0 + 8, c[q][1]);
+  }
+}
+
+void screen_panel(const Head& h, int64_t b, Local& loc) {
+  const int64_t nc = std::min(kCols, h.N - b * kCols);
+  alignas(32) float s[kBlockRows * kCols];
+  for (int64_t m = 0; m < h.M; m += kBlockRows) {
+    const int64_t rows = std::min(kBlockRows, h.M - m);
+    for (int64_t c0 = 0; c0 < nc; c0 += 16) {
+      switch (rows) {
+        case 6: screen_strip<6>(h, b, m, c0, s); break;
+        case 5: screen_strip<5>(h, b, m, c0, s); break;
+        case 4: screen_strip<4>(h, b, m, c0, s); break;
+        case 3: screen_strip<3>(h, b, m, c0, s); break;
+        case 2: screen_strip<2>(h, b, m, c0, s); break;
+        default: screen_strip<1>(h, b, m, c0, s); break;
+      }
+    }
+    for (int64_t q = 0; q < rows; ++q)
+      if (!h.full[m + q]) loc.offer(m + q, b * kCols, nc, s + q * kCols, h);
+  }
+}
 #else
 // Portable: the same scores one product at a time (products of bfloat16 values are exact in
 // float32, so the bound holds for this order of additions too).
@@ -344,8 +411,14 @@ ffi::Error LmHeadGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       xb[m * Kp2 + k / 2] |= (k % 2) ? (v << 16) : v;
     }
   }
+  std::vector<float> xf(M * 2 * Kp2);  // the pairs widened (k even: low half, odd: high)
+  for (int64_t i = 0; i < M * Kp2; ++i) {
+    const uint32_t lo = xb[i] << 16, hi = xb[i] & 0xFFFF0000u;
+    std::memcpy(&xf[2 * i], &lo, 4);
+    std::memcpy(&xf[2 * i + 1], &hi, 4);
+  }
   const Head h{M, K, Kp2, N, panels, xs, xb.data(), wb.typed_data(), norms.typed_data(),
-               w.typed_data(), scale.data(), full.data()};
+               w.typed_data(), scale.data(), full.data(), xf.data()};
 
   const int64_t items = (panels + kPanelsPerItem - 1) / kPanelsPerItem;
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()) - 1, items - 1);

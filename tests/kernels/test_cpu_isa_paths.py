@@ -1,9 +1,11 @@
 """The native CPU kernels pick their vector path when they are compiled (``-march=native``), so
-one host runs one path. Here the panel matmul (`csrc/dense_matmul_cpu.cc`) is compiled again
-for each instruction set this host can run (portable x86-64, AVX2 + FMA, the host's own, AVX-512
-where it has it) and the paths must agree bit for bit (each output is the same FMA chain over k
-whatever the register block), and with float64; the library reports the paths it was built
-with (`cpu_native.compiled_isa`), which choose whether the LM head is screened."""
+one host runs one path. Here the panel matmul (`csrc/dense_matmul_cpu.cc`) and the screened LM
+head (`csrc/lm_head_greedy_cpu.cc`) are compiled again for each instruction set this host can
+run (portable x86-64, AVX2 + FMA, the host's own: AVX-512 where it has it). The matmul's paths
+must agree bit for bit (each output is the same FMA chain over k whatever the register block)
+and with float64; every screen must give the float32 logits' first argmax. The library reports
+the paths it was built with (`cpu_native.compiled_isa`), which choose whether the LM head is
+screened."""
 
 from __future__ import annotations
 
@@ -25,9 +27,6 @@ from pallas_kernels import cpu_native
 pytestmark = pytest.mark.skipif(not cpu_native.available(),
                                 reason="native CPU kernels need a C++ compiler")
 
-SYMBOL = "PagedjaxDenseMatmulCpu"
-
-
 def _cpu_flags() -> set[str]:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
@@ -46,34 +45,55 @@ def _runnable_arches() -> list[str]:
     return arches
 
 
-@pytest.fixture(scope="module")
-def variants(tmp_path_factory):
-    """{march: jitted matmul through that build}."""
+def _builds(out: Path, source: str, symbol: str) -> dict[str, str]:
+    """{march: FFI target}: ``csrc/<source>`` compiled for each runnable -march, its handler
+    ``symbol`` renamed so each build registers as its own target (its other handlers are
+    never registered)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the vector paths are x86 ones")
-    src = (Path(cpu_native.__file__).with_name("csrc") / "dense_matmul_cpu.cc").read_text()
-    out = tmp_path_factory.mktemp("isa")
-    fns = {}
+    src = (Path(cpu_native.__file__).with_name("csrc") / source).read_text()
+    targets = {}
     for march in _runnable_arches():
         tag = re.sub(r"\W", "_", march)
-        name = f"{SYMBOL}_isa_{tag}"
-        cc = out / f"{tag}.cc"
-        # Only the handler renamed, so each build registers as its own FFI target (the live-
-        # rows handler keeps its name: its library is never registered).
-        cc.write_text(re.sub(rf"\b{SYMBOL}\b", name, src))
+        name = f"{symbol}_isa_{tag}"
+        cc = out / f"{name}.cc"
+        cc.write_text(re.sub(rf"\b{symbol}\b", name, src))
         flags = [f for f in cpu_native.FLAGS if not f.startswith("-march")]
-        lib = out / f"{tag}.so"
+        lib = out / f"{name}.so"
         subprocess.run([cpu_native._compiler(), *flags, f"-march={march}",
                         f"-I{jax.ffi.include_dir()}", str(cc), "-o", str(lib)],
                        check=True, capture_output=True)
         handle = ctypes.cdll.LoadLibrary(str(lib))
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(handle, name)),
                                     platform="cpu")
+        targets[march] = name
+    return targets
 
+
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory):
+    """{march: jitted panel matmul through that build}."""
+    fns = {}
+    for march, name in _builds(tmp_path_factory.mktemp("mm"), "dense_matmul_cpu.cc",
+                               "PagedjaxDenseMatmulCpu").items():
         def mm(x, w, n, target=name):
             return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))(x, w)
 
         fns[march] = jax.jit(mm, static_argnums=2)
+    return fns
+
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory):
+    """{march: jitted screened LM head (greedy tokens) through that build}."""
+    fns = {}
+    for march, name in _builds(tmp_path_factory.mktemp("head"), "lm_head_greedy_cpu.cc",
+                               "PagedjaxLmHeadGreedyCpu").items():
+        def head(x, bf16, norms, panels, target=name):
+            return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))(
+                x, bf16, norms, panels)
+
+        fns[march] = jax.jit(head)
     return fns
 
 
@@ -116,12 +136,50 @@ def test_the_library_reports_the_paths_of_this_host():
     assert ("avx2_fma" in isa) == ({"avx2", "fma"} <= flags)
 
 
-def test_the_lm_head_is_screened_where_vdpbf16ps_computes_it(monkeypatch):
-    """By default only with AVX512-BF16 (the screen's portable loop is slower than the float32
-    head it replaces); 1 / 0 force it either way."""
+def test_the_lm_head_is_screened_where_a_vector_path_computes_it(monkeypatch):
+    """By default only with AVX512-BF16 or AVX2 + FMA (the screen's portable loop is slower
+    than the float32 head it replaces); 1 / 0 force it either way."""
+    vector = bool({"avx512bf16", "avx2_fma"} & cpu_native.compiled_isa())
     monkeypatch.delenv("PAGEDJAX_SCREENED_HEAD", raising=False)
-    assert screened_head_setting() == ("avx512bf16" in cpu_native.compiled_isa())
-    for v, want in (("auto", "avx512bf16" in cpu_native.compiled_isa()), ("1", True),
-                    ("on", True), ("0", False), ("false", False)):
+    assert screened_head_setting() is vector
+    for v, want in (("auto", vector), ("1", True), ("on", True), ("0", False),
+                    ("false", False)):
         monkeypatch.setenv("PAGEDJAX_SCREENED_HEAD", v)
         assert screened_head_setting() is want, v
+
+
+def _first_argmax(logits: np.ndarray) -> np.ndarray:
+    """Per row: the first NaN, else the first maximum (`greedy_rows_cpu`'s rule)."""
+    out = []
+    for row in logits:
+        nan = np.flatnonzero(np.isnan(row))
+        out.append(nan[0] if len(nan) else int(np.argmax(row)))
+    return np.asarray(out, np.int32)
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("k,n", [(576, 64 * 5 + 17), (37, 200)])
+def test_every_screen_path_gives_the_float32_argmax(heads, m, k, n):
+    """Each build's tokens are the first argmax of the float32 logits of the panel matmul:
+    random rows, a row of exact ties (duplicated columns: the lowest index), a near tie below
+    bfloat16's resolution, a zero row (every score 0) and a row with a NaN (not screened)."""
+    rng = np.random.default_rng(m * 31 + k + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, n - 3] = w[:, 7]  # an exact tie with an earlier column
+    w[:, n - 1] = w[:, 11] * np.float32(1 + 2**-20)  # a near tie with column 11
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    if m > 1:
+        x[1] = 0.0
+    if m > 2:
+        x[2, 3] = np.nan
+    if m > 3:  # this row's best columns are the tied pairs
+        x[3] = w[:, 7] + w[:, 11] * 1e-3
+    panels = np.asarray(to_dense_panels(jnp.asarray(w)))
+    screen = cpu_native.lm_head_screen(panels, n)
+    logits = np.asarray(jax.jit(cpu_native.dense_matmul_cpu, static_argnums=2)(
+        jnp.asarray(x), jnp.asarray(panels), n))
+    want = _first_argmax(logits)
+    for march, fn in heads.items():
+        got = np.asarray(fn(jnp.asarray(x), jnp.asarray(screen["bf16"]),
+                            jnp.asarray(screen["norms"]), jnp.asarray(panels)))
+        np.testing.assert_array_equal(got, want, err_msg=march)
