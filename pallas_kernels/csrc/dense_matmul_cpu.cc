@@ -30,10 +30,10 @@
 // one row went from ~23.3 to ~19.7 ms, at two and three rows 6-8 % faster (docs/v1-core.md).
 //
 // With AVX-512 a 6 x 64 register block (24 accumulators) runs over K; with AVX2 and FMA a
-// 6 x 16 one over each 16-column strip of a panel; else a portable loop. Each output is one fused multiply-add chain over k = 0 .. K-1 in
-// order, the same whichever block or chunk holds its row: results do not depend on the
-// number of rows (a row scores the same in a decode step as in a verification step) and
-// differ from a float dot only by reassociation.
+// 6 x 16 one over each 16-column strip of a panel; else a portable loop. Each output is one
+// fused multiply-add chain over k = 0 .. K-1 in order, the same whichever block or chunk holds
+// its row: results do not depend on the number of rows (a row scores the same in a decode
+// step as in a verification step) and differ from a float dot only by reassociation.
 
 #include <immintrin.h>
 
