@@ -173,28 +173,6 @@ void group(const Dense& p, int64_t b, int64_t g) {
   }
 }
 
-// `nb`: the panel this thread takes next (out of range: none).
-void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
-  const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
-  const int64_t lines = p.K * kCols * int64_t(sizeof(float)) / 64;  // one panel's
-  const int64_t per = (lines + blocks - 1) / blocks;                // per block
-  const char* next = blocks > 1 && nb >= 0 && nb < p.panels
-                         ? reinterpret_cast<const char*>(p.w + nb * p.K * kCols)
-                         : nullptr;
-  for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
-    const char* ahead = next != nullptr && j * per < lines ? next + 64 * j * per : nullptr;
-    const int64_t n = std::min(per, lines - j * per);
-    switch (std::min(kBlockRows, m1 - m)) {
-      case 6: block<6>(p, b, m, ahead, n); break;
-      case 5: block<5>(p, b, m, ahead, n); break;
-      case 4: block<4>(p, b, m, ahead, n); break;
-      case 3: block<3>(p, b, m, ahead, n); break;
-      case 2: block<2>(p, b, m, ahead, n); break;
-      case 1: block<1>(p, b, m, ahead, n); break;
-      default: break;
-    }
-  }
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 with FMA (AMD Zen 2-3, Intel without AVX-512): 16 vector registers of 8 floats, so a
 // panel's 64 columns do not fit one register block of several rows as they do above. Batched
@@ -291,12 +269,15 @@ void group(const Dense& p, int64_t b, int64_t g) {
     }
   }
 }
+#endif
 
-// `nb`: the panel this thread takes next (out of range: none).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Rows [m0, m1) of panel b in register blocks of up to 6 rows (either path's `block`), the
+// lines of panel `nb`, which this thread takes next (out of range: none), spread over them.
 void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
   const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
-  const int64_t lines = p.K * kCols * int64_t(sizeof(float)) / 64;
-  const int64_t per = (lines + blocks - 1) / blocks;
+  const int64_t lines = p.K * kCols * int64_t(sizeof(float)) / 64;  // one panel's
+  const int64_t per = (lines + blocks - 1) / blocks;                // per block
   const char* next = blocks > 1 && nb >= 0 && nb < p.panels
                          ? reinterpret_cast<const char*>(p.w + nb * p.K * kCols)
                          : nullptr;

@@ -68,7 +68,7 @@ struct Head {
   const float* w;          // [panels, K, 64] float32
   const float* scale;      // [M]: C ||x_m||
   const uint8_t* full;     // [M]: 1 = not screened
-  const float* xf;         // [M, 2 Kp2]: x rounded to bfloat16, as floats (the AVX2 path)
+  const float* xf;         // [M, 2 Kp2]: x rounded to bfloat16, as floats (AVX2 only)
 };
 
 // The float32 logit of (row m, column j): the panel matmul's chain, k = 0 .. K-1 in order,
@@ -145,6 +145,10 @@ struct Local {
     if (v.size() > limit[m] / 2) limit[m] *= 2;
   }
 };
+
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__FMA__)
+#define PAGEDJAX_SCREEN_AVX2 1  // the screen below that reads `Head::xf`
+#endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 inline __mmask16 lane_mask(int64_t nc, int i) {
@@ -223,7 +227,7 @@ void screen_panel(const Head& h, int64_t b, Local& loc) {
     }
   }
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(PAGEDJAX_SCREEN_AVX2)
 // AVX2 with FMA (no `vdpbf16ps`): the bfloat16 pairs are widened to float32 in registers (a
 // shift for k even, a mask for k odd) and multiplied by fused multiply-adds. A product of two
 // bfloat16 values is exact in float32, so each FMA rounds once, as the portable loop's add
@@ -411,12 +415,15 @@ ffi::Error LmHeadGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
       xb[m * Kp2 + k / 2] |= (k % 2) ? (v << 16) : v;
     }
   }
-  std::vector<float> xf(M * 2 * Kp2);  // the pairs widened (k even: low half, odd: high)
+  std::vector<float> xf;  // the pairs widened (k even: low half, odd: high): AVX2's screen
+#if defined(PAGEDJAX_SCREEN_AVX2)
+  xf.resize(M * 2 * Kp2);
   for (int64_t i = 0; i < M * Kp2; ++i) {
     const uint32_t lo = xb[i] << 16, hi = xb[i] & 0xFFFF0000u;
     std::memcpy(&xf[2 * i], &lo, 4);
     std::memcpy(&xf[2 * i + 1], &hi, 4);
   }
+#endif
   const Head h{M, K, Kp2, N, panels, xs, xb.data(), wb.typed_data(), norms.typed_data(),
                w.typed_data(), scale.data(), full.data(), xf.data()};
 
