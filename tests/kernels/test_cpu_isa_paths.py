@@ -186,3 +186,47 @@ def test_every_screen_path_gives_the_float32_argmax(heads, m, k, n):
         got = np.asarray(fn(jnp.asarray(x), jnp.asarray(screen["bf16"]),
                             jnp.asarray(screen["norms"]), jnp.asarray(panels)))
         np.testing.assert_array_equal(got, want, err_msg=march)
+
+
+@pytest.fixture(scope="module")
+def attentions(tmp_path_factory):
+    """{march: the native ragged paged attention through that build}."""
+    fns = {}
+    for march, name in _builds(tmp_path_factory.mktemp("attn"), "paged_attention_cpu.cc",
+                               "PagedjaxRaggedPagedAttentionCpu").items():
+        def attend(q, k, v, kv_lens, tables, cu, num_seqs, *, scale, target=name):
+            i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+            return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+                q, k, v, i32(kv_lens), i32(tables), i32(cu), i32(num_seqs), i32(2), i32(0),
+                jnp.zeros((0,), jnp.float32), scale=np.float32(scale),
+                softcap=np.float32(0), data_slots=np.int64(0))
+
+        fns[march] = jax.jit(attend, static_argnames="scale")
+    return fns
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_attention_path_matches_float64(attentions, seed):
+    """Each build's attention (AVX-512: query heads of a KV head in vectors of sixteen; AVX2:
+    in vectors of eight; portable: per-row loops) against float64 numpy on random ragged
+    batches (decodes, prefill chunks over cached context, whole prompts, padding rows and
+    sequences), the caches' unused blocks and slots poisoned. GQA groups 1-4 take the grouped
+    paths, 5 the per-row one; head dims 64 and 128 the compile-time widths, 96 the generic."""
+    from tests.kernels.test_cpu_native import _random_batch
+    from tests.kernels.test_ragged import np_ragged
+
+    from ._paged import TOL
+
+    dtype = ("float32", "bfloat16")[seed % 2]
+    group, head_dim, bs = [(1, 64, 16), (2, 64, 8), (3, 64, 16), (4, 128, 32), (3, 128, 16),
+                           (5, 64, 16), (3, 96, 16), (2, 64, 128)][seed]
+    seqs, pc, q, cu, kv_lens, tables, pad = _random_batch(100 + seed, dtype, group, head_dim,
+                                                          bs)
+    scale = head_dim**-0.5
+    want = np_ragged(q, pc.k_clean, pc.v_clean, 2, tables, seqs, cu, scale)
+    for march, fn in attentions.items():
+        got = np.asarray(fn(jnp.asarray(q), jnp.asarray(pc.k_poison), jnp.asarray(pc.v_poison),
+                            kv_lens, tables, cu, len(seqs), scale=scale).astype(jnp.float32))
+        np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=0, err_msg=march)
+        if pad:
+            np.testing.assert_array_equal(got[-pad:], 0.0, err_msg=march)
