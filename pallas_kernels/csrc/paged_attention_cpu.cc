@@ -322,7 +322,7 @@ inline bool attend_block_group(int64_t G, const float* qr, const float* kp, cons
 #elif defined(__AVX2__) && defined(__FMA__)
 // AVX2 with FMA (AMD Zen 2-3, Intel without AVX-512): the grouped rows of
 // attend_block_rows16 in vectors of eight. On AVX2 builds the attention otherwise ran the
-// portable per-row loops, 0.84x the AVX-512 kernel's speed for a 64-row decode step's 30
+// portable per-row loops, 0.84-0.86x the AVX-512 kernel's speed for a 64-row decode step's 30
 // layers and 0.72x with the blocks in cache (`bench/native_ab.py --march x86-64-v3
 // --base-march native`, docs/v1-core.md "AVX2 hosts").
 
