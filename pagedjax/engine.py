@@ -204,6 +204,8 @@ class _InFlight:
     # fan-outs fork on the host. (Penalised rows get their pending token into the sampler's
     # history on the device: `ModelRunner.merge_pending_history`.)
     needs_sync: bool = False
+    # The delta outputs `OutputProcessor.stream_rows` made while applying a steady step.
+    made: list[RequestOutput] | None = None
 
 
 class LLMEngine:
@@ -305,6 +307,7 @@ class LLMEngine:
         self._steady_rows: tuple[int, tuple] | None = None
         self._steady_plain: tuple[int, int] | None = None
         self._steady_quiet = 0
+        self._steady_streamed = 0  # the cohort whose rows `stream_rows` outputs, likewise
         self._steady_caps: tuple[int, list[int]] | None = None  # `_pending_caps`
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
@@ -842,6 +845,8 @@ class LLMEngine:
         streaming = self._streaming_ids
         if streaming:
             streaming.intersection_update(requests.keys())
+        if fl.made:
+            outputs.extend(fl.made)
         if not streaming:
             # Only final outputs: those of the advanced requests this step finished, each
             # in `done` (`LLM.generate`'s steps, without a pass over every request).
@@ -1462,8 +1467,8 @@ class LLMEngine:
         touched = ({s.request_id for s in fl.sched.scheduled} if run is None
                    else run.cohort.request_ids)
         if fl.plain and beams is None and not fl.spec_rows:
-            self._apply_plain(fl, out)
-            return touched
+            ended = self._apply_plain(fl, out)
+            return touched if ended is None else ended
         token_ids, logprobs = out.token_ids.tolist(), out.logprobs.tolist()
         pending = fl.pending_rows
         sampled: list[SampledToken] = []
@@ -1529,28 +1534,47 @@ class LLMEngine:
                                     c.cum_logprobs[:k], c.valid[:k])
         return touched
 
-    def _apply_plain(self, fl: _InFlight, out) -> None:
+    def _apply_plain(self, fl: _InFlight, out) -> set[str] | None:
         """`_apply_samples` for a step of plain rows (most decode steps): no fork, draft,
         grammar or beam, so the scheduler takes the rows as they are
-        (`Scheduler.update_from_rows`), without a `SampledToken` made and checked for each."""
+        (`Scheduler.update_from_rows`), without a `SampledToken` made and checked for each.
+        Returns the requests left for `_finish` to output when the step made its running
+        rows' outputs itself (`fl.made`), else None (every request the step advanced)."""
         row_info = fl.row_info
         # Quiet rows (`RequestState.quiet`) need output processing only when they finish:
         # when every row is quiet, the others are not even listed. A request stays quiet
-        # once it is: a steady cohort's answer, once all its rows are, is kept.
+        # once it is: a steady cohort's answer, once all its rows are, is kept. Streamed
+        # cohorts: every row quiet and final-only, or a plain delta stream past its first
+        # token (`RequestState.stream_plain`); also kept, as neither changes.
         run = fl.sched.steady
-        quiet = run is not None and (self._steady_quiet == run.cohort.key or (
-            run.cohort.parent is not None and self._steady_quiet == run.cohort.parent[0]))
-        if quiet:
-            self._steady_quiet = run.cohort.key  # (a cut-down cohort's rows are all quiet too)
+        streamed = False
+        if run is None:
+            quiet = all(info[0].quiet for info in row_info)
         else:
-            quiet = True
-            for info in row_info:
-                if not info[0].quiet:
-                    quiet = False
-                    break
-            if quiet and run is not None:
-                self._steady_quiet = run.cohort.key
-        if quiet and run is not None:  # rows are the cohort's sequences, in order
+            c = run.cohort
+            keys = (c.key, -1 if c.parent is None else c.parent[0])
+            quiet = self._steady_quiet in keys
+            streamed = not quiet and self._steady_streamed in keys
+            if not (quiet or streamed):
+                quiet = streamed = True
+                for info in row_info:
+                    req = info[0]
+                    if not req.quiet:
+                        quiet = False
+                        if not (req.stream_plain and req.first_token_time is not None):
+                            streamed = False
+                            break
+                    elif req.streams:
+                        streamed = False  # text-free deltas: output as quiet rows
+                        if not quiet:
+                            break
+                streamed = streamed and not quiet
+            # (a cut-down cohort's rows are all quiet / streamed too)
+            if quiet:
+                self._steady_quiet = c.key
+            elif streamed:
+                self._steady_streamed = c.key
+        if run is not None and (quiet or streamed):  # rows are the cohort's sequences, in order
             applied, num_applied = self.scheduler.update_steady(
                 run, out.token_ids.tolist(), fl.pending_rows)
         else:
@@ -1559,6 +1583,10 @@ class LLMEngine:
                 ended_only=quiet)
         for req, seq in self.outputs.process(applied, None, out, row_info, num_applied):
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
+        if not streamed:
+            return None
+        fl.made = self.outputs.stream_rows(row_info)
+        return {row_info[a.index][0].request_id for a in applied}
 
     def _accept(self, drafts: tuple[int, ...], sampled: list[int]) -> int:
         """Accepted drafts (`pagedjax.spec.verify`), counted for the metrics."""

@@ -101,6 +101,13 @@ class RequestState:
         # Its deltas may go to the engine process's pipe as rows (`OutputProcessor.delta_row`).
         self.pipe_row = (self.text_free and self.num_samples == 1 and not self.is_beam
                          and p.prompt_logprobs is None)
+        # A delta stream of text and token ids only (most servers' streams): one sequence,
+        # no logprobs, no stop string holding text back, no prompt logprobs. Its running rows
+        # of a steady step are applied and output from the step's columns
+        # (`OutputProcessor.stream_rows`), once its first token is in.
+        self.stream_plain = (self.delta and not self.text_free and self.plain_row
+                             and p.logprobs is None and p.prompt_logprobs is None
+                             and not self.has_stop_strings)
 
     @property
     def num_samples(self) -> int:
@@ -301,6 +308,55 @@ class OutputProcessor:
                              self.prompt_logprobs_out(req)
                              if req.params.prompt_logprobs is not None else None,
                              req.num_cached_tokens or 0, None, req.first_scheduled_time)
+
+    def stream_rows(self, row_info: list[tuple]) -> list[RequestOutput]:
+        """The delta outputs of a steady step's running `stream_plain` rows, whose tokens the
+        scheduler has appended (`Scheduler.update_steady`); rows that ended went through
+        `process` and get their final output from `make_output`. A row whose one new token
+        completes its text (`Detokenizer.token_texts`) releases that text and makes its
+        output in one pass; the others (a token ending inside a character, a window held
+        back before) take the batched `Detokenizer.step` and `make_output`. The same text,
+        token ids and offsets as `process` + `make_output` (`tests/engine/test_stream_rows.py`)."""
+        texts = self.detokenizer.token_texts()
+        made: list[RequestOutput] = []
+        slow: list[tuple[RequestState, Sequence]] = []
+        for info in row_info:
+            req, seq = info[0], info[1]
+            # Ended (`process` did it) or a quiet final-only row. (A sequence preempted
+            # while its token was on the device, async scheduling, streams that token.)
+            if seq.status.is_finished or not req.stream_plain:
+                continue
+            sid = seq.seq_id
+            state = req.detok[sid]
+            out = seq.output_token_ids
+            n = len(out)
+            total = len(seq.prompt_token_ids) + n
+            text = None
+            if texts is not None and state.read_offset == total - 1:
+                table = texts[req.params.skip_special_tokens]
+                tok = out[-1]
+                if tok < len(table):
+                    text = table[tok]
+            if text is None:
+                slow.append((req, seq))
+                continue
+            state.append(text)
+            state.prefix_offset = state.read_offset
+            state.read_offset = total
+            # Every output of such a row sent all the text released before it (no stop
+            # string holds any back), so its delta is this token's text.
+            sent = req.sent[sid][0]
+            req.sent[sid] = (n, state.length)
+            made.append(RequestOutput(
+                req.request_id, req.prompt, req.prompt_token_ids,
+                [CompletionOutput(req.seq_index[sid], text, out[sent:n])], False, None,
+                req.num_cached_tokens or 0, None, req.first_scheduled_time))
+        if slow:
+            self.detokenizer.step([(seq.get_token_slice, seq.num_total_tokens,
+                                    req.detok[seq.seq_id], req.params.skip_special_tokens)
+                                   for req, seq in slow])
+            made.extend([self.make_output(req, False) for req, _ in slow])
+        return made
 
     @staticmethod
     def delta_row(req: RequestState, final: bool) -> tuple:

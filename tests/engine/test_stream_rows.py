@@ -1,0 +1,145 @@
+"""Streamed steady rows (`OutputProcessor.stream_rows`): a steady step whose rows are plain
+delta streams (and quiet final-only rows) is applied from the cohort's columns and its running
+rows' outputs are made in one pass. Every step's outputs equal those of the general path
+(`RequestState.stream_plain` off), with async scheduling on and off, under preemption, with
+cohorts cut as requests end or are aborted, tokens ending inside a character (held back) and
+skipped special tokens; the deltas add up to the whole decode; the block pool is whole after."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from models.config import ModelConfig
+from models.weights import assemble_params
+from pagedjax import LLM, SamplingParams
+from pagedjax.output_processor import OutputProcessor, RequestState
+from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
+
+
+@pytest.fixture(scope="module")
+def wide(demo_tokenizer):
+    """A tiny model over the demo tokenizer's whole vocabulary: its random tokens include
+    multi-byte pieces (text held back inside a character) and special tokens."""
+    config = ModelConfig.from_hf({**TINY_HF_CONFIG, "vocab_size": len(demo_tokenizer),
+                                  "max_position_embeddings": 256})
+    return config, assemble_params(config, random_hf_tensors(config, seed=4).get)
+
+
+# Single bytes of multi-byte characters in the demo vocabulary (`Detokenizer.token_texts`
+# None): favoured, they make text that ends inside a character and is held back.
+SPLIT_BYTES = {i: 7.0 for i in range(111, 111 + 96)}
+
+
+def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingParams, str]]:
+    rng = np.random.default_rng(11)
+    kinds = [dict(temperature=0, ignore_eos=True),
+             dict(temperature=0.9, seed=3, top_p=0.8, skip_special_tokens=False),
+             dict(temperature=0, stop_token_ids=[int(t) for t in rng.integers(3, vocab, 40)]),
+             dict(temperature=1.0, seed=5, logit_bias=SPLIT_BYTES),
+             dict(temperature=0, min_tokens=5, ignore_eos=True)]
+    out = []
+    for i in range(24):
+        kw = kinds[i % len(kinds)]
+        kind = "final_only" if i % 6 == 5 else "delta"  # quiet rows among the streams
+        if mixed and i % 8 == 3:  # rows the fast path does not take: the general path's
+            kw = dict(temperature=0, logprobs=1) if i % 16 == 3 else dict(stop=["e"])
+        prompt = [int(t) for t in rng.integers(20, vocab, int(rng.integers(3, 30)))]
+        out.append((f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(4, 40)), **kw),
+                    kind))
+    return out
+
+
+def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mixed: bool,
+         monkeypatch) -> tuple[list[list[tuple]], int]:
+    made = [0]
+    with monkeypatch.context() as m:
+        real_init, real_rows = RequestState.__post_init__, OutputProcessor.stream_rows
+
+        def init(self):
+            real_init(self)
+            if not fast:
+                self.stream_plain = False
+
+        def rows(self, row_info):
+            got = real_rows(self, row_info)
+            made[0] += len(got)
+            return got
+
+        m.setattr(RequestState, "__post_init__", init)
+        m.setattr(OutputProcessor, "stream_rows", rows)
+        config, params = wide
+        llm = LLM.from_params(config, params, tokenizer, num_gpu_blocks=blocks, block_size=8,
+                              max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128,
+                              async_scheduling=async_scheduling)
+        engine = llm.engine
+        pending = _requests(config.vocab_size, mixed)
+        steps = []
+        while pending or engine.has_unfinished_requests():
+            for _ in range(3):
+                if pending:
+                    rid, prompt, sp, kind = pending.pop(0)
+                    engine.add_request(rid, None, sp, prompt_token_ids=prompt,
+                                       output_kind=kind)
+            if len(steps) == 9:
+                engine.abort_request("r4")  # a cohort cut by an abort
+            outs = engine.step()
+            # The first scheduled time is the clock's: only whether it is set is compared.
+            steps.append(sorted(
+                (o.request_id, o.finished, o.num_cached_tokens, o.first_scheduled_time is not None,
+                 [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
+                   c.cumulative_logprob, c.logprobs) for c in o.outputs]) for o in outs))
+        assert engine.block_manager.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
+        return steps, made[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("blocks,mixed", [(200, False), (24, False), (200, True)])
+def test_streamed_rows_output_what_the_general_path_does(wide, demo_tokenizer, async_scheduling,
+                                                         blocks, mixed, monkeypatch):
+    """24 blocks of 8 tokens hold a few of the 16 sequences: preemption cuts cohorts."""
+    kw = dict(async_scheduling=async_scheduling, blocks=blocks, mixed=mixed,
+              monkeypatch=monkeypatch)
+    want, none = _run(wide, demo_tokenizer, fast=False, **kw)
+    got, made = _run(wide, demo_tokenizer, fast=True, **kw)
+    assert none == 0
+    if not mixed:
+        assert made > 100  # the steady steps did take the fast path
+    assert got == want
+    # The deltas add up to each stream's whole decode.
+    texts: dict[str, str] = {}
+    ids: dict[str, list[int]] = {}
+    for step in got:
+        for rid, _fin, _cached, _sched, comps in step:
+            texts[rid] = texts.get(rid, "") + comps[0][1]
+            ids.setdefault(rid, []).extend(comps[0][2])
+    skip = {rid: sp.skip_special_tokens for rid, _, sp, kind in _requests(len(demo_tokenizer),
+                                                                           mixed)}
+    checked = 0
+    for rid, text in texts.items():
+        if rid != "r4" and not (mixed and rid in ("r3", "r11", "r19")):
+            assert text == demo_tokenizer.decode(ids[rid], skip_special_tokens=skip[rid]), rid
+            checked += 1
+    assert checked > 10
+
+
+def test_token_texts_match_the_tokenizer(demo_tokenizer):
+    """`Detokenizer.token_texts`: a token's text where it is whole characters, None where it
+    ends inside one, "" for a skipped special token."""
+    from pagedjax.detokenizer import Detokenizer
+
+    det = Detokenizer(demo_tokenizer)
+    plain, skipping = det.token_texts()
+    special = set(demo_tokenizer.all_special_ids)
+    held = 0
+    for i in range(len(plain)):
+        for skip, table in ((False, plain), (True, skipping)):
+            want = demo_tokenizer.decode([i], skip_special_tokens=skip)
+            if table[i] is None:
+                held += 1
+                assert want.endswith("\ufffd") or det._table.plain[i] is None
+            else:
+                assert table[i] == want, i
+        if i in special:
+            assert skipping[i] == ""
+    assert 0 < held < len(plain) // 10
