@@ -55,6 +55,22 @@ class DetokState:
             self._tail = tail
             return
         self._tail = ""
+        self.append_piece(tail)
+
+    def release(self, piece: str, total: int) -> None:
+        """`append` the text of the tokens up to ``total``, which ends on a character
+        boundary: the released context moves up to them (one call a streamed token)."""
+        self.prefix_offset = self.read_offset
+        self.read_offset = total
+        tail = self._tail + piece
+        self.length += len(piece)
+        if len(tail) < self.TAIL:
+            self._tail = tail
+            return
+        self._tail = ""
+        self.append_piece(tail)
+
+    def append_piece(self, tail: str) -> None:
         parts = self._parts
         parts.append(tail)
         while len(parts) > 1 and 2 * len(parts[-1]) >= len(parts[-2]):

@@ -1585,7 +1585,7 @@ class LLMEngine:
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if not streamed:
             return None
-        fl.made = self.outputs.stream_rows(row_info)
+        fl.made = self.outputs.stream_rows(row_info, run.cohort)
         return {row_info[a.index][0].request_id for a in applied}
 
     def _accept(self, drafts: tuple[int, ...], sampled: list[int]) -> int:

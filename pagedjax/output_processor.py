@@ -18,7 +18,8 @@ import numpy as np
 
 from pagedjax.beam_search import length_penalized_score
 from pagedjax.core import AppliedToken, Sequence, SequenceGroup
-from pagedjax.core.sequence import SequenceStatus
+from pagedjax.core.sequence import _FIRST_FINISHED, SequenceStatus
+from pagedjax.core.steady_decode import DecodeCohort
 from pagedjax.detokenizer import Detokenizer, DetokState
 from pagedjax.outputs import CompletionOutput, RequestOutput
 from pagedjax.sampling_params import SamplingParams
@@ -135,6 +136,8 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.generation_tokens_total = 0
+        # `_stream_columns`: the cohort's key and its columns.
+        self._stream_cols: tuple[int, list[tuple | None]] = (0, [])
 
     def process(self, applied: list[AppliedToken], rows: list[tuple[RequestState, int]] | None,
                 out, row_info: list[tuple] | None = None, num_tokens: int | None = None
@@ -309,47 +312,39 @@ class OutputProcessor:
                              if req.params.prompt_logprobs is not None else None,
                              req.num_cached_tokens or 0, None, req.first_scheduled_time)
 
-    def stream_rows(self, row_info: list[tuple]) -> list[RequestOutput]:
+    def stream_rows(self, row_info: list[tuple], cohort: DecodeCohort) -> list[RequestOutput]:
         """The delta outputs of a steady step's running `stream_plain` rows, whose tokens the
         scheduler has appended (`Scheduler.update_steady`); rows that ended went through
         `process` and get their final output from `make_output`. A row whose one new token
         completes its text (`Detokenizer.token_texts`) releases that text and makes its
-        output in one pass; the others (a token ending inside a character, a window held
-        back before) take the batched `Detokenizer.step` and `make_output`. The same text,
-        token ids and offsets as `process` + `make_output` (`tests/engine/test_stream_rows.py`)."""
-        texts = self.detokenizer.token_texts()
+        output in one pass over the cohort's columns (`_stream_columns`); the others (a token
+        ending inside a character, a window held back before) take the batched
+        `Detokenizer.step` and `make_output`. The same text, token ids and offsets as
+        `process` + `make_output` (`tests/engine/test_stream_rows.py`)."""
         made: list[RequestOutput] = []
         slow: list[tuple[RequestState, Sequence]] = []
-        for info in row_info:
-            req, seq = info[0], info[1]
-            # Ended (`process` did it) or a quiet final-only row. (A sequence preempted
-            # while its token was on the device, async scheduling, streams that token.)
-            if seq.status.is_finished or not req.stream_plain:
-                continue
-            sid = seq.seq_id
-            state = req.detok[sid]
-            out = seq.output_token_ids
+        first_finished = _FIRST_FINISHED
+        for col in self._stream_columns(row_info, cohort):
+            if col is None:
+                continue  # a quiet final-only row
+            req, seq, state, out, plen, table, sent, sid, index = col
+            if seq.status._value_ >= first_finished:
+                continue  # ended: `process` did it. (A sequence preempted while its token
+                # was on the device, async scheduling, streams that token.)
             n = len(out)
-            total = len(seq.prompt_token_ids) + n
-            text = None
-            if texts is not None and state.read_offset == total - 1:
-                table = texts[req.params.skip_special_tokens]
-                tok = out[-1]
-                if tok < len(table):
-                    text = table[tok]
-            if text is None:
+            tok = out[-1]
+            if state.read_offset != plen + n - 1 or tok >= len(table) or table[tok] is None:
                 slow.append((req, seq))
                 continue
-            state.append(text)
-            state.prefix_offset = state.read_offset
-            state.read_offset = total
+            text = table[tok]
+            state.release(text, plen + n)
             # Every output of such a row sent all the text released before it (no stop
             # string holds any back), so its delta is this token's text.
-            sent = req.sent[sid][0]
-            req.sent[sid] = (n, state.length)
+            first = sent[sid][0]
+            sent[sid] = (n, state.length)
             made.append(RequestOutput(
                 req.request_id, req.prompt, req.prompt_token_ids,
-                [CompletionOutput(req.seq_index[sid], text, out[sent:n])], False, None,
+                [CompletionOutput(index, text, out[first:n])], False, None,
                 req.num_cached_tokens or 0, None, req.first_scheduled_time))
         if slow:
             self.detokenizer.step([(seq.get_token_slice, seq.num_total_tokens,
@@ -357,6 +352,27 @@ class OutputProcessor:
                                    for req, seq in slow])
             made.extend([self.make_output(req, False) for req, _ in slow])
         return made
+
+    def _stream_columns(self, row_info: list[tuple], cohort: DecodeCohort) -> list[tuple | None]:
+        """Per row of the cohort, what `stream_rows` reads of a `stream_plain` row (None for
+        others), fixed for the sequence's life: made once per cohort and cut with it, as
+        `DecodeCohort.columns`."""
+        key, cols = self._stream_cols
+        if key != cohort.key:
+            if cohort.parent is not None and cohort.parent[0] == key:
+                cols = [cols[i] for i in cohort.parent[1]]
+            else:
+                texts = self.detokenizer.token_texts() or ([], [])
+                cols = []
+                for info in row_info:
+                    req, seq = info[0], info[1]
+                    sid = seq.seq_id
+                    cols.append((req, seq, req.detok[sid], seq.output_token_ids,
+                                 len(seq.prompt_token_ids),
+                                 texts[req.params.skip_special_tokens], req.sent, sid,
+                                 req.seq_index[sid]) if req.stream_plain else None)
+            self._stream_cols = (cohort.key, cols)
+        return cols
 
     @staticmethod
     def delta_row(req: RequestState, final: bool) -> tuple:

@@ -61,8 +61,8 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mi
             if not fast:
                 self.stream_plain = False
 
-        def rows(self, row_info):
-            got = real_rows(self, row_info)
+        def rows(self, row_info, cohort):
+            got = real_rows(self, row_info, cohort)
             made[0] += len(got)
             return got
 
