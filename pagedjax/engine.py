@@ -1585,8 +1585,12 @@ class LLMEngine:
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if not streamed:
             return None
-        fl.made = self.outputs.stream_rows(row_info, run.cohort)
-        return {row_info[a.index][0].request_id for a in applied}
+        fl.made, stopped = self.outputs.stream_rows(row_info, run.cohort)
+        for req, seq in stopped:
+            self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
+        ended = {row_info[a.index][0].request_id for a in applied}
+        ended.update(req.request_id for req, _ in stopped)
+        return ended
 
     def _accept(self, drafts: tuple[int, ...], sampled: list[int]) -> int:
         """Accepted drafts (`pagedjax.spec.verify`), counted for the metrics."""

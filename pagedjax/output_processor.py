@@ -102,13 +102,12 @@ class RequestState:
         # Its deltas may go to the engine process's pipe as rows (`OutputProcessor.delta_row`).
         self.pipe_row = (self.text_free and self.num_samples == 1 and not self.is_beam
                          and p.prompt_logprobs is None)
-        # A delta stream of text and token ids only (most servers' streams): one sequence,
-        # no logprobs, no stop string holding text back, no prompt logprobs. Its running rows
+        # A delta stream of text and token ids (most servers' streams): one sequence, no
+        # logprobs or prompt logprobs, stop strings or not. Its running rows
         # of a steady step are applied and output from the step's columns
         # (`OutputProcessor.stream_rows`), once its first token is in.
         self.stream_plain = (self.delta and not self.text_free and self.plain_row
-                             and p.logprobs is None and p.prompt_logprobs is None
-                             and not self.has_stop_strings)
+                             and p.logprobs is None and p.prompt_logprobs is None)
 
     @property
     def num_samples(self) -> int:
@@ -312,17 +311,22 @@ class OutputProcessor:
                              if req.params.prompt_logprobs is not None else None,
                              req.num_cached_tokens or 0, None, req.first_scheduled_time)
 
-    def stream_rows(self, row_info: list[tuple], cohort: DecodeCohort) -> list[RequestOutput]:
+    def stream_rows(self, row_info: list[tuple], cohort: DecodeCohort
+                    ) -> tuple[list[RequestOutput], list[tuple[RequestState, Sequence]]]:
         """The delta outputs of a steady step's running `stream_plain` rows, whose tokens the
-        scheduler has appended (`Scheduler.update_steady`); rows that ended went through
-        `process` and get their final output from `make_output`. A row whose one new token
-        completes its text (`Detokenizer.token_texts`) releases that text and makes its
-        output in one pass over the cohort's columns (`_stream_columns`); the others (a token
-        ending inside a character, a window held back before) take the batched
-        `Detokenizer.step` and `make_output`. The same text, token ids and offsets as
-        `process` + `make_output` (`tests/engine/test_stream_rows.py`)."""
+        scheduler has appended (`Scheduler.update_steady`), and the sequences a stop string
+        finished (for the scheduler to stop; their final outputs come from `make_output`, as
+        do those of rows that ended, which went through `process`). A row whose one new
+        token completes its text (`Detokenizer.token_texts`) releases that text and, without
+        stop strings, makes its output in one pass over the cohort's columns
+        (`_stream_columns`). The others take the batched `Detokenizer.step` (a token ending
+        inside a character, a window held back before), then the stop-string search and
+        `make_output` (which holds back a possible stop string's start). The same text,
+        token ids, offsets and stops as `process` + `make_output`
+        (`tests/engine/test_stream_rows.py`)."""
         made: list[RequestOutput] = []
         slow: list[tuple[RequestState, Sequence]] = []
+        check: list[tuple[RequestState, Sequence, DetokState, int]] = []
         first_finished = _FIRST_FINISHED
         for col in self._stream_columns(row_info, cohort):
             if col is None:
@@ -331,6 +335,8 @@ class OutputProcessor:
             if seq.status._value_ >= first_finished:
                 continue  # ended: `process` did it. (A sequence preempted while its token
                 # was on the device, async scheduling, streams that token.)
+            if req.has_stop_strings:
+                check.append((req, seq, state, state.length))
             n = len(out)
             tok = out[-1]
             if state.read_offset != plen + n - 1 or tok >= len(table) or table[tok] is None:
@@ -338,8 +344,10 @@ class OutputProcessor:
                 continue
             text = table[tok]
             state.release(text, plen + n)
-            # Every output of such a row sent all the text released before it (no stop
-            # string holds any back), so its delta is this token's text.
+            if req.has_stop_strings:
+                continue
+            # Every output of a row without stop strings sent all the text released before
+            # it, so its delta is this token's text.
             first = sent[sid][0]
             sent[sid] = (n, state.length)
             made.append(RequestOutput(
@@ -350,8 +358,19 @@ class OutputProcessor:
             self.detokenizer.step([(seq.get_token_slice, seq.num_total_tokens,
                                     req.detok[seq.seq_id], req.params.skip_special_tokens)
                                    for req, seq in slow])
-            made.extend([self.make_output(req, False) for req, _ in slow])
-        return made
+            made.extend([self.make_output(req, False) for req, _ in slow
+                         if not req.has_stop_strings])
+        stopped: list[tuple[RequestState, Sequence]] = []
+        for req, seq, state, old in check:
+            p = req.params
+            if len(seq.output_token_ids) >= p.min_tokens:
+                hit = self.find_stop(state, p, old)
+                if hit is not None:
+                    req.stop_reason[seq.seq_id] = hit
+                    stopped.append((req, seq))
+                    continue
+            made.append(self.make_output(req, False))
+        return made, stopped
 
     def _stream_columns(self, row_info: list[tuple], cohort: DecodeCohort) -> list[tuple | None]:
         """Per row of the cohort, what `stream_rows` reads of a `stream_plain` row (None for
