@@ -55,27 +55,18 @@ class DetokState:
             self._tail = tail
             return
         self._tail = ""
-        self.append_piece(tail)
-
-    def release(self, piece: str, total: int) -> None:
-        """`append` the text of the tokens up to ``total``, which ends on a character
-        boundary: the released context moves up to them (one call a streamed token)."""
-        self.prefix_offset = self.read_offset
-        self.read_offset = total
-        tail = self._tail + piece
-        self.length += len(piece)
-        if len(tail) < self.TAIL:
-            self._tail = tail
-            return
-        self._tail = ""
-        self.append_piece(tail)
-
-    def append_piece(self, tail: str) -> None:
         parts = self._parts
         parts.append(tail)
         while len(parts) > 1 and 2 * len(parts[-1]) >= len(parts[-2]):
             last = parts.pop()
             parts[-1] += last
+
+    def release(self, piece: str, total: int) -> None:
+        """`append` the text of the tokens up to ``total``, which ends on a character
+        boundary: the released context moves up to them."""
+        self.append(piece)
+        self.prefix_offset = self.read_offset
+        self.read_offset = total
 
     @property
     def text(self) -> str:
@@ -123,9 +114,7 @@ def _release(prefix: str, full: str, state: DetokState, total: int) -> str:
     if full.endswith(REPLACEMENT) or (len(full) <= len(prefix) and full != prefix):
         return ""
     delta = full[len(prefix):]
-    state.append(delta)
-    state.prefix_offset = state.read_offset
-    state.read_offset = total
+    state.release(delta, total)
     return delta
 
 
@@ -300,9 +289,7 @@ class Detokenizer:
             return False
         text = data.decode("utf-8", "replace")
         if not text.endswith(REPLACEMENT):  # else held back, as in `step`
-            state.append(text)
-            state.prefix_offset = state.read_offset
-            state.read_offset = total
+            state.release(text, total)
         return True
 
     def step(self, items: Sequence[tuple[Slicer, int, DetokState, bool]]) -> list[str]:
@@ -323,9 +310,7 @@ class Detokenizer:
                 # (skipped special tokens) leave nothing pending: move on (see `_release`).
                 text = data.decode("utf-8", "replace")
                 if not text.endswith(REPLACEMENT):
-                    st.append(text)
-                    st.prefix_offset = st.read_offset
-                    st.read_offset = total
+                    st.release(text, total)
                     deltas[i] = text
         for skip in (False, True):
             idx = [i for i in slow if items[i][3] == skip]
