@@ -211,9 +211,22 @@ class _InFlight:
 class LLMEngine:
     CACHE_RETRY_S = 0.5  # pause between attempts to rebuild a lost KV cache
     output_kinds = OUTPUT_KINDS  # what `add_request` takes ("delta_ids": text-free deltas)
-    # Set by the engine process's child: `step` returns a running text-free one-sequence
-    # delta as its pipe row (`OutputProcessor.delta_row`) instead of a `RequestOutput`.
-    pipe_rows = False
+    _pipe_rows = False
+
+    @property
+    def pipe_rows(self) -> bool:
+        """Set by the engine process's child: `step` returns a running text-free
+        one-sequence delta as its pipe row (`OutputProcessor.delta_row`) instead of a
+        `RequestOutput`."""
+        return self._pipe_rows
+
+    @pipe_rows.setter
+    def pipe_rows(self, on: bool) -> None:
+        self._pipe_rows = bool(on)
+        # Steady cohorts were classified, and their columns made, for the other row kind.
+        self._steady_quiet = self._steady_streamed = 0
+        if hasattr(self, "outputs"):
+            self.outputs.forget_stream_columns()
 
     def __init__(self, config: ModelConfig, params: dict, tokenizer,
                  engine_config: EngineConfig | None = None,
@@ -1544,8 +1557,9 @@ class LLMEngine:
         # Quiet rows (`RequestState.quiet`) need output processing only when they finish:
         # when every row is quiet, the others are not even listed. A request stays quiet
         # once it is: a steady cohort's answer, once all its rows are, is kept. Streamed
-        # cohorts: every row quiet and final-only, or a plain delta stream past its first
-        # token (`RequestState.stream_plain`); also kept, as neither changes.
+        # cohorts: every row quiet and final-only, a plain delta stream past its first
+        # token (`RequestState.stream_plain`) or, in the engine process's child, a pipe row
+        # past its first output (`RequestState.pipe_plain`); also kept, as none changes.
         run = fl.sched.steady
         streamed = False
         if run is None:
@@ -1556,7 +1570,9 @@ class LLMEngine:
             quiet = self._steady_quiet in keys
             streamed = not quiet and self._steady_streamed in keys
             if not (quiet or streamed):
-                quiet = streamed = True
+                pipe = self._pipe_rows
+                quiet = streamed = settled = True
+                piped = False
                 for info in row_info:
                     req = info[0]
                     if not req.quiet:
@@ -1565,12 +1581,21 @@ class LLMEngine:
                             streamed = False
                             break
                     elif req.streams:
+                        if pipe and req.pipe_plain and req.sent:
+                            piped = True
+                            continue
                         streamed = False  # text-free deltas: output as quiet rows
+                        if pipe and req.pipe_plain:
+                            settled = False  # a pipe row before its first output: ask again
                         if not quiet:
                             break
+                if piped and streamed:
+                    quiet = False
                 streamed = streamed and not quiet
+            else:
+                settled = True
             # (a cut-down cohort's rows are all quiet / streamed too)
-            if quiet:
+            if quiet and settled:
                 self._steady_quiet = c.key
             elif streamed:
                 self._steady_streamed = c.key
@@ -1585,7 +1610,7 @@ class LLMEngine:
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if not streamed:
             return None
-        fl.made, stopped = self.outputs.stream_rows(row_info, run.cohort)
+        fl.made, stopped = self.outputs.stream_rows(row_info, run.cohort, self._pipe_rows)
         for req, seq in stopped:
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         ended = {row_info[a.index][0].request_id for a in applied}

@@ -108,6 +108,10 @@ class RequestState:
         # (`OutputProcessor.stream_rows`), once its first token is in.
         self.stream_plain = (self.delta and not self.text_free and self.plain_row
                              and p.logprobs is None and p.prompt_logprobs is None)
+        # A pipe row without logprobs: the engine process's running rows of a steady step
+        # are made from the step's columns too (`OutputProcessor.stream_rows`), once its
+        # first output went (`sent`).
+        self.pipe_plain = self.pipe_row and self.plain_row and p.logprobs is None
 
     @property
     def num_samples(self) -> int:
@@ -135,8 +139,13 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.generation_tokens_total = 0
-        # `_stream_columns`: the cohort's key and its columns.
-        self._stream_cols: tuple[int, list[tuple | None]] = (0, [])
+        # `_stream_columns`: the cohort's key, its per-row columns (None: a quiet row), and
+        # of those the text streams' and the pipe rows'.
+        self._stream_cols: tuple[int, list, list[tuple], list[tuple]] = (0, [], [], [])
+
+    def forget_stream_columns(self) -> None:
+        """Drop the cached columns (the engine's row kinds changed: `LLMEngine.pipe_rows`)."""
+        self._stream_cols = (0, [], [], [])
 
     def process(self, applied: list[AppliedToken], rows: list[tuple[RequestState, int]] | None,
                 out, row_info: list[tuple] | None = None, num_tokens: int | None = None
@@ -311,8 +320,8 @@ class OutputProcessor:
                              if req.params.prompt_logprobs is not None else None,
                              req.num_cached_tokens or 0, None, req.first_scheduled_time)
 
-    def stream_rows(self, row_info: list[tuple], cohort: DecodeCohort
-                    ) -> tuple[list[RequestOutput], list[tuple[RequestState, Sequence]]]:
+    def stream_rows(self, row_info: list[tuple], cohort: DecodeCohort, pipe: bool = False
+                    ) -> tuple[list, list[tuple[RequestState, Sequence]]]:
         """The delta outputs of a steady step's running `stream_plain` rows, whose tokens the
         scheduler has appended (`Scheduler.update_steady`), and the sequences a stop string
         finished (for the scheduler to stop; their final outputs come from `make_output`, as
@@ -323,15 +332,15 @@ class OutputProcessor:
         inside a character, a window held back before), then the stop-string search and
         `make_output` (which holds back a possible stop string's start). The same text,
         token ids, offsets and stops as `process` + `make_output`
-        (`tests/engine/test_stream_rows.py`)."""
-        made: list[RequestOutput] = []
+        (`tests/engine/test_stream_rows.py`). With ``pipe`` (the engine process's child,
+        `LLMEngine.pipe_rows`), running `pipe_plain` rows come out as their pipe rows, as
+        `delta_row` makes them (`tests/engine/test_pipe_rows.py`)."""
+        made: list = []
         slow: list[tuple[RequestState, Sequence]] = []
         check: list[tuple[RequestState, Sequence, DetokState, int]] = []
         first_finished = _FIRST_FINISHED
-        for col in self._stream_columns(row_info, cohort):
-            if col is None:
-                continue  # a quiet final-only row
-            req, seq, state, out, plen, table, sent, sid, index = col
+        cols, pipes = self._stream_columns(row_info, cohort, pipe)
+        for req, seq, state, out, plen, table, sent, sid, index in cols:
             if seq.status._value_ >= first_finished:
                 continue  # ended: `process` did it. (A sequence preempted while its token
                 # was on the device, async scheduling, streams that token.)
@@ -354,6 +363,15 @@ class OutputProcessor:
                 req.request_id, req.prompt, req.prompt_token_ids,
                 [CompletionOutput(index, text, out[first:n])], False, None,
                 req.num_cached_tokens or 0, None, req.first_scheduled_time))
+        for req, seq, out, sent, sid, index in pipes:
+            if seq.status._value_ >= first_finished:
+                continue  # ended: its final row is `delta_row`'s
+            n = len(out)
+            first = sent[sid][0]
+            sent[sid] = (n, 0)  # a text-free state releases no text
+            made.append((req.request_id, None, [(index, "", out[first:n], None, None, None, None)],
+                         False, None, req.num_cached_tokens or 0, None,
+                         req.first_scheduled_time))
         if slow:
             self.detokenizer.step([(seq.get_token_slice, seq.num_total_tokens,
                                     req.detok[seq.seq_id], req.params.skip_special_tokens)
@@ -372,26 +390,37 @@ class OutputProcessor:
             made.append(self.make_output(req, False))
         return made, stopped
 
-    def _stream_columns(self, row_info: list[tuple], cohort: DecodeCohort) -> list[tuple | None]:
-        """Per row of the cohort, what `stream_rows` reads of a `stream_plain` row (None for
-        others), fixed for the sequence's life: made once per cohort and cut with it, as
-        `DecodeCohort.columns`."""
-        key, cols = self._stream_cols
+    def _stream_columns(self, row_info: list[tuple], cohort: DecodeCohort, pipe: bool
+                        ) -> tuple[list[tuple], list[tuple]]:
+        """What `stream_rows` reads of the cohort's `stream_plain` rows and, with ``pipe``,
+        of its `pipe_plain` rows, fixed for the sequence's life: made once per cohort and cut
+        with it, as `DecodeCohort.columns` (per row, None for a quiet row)."""
+        key, cols, streams, pipes = self._stream_cols
         if key != cohort.key:
             if cohort.parent is not None and cohort.parent[0] == key:
                 cols = [cols[i] for i in cohort.parent[1]]
             else:
-                texts = self.detokenizer.token_texts() or ([], [])
+                texts = None  # the token-text tables (built once, ~10 ms): text streams only
                 cols = []
                 for info in row_info:
                     req, seq = info[0], info[1]
                     sid = seq.seq_id
-                    cols.append((req, seq, req.detok[sid], seq.output_token_ids,
-                                 len(seq.prompt_token_ids),
-                                 texts[req.params.skip_special_tokens], req.sent, sid,
-                                 req.seq_index[sid]) if req.stream_plain else None)
-            self._stream_cols = (cohort.key, cols)
-        return cols
+                    if req.stream_plain:
+                        if texts is None:
+                            texts = self.detokenizer.token_texts() or ([], [])
+                        cols.append((req, seq, req.detok[sid], seq.output_token_ids,
+                                     len(seq.prompt_token_ids),
+                                     texts[req.params.skip_special_tokens], req.sent, sid,
+                                     req.seq_index[sid]))
+                    elif pipe and req.pipe_plain:
+                        cols.append((req, seq, seq.output_token_ids, req.sent, sid,
+                                     req.seq_index[sid]))
+                    else:
+                        cols.append(None)
+            streams = [c for c in cols if c is not None and len(c) == 9]
+            pipes = [c for c in cols if c is not None and len(c) == 6]
+            self._stream_cols = (cohort.key, cols, streams, pipes)
+        return streams, pipes
 
     @staticmethod
     def delta_row(req: RequestState, final: bool) -> tuple:

@@ -1,6 +1,8 @@
 """`LLMEngine.pipe_rows`: the engine process's child takes running text-free deltas as pipe
-rows made straight from request state (`OutputProcessor.delta_row`); the pipe carries exactly
-what the `RequestOutput`s would have become (`encode_outputs`), step by step."""
+rows made straight from request state (`OutputProcessor.delta_row`, and for a steady step's
+running rows `OutputProcessor.stream_rows`); the pipe carries exactly what the
+`RequestOutput`s would have become (`encode_outputs`), step by step. (Within a step the
+outputs' order is the engine's: each is one request's, so steps are compared sorted.)"""
 
 from __future__ import annotations
 
@@ -36,38 +38,118 @@ def _params(i: int, rng: np.random.Generator) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=m, prompt_logprobs=1)  # ditto
 
 
-def _pipe(tiny, rows: bool) -> tuple[list[list[tuple]], int]:
+def _steady_params(i: int, rng: np.random.Generator) -> tuple[SamplingParams, str]:
+    """Mostly rows `stream_rows` makes (greedy or sampled, stop ids, min_tokens), among
+    quiet final-only rows; now and then one it does not (logprobs)."""
+    m = int(rng.integers(4, 40))
+    kind = i % 6
+    if kind == 0:
+        return SamplingParams(temperature=0.9, seed=i, max_tokens=m), "final_only"
+    if kind == 1:
+        return SamplingParams(temperature=0, max_tokens=m,
+                              stop_token_ids=[int(t) for t in rng.integers(3, 90, 6)]), "delta_ids"
+    if kind == 2:
+        return SamplingParams(temperature=0.8, seed=i, top_p=0.9, max_tokens=m,
+                              min_tokens=3), "delta_ids"
+    if kind == 3 and i % 4 == 3:
+        return SamplingParams(temperature=0, max_tokens=m, logprobs=1), "delta_ids"
+    return SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), "delta_ids"
+
+
+def _pipe(tiny, rows: bool, *, steady: bool = False, async_scheduling: bool = True,
+          blocks: int = 64) -> tuple[list[list[tuple]], int, int]:
     config, params = tiny
-    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=64, block_size=8,
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=blocks, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
-                          async_scheduling=True)
+                          async_scheduling=async_scheduling)
     engine = llm.engine
     engine.pipe_rows = rows
     rng = np.random.default_rng(1)
-    pending = [(f"r{i}", [int(t) for t in rng.integers(3, config.vocab_size,
-                                                       int(rng.integers(2, 30)))],
-                _params(i, rng)) for i in range(20)]
+    pending = []
+    for i in range(24 if steady else 20):
+        prompt = [int(t) for t in rng.integers(3, config.vocab_size, int(rng.integers(2, 30)))]
+        sp, kind = _steady_params(i, rng) if steady else (_params(i, rng), "delta_ids")
+        pending.append((f"r{i}", prompt, sp, kind))
     steps, sent, made = [], set(), 0
+    streamed = [0]
+    real = engine.outputs.stream_rows
+
+    def counted(*args):
+        got = real(*args)
+        streamed[0] += sum(type(o) is tuple for o in got[0])
+        return got
+
+    engine.outputs.stream_rows = counted
     while pending or engine.has_unfinished_requests():
         for _ in range(2):
             if pending:
-                rid, prompt, sp = pending.pop(0)
-                engine.add_request(rid, None, sp, prompt_token_ids=prompt,
-                                   output_kind="delta_ids")
+                rid, prompt, sp, kind = pending.pop(0)
+                engine.add_request(rid, None, sp, prompt_token_ids=prompt, output_kind=kind)
         if len(steps) == 6:
             engine.abort_request("r7")  # an abort's output after rows
         outs = engine.step()
         made += sum(type(o) is tuple for o in outs)
         # The first scheduled time is the clock's: only whether it is set is compared.
-        steps.append([(*r[:7], r[7] is not None) for r in encode_outputs(outs, sent)])
+        steps.append(sorted(((*r[:7], r[7] is not None) for r in encode_outputs(outs, sent)),
+                            key=lambda r: r[0]))
     assert not sent  # every finished request's prompt forgotten
     bm = engine.block_manager
     assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
-    return steps, made
+    return steps, made, streamed[0]
 
 
 def test_pipe_rows_carry_what_the_outputs_would(tiny):
-    objects, none = _pipe(tiny, False)
-    rows, made = _pipe(tiny, True)
+    objects, none, _ = _pipe(tiny, False)
+    rows, made, _ = _pipe(tiny, True)
     assert none == 0 and made > 40
     assert rows == objects
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("blocks", [200, 14])
+def test_steady_pipe_rows_carry_what_the_outputs_would(tiny, async_scheduling, blocks):
+    """Steady steps of pipe rows (`stream_rows` with ``pipe``), with async scheduling on and
+    off; 14 blocks of 8 tokens hold a few of the 8 sequences, so preemption cuts cohorts."""
+    kw = dict(steady=True, async_scheduling=async_scheduling, blocks=blocks)
+    objects, none, _ = _pipe(tiny, False, **kw)
+    rows, made, streamed = _pipe(tiny, True, **kw)
+    assert none == 0
+    assert streamed > 30  # the steady steps did make their rows from the columns
+    assert rows == objects
+    # The deltas add up to each stream's whole output: max_tokens where nothing stops it.
+    ids: dict[str, list[int]] = {}
+    for step in rows:
+        for r in step:
+            ids.setdefault(r[0], []).extend(r[2][0][2])
+    rng = np.random.default_rng(1)
+    checked = 0
+    for i in range(24):
+        rng.integers(3, tiny[0].vocab_size, int(rng.integers(2, 30)))  # the prompt's draws
+        sp, kind = _steady_params(i, rng)
+        if kind == "delta_ids" and sp.ignore_eos and f"r{i}" != "r7":
+            assert len(ids[f"r{i}"]) == sp.max_tokens, i
+            checked += 1
+    assert checked >= 6
+
+
+def test_pipe_rows_switch_drops_the_cached_cohort_answer(tiny):
+    """Turning `pipe_rows` on after steps were classified without it (as the host-overhead
+    bench does) takes the column path from the next steady step."""
+    config, params = tiny
+    llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=64, block_size=8,
+                          max_num_seqs=4, max_num_batched_tokens=64, max_model_len=128)
+    engine = llm.engine
+    for i in range(4):
+        engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=30,
+                                                         ignore_eos=True),
+                           prompt_token_ids=[5 + i, 9, 11], output_kind="delta_ids")
+    for _ in range(6):
+        outs = engine.step()
+    assert not any(type(o) is tuple for o in outs)
+    engine.pipe_rows = True
+    for _ in range(3):
+        outs = engine.step()
+    assert len(outs) == 4 and all(type(o) is tuple for o in outs)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks

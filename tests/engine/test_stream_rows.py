@@ -65,8 +65,8 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mi
             if not fast:
                 self.stream_plain = False
 
-        def rows(self, row_info, cohort):
-            got = real_rows(self, row_info, cohort)
+        def rows(self, row_info, cohort, pipe=False):
+            got = real_rows(self, row_info, cohort, pipe)
             made[0] += len(got[0])
             return got
 
