@@ -1569,9 +1569,10 @@ class LLMEngine:
             keys = (c.key, -1 if c.parent is None else c.parent[0])
             quiet = self._steady_quiet in keys
             streamed = not quiet and self._steady_streamed in keys
+            settled = True  # False: a pipe row before its first output; ask again next step
             if not (quiet or streamed):
                 pipe = self._pipe_rows
-                quiet = streamed = settled = True
+                quiet = streamed = True
                 piped = False
                 for info in row_info:
                     req = info[0]
@@ -1586,14 +1587,12 @@ class LLMEngine:
                             continue
                         streamed = False  # text-free deltas: output as quiet rows
                         if pipe and req.pipe_plain:
-                            settled = False  # a pipe row before its first output: ask again
+                            settled = False
                         if not quiet:
                             break
                 if piped and streamed:
                     quiet = False
                 streamed = streamed and not quiet
-            else:
-                settled = True
             # (a cut-down cohort's rows are all quiet / streamed too)
             if quiet and settled:
                 self._steady_quiet = c.key

@@ -139,8 +139,8 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.generation_tokens_total = 0
-        # `_stream_columns`: the cohort's key, its per-row columns (None: a quiet row), and
-        # of those the text streams' and the pipe rows'.
+        # `_stream_columns`: the cohort's key, its per-row columns (None: a quiet row, else
+        # (is a pipe row, column)), and of those the text streams' and the pipe rows'.
         self._stream_cols: tuple[int, list, list[tuple], list[tuple]] = (0, [], [], [])
 
     def forget_stream_columns(self) -> None:
@@ -408,17 +408,18 @@ class OutputProcessor:
                     if req.stream_plain:
                         if texts is None:
                             texts = self.detokenizer.token_texts() or ([], [])
-                        cols.append((req, seq, req.detok[sid], seq.output_token_ids,
-                                     len(seq.prompt_token_ids),
-                                     texts[req.params.skip_special_tokens], req.sent, sid,
-                                     req.seq_index[sid]))
+                        cols.append((False, (req, seq, req.detok[sid], seq.output_token_ids,
+                                             len(seq.prompt_token_ids),
+                                             texts[req.params.skip_special_tokens], req.sent,
+                                             sid, req.seq_index[sid])))
                     elif pipe and req.pipe_plain:
-                        cols.append((req, seq, seq.output_token_ids, req.sent, sid,
-                                     req.seq_index[sid]))
+                        cols.append((True, (req, seq, seq.output_token_ids, req.sent, sid,
+                                            req.seq_index[sid])))
                     else:
                         cols.append(None)
-            streams = [c for c in cols if c is not None and len(c) == 9]
-            pipes = [c for c in cols if c is not None and len(c) == 6]
+            rows = [c for c in cols if c is not None]
+            streams = [c for is_pipe, c in rows if not is_pipe]
+            pipes = [c for is_pipe, c in rows if is_pipe]
             self._stream_cols = (cohort.key, cols, streams, pipes)
         return streams, pipes
 
