@@ -211,6 +211,8 @@ PHASES = [
     # And steady steps of quiet rows here (stop 63).
     ("pagedjax.core.scheduler:Scheduler", "update_steady", "    update_from_output"),
     ("pagedjax.output_processor:OutputProcessor", "process", "    output processing"),
+    # A steady cohort's streamed rows (stop 62; pipe rows stop 71).
+    ("pagedjax.output_processor:OutputProcessor", "stream_rows", "    stream rows"),
     ("pagedjax.detokenizer:Detokenizer", "step", "      detokenization"),
     ("pagedjax.detokenizer:Detokenizer", "append_token", "      detokenization"),
     ("pagedjax.core.scheduler:Scheduler", "free_finished_seq_groups", "  free finished"),
