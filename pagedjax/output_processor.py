@@ -236,7 +236,7 @@ class OutputProcessor:
         with the output, and text released before `min_tokens` never stops a sequence later."""
         start = max(0, old_len - p.longest_stop + 1)
         tail = state.tail(start)
-        for stop in p.stop_strings:
+        for stop in p.stops:
             idx = tail.find(stop)
             if idx >= 0:
                 end = start + idx + (len(stop) if p.include_stop_str_in_output else 0)
@@ -266,7 +266,7 @@ class OutputProcessor:
         tokens_sent, chars_sent = req.sent.get(sid, (0, 0))
         visible = state.length
         text = state.tail(chars_sent)
-        if req.has_stop_strings and not seq.status.is_finished:
+        if req.has_stop_strings and seq.status._value_ < _FIRST_FINISHED:
             visible = max(chars_sent, visible - req.params.longest_stop + 1)
             text = text[:visible - chars_sent]
         out = seq.output_token_ids

@@ -88,6 +88,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     # Normalised copies (not constructor arguments).
     _stop_list: list[str] = field(init=False, default_factory=list)
+    _stops: tuple[str, ...] = field(init=False, default=())
+    _longest_stop: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         # Normalise containers first so validation sees one shape.
@@ -157,6 +159,8 @@ class SamplingParams:
              f"must have at most {MAX_STOP_STRINGS} strings")
         need(all(len(s) <= MAX_STOP_STRING_CHARS for s in self._stop_list), "stop",
              f"strings must have at most {MAX_STOP_STRING_CHARS} characters")
+        self._stops = tuple(self._stop_list)
+        self._longest_stop = max(map(len, self._stops), default=0)
         need(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
              f"must have at most {MAX_STOP_TOKEN_IDS} ids")
         need(all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids), "stop_token_ids",
@@ -227,10 +231,16 @@ class SamplingParams:
         return bool(self._stop_list)  # no copy: asked for every token of every step
 
     @property
+    def stops(self) -> tuple[str, ...]:
+        """`stop_strings` without the copy, for the stop-string search of every token."""
+        return self._stops
+
+    @property
     def longest_stop(self) -> int:
         """Characters in the longest stop string (0: none): how far back into earlier text a
-        stop string can start."""
-        return max(map(len, self._stop_list), default=0)
+        stop string can start. Worked out once (`__post_init__`), as it is read for every
+        token of a stream with stop strings."""
+        return self._longest_stop
 
     @property
     def is_greedy(self) -> bool:
