@@ -84,6 +84,21 @@ def test_defaults_and_normalisation() -> None:
     assert SamplingParams(repetition_penalty=1.2).uses_penalties
 
 
+@pytest.mark.parametrize("stop", [None, "###", ["a", "bcd", "ef"], ("xy", "z")])
+def test_stop_strings_worked_out_once_match_the_list(stop) -> None:
+    """`stops` and `longest_stop`, read for every token, are fixed at construction: they
+    agree with `stop_strings` however ``stop`` was given, and a clone with new stop
+    strings works them out again."""
+    p = SamplingParams(stop=stop)
+    assert list(p.stops) == p.stop_strings
+    assert p.longest_stop == max((len(s) for s in p.stop_strings), default=0)
+    assert p.has_stop_strings == bool(p.stop_strings)
+    q = p.clone(stop=["long stop string", "s"])
+    assert q.stops == ("long stop string", "s") and q.longest_stop == 16
+    p.stop_strings.append("mutated copy")  # a copy: the params' own list is untouched
+    assert "mutated copy" not in p.stops
+
+
 def test_beam_search_params() -> None:
     p = SamplingParams(use_beam_search=True, n=2, best_of=4, temperature=0.0,
                        length_penalty=0.7, early_stopping="never")
