@@ -89,6 +89,10 @@ def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_t
         # Mixed: plain greedy steps build no sampling metadata, a stage this must see.
         measure(4, 3, "mixed", demo_tokenizer, config, output_kind="cumulative",
                 freeze_gc=False, phases=ph)
+        # Greedy delta streams: a steady cohort's rows stream from its columns (`stream
+        # rows`), a stage the cumulative mix never reaches. The times add to the same stages.
+        measure(4, 3, "greedy", demo_tokenizer, config, output_kind="delta",
+                freeze_gc=False, phases=ph)
     finally:
         ph.restore()
     ms = {k.strip(): v for k, v in ph.ms.items()}
