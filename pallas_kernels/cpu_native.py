@@ -157,6 +157,15 @@ def compiled_isa() -> frozenset[str]:
 
 
 @functools.cache
+def lm_head_amx() -> bool:
+    """Whether `lm_head_greedy_cpu` screens with AMX tiles here: built for a host with AMX-BF16
+    and allowed the tile state by the kernel (``PAGEDJAX_LM_HEAD_AMX=0`` turns it off per call)."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    return bool(ctypes.cdll.LoadLibrary(str(build())).PagedjaxLmHeadAmx())
+
+
+@functools.cache
 def available() -> bool:
     """True when the library builds and registers (once per process); False, with the reason
     logged, when it cannot or ``PAGEDJAX_NATIVE_CPU=0``."""

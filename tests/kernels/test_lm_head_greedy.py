@@ -194,6 +194,39 @@ def test_random_shapes(m, k, n, seed, scale, dup):
     np.testing.assert_array_equal(got, want)
 
 
+def _host_has_amx_bf16() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
+def test_the_screen_uses_amx_where_the_host_has_it():
+    """Built with -march=native: AMX-BF16 hosts screen with tiles, others cannot."""
+    assert cpu_native.lm_head_amx() == _host_has_amx_bf16()
+
+
+@pytest.mark.parametrize("m", [3, 4, 15, 16, 17, 64, 100])
+@pytest.mark.parametrize("k,n", [(576, 1000), (64, 65), (96, 4096), (129, 777)])
+def test_amx_and_vector_screens_pick_the_same_tokens(m, k, n, monkeypatch):
+    """The AMX screen (rows padded to 16, k in tiles of 32; hidden sizes that are not take the
+    vector screen) against `vdpbf16ps` and the float32 argmax, near ties and duplicated columns
+    included. On hosts without AMX both runs take the vector screen."""
+    rng = np.random.default_rng(m * 7 + k + n)
+    w = rng.standard_normal((k, n), dtype=np.float32) * 0.05
+    w[:, n // 2] = w[:, n // 3]  # an exact tie: the lower index wins
+    x = rng.standard_normal((m, k), dtype=np.float32) * 3
+    x[0] = 0.0  # every score 0: all columns tie
+    panels, screen = _head(w)
+    want = _want(x, panels, n)
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("PAGEDJAX_LM_HEAD_AMX", flag)
+        got[flag] = np.asarray(_tokens(jnp.asarray(x), screen["bf16"], screen["norms"], panels))
+    np.testing.assert_array_equal(got["1"], want)
+    np.testing.assert_array_equal(got["0"], want)
+    assert got["1"][0] == 0
+
+
 def test_bad_arguments_are_refused():
     rng = np.random.default_rng(5)
     w = rng.standard_normal((16, 64), dtype=np.float32)
