@@ -159,7 +159,8 @@ def compiled_isa() -> frozenset[str]:
 @functools.cache
 def lm_head_amx() -> bool:
     """Whether `lm_head_greedy_cpu` screens with AMX tiles here: built for a host with AMX-BF16
-    and allowed the tile state by the kernel (``PAGEDJAX_LM_HEAD_AMX=0`` turns it off per call)."""
+    and allowed the tile state by Linux; 4 rows or more (``PAGEDJAX_LM_HEAD_AMX=0`` still turns
+    it off, read on every call)."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     return bool(ctypes.cdll.LoadLibrary(str(build())).PagedjaxLmHeadAmx())

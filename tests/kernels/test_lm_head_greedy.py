@@ -209,8 +209,9 @@ def test_the_screen_uses_amx_where_the_host_has_it():
 @pytest.mark.parametrize("k,n", [(576, 1000), (64, 65), (96, 4096), (129, 777)])
 def test_amx_and_vector_screens_pick_the_same_tokens(m, k, n, monkeypatch):
     """The AMX screen (rows padded to 16, k in tiles of 32; hidden sizes that are not take the
-    vector screen) against `vdpbf16ps` and the float32 argmax, near ties and duplicated columns
-    included. On hosts without AMX both runs take the vector screen."""
+    vector screen, as do fewer than 4 rows) against `vdpbf16ps` and the float32 argmax, with an
+    exact tie (a duplicated column) and a zero row. On hosts without AMX both runs take the
+    vector screen."""
     rng = np.random.default_rng(m * 7 + k + n)
     w = rng.standard_normal((k, n), dtype=np.float32) * 0.05
     w[:, n // 2] = w[:, n // 3]  # an exact tie: the lower index wins
