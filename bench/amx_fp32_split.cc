@@ -271,7 +271,37 @@ int main(int argc, char** argv) {
                     scratch.data(), scratch.data() + K / 2 * kCols, scratch.data() + K * kCols);
     split = std::min(split, (now_ms() - t0) / copies);
   }
+  // The unit alone: `tdpbf16ps` into four independent tiles with the operands in tiles, then
+  // with a 1 KiB tile load (from L1) before each.
+  std::vector<uint16_t> ones(16 * 32 * 4, 0x3f80);
+  _tile_loadd(0, ones.data(), 64);
+  _tile_loadd(1, ones.data(), 64);
+  _tile_loadd(2, ones.data(), 64);
+  _tile_loadd(3, ones.data(), 64);
+  const int64_t reps = 1000000;
+  double t0 = now_ms();
+  for (int64_t i = 0; i < reps; ++i) {
+    _tile_dpbf16ps(4, 0, 3);
+    _tile_dpbf16ps(5, 1, 3);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_dpbf16ps(7, 0, 2);
+  }
+  const double dp_ns = (now_ms() - t0) * 1e6 / (4.0 * reps);
+  t0 = now_ms();
+  for (int64_t i = 0; i < reps; ++i) {
+    _tile_loadd(3, ones.data(), 64);
+    _tile_dpbf16ps(4, 0, 3);
+    _tile_loadd(3, ones.data() + 512, 64);
+    _tile_dpbf16ps(5, 1, 3);
+    _tile_loadd(3, ones.data() + 1024, 64);
+    _tile_dpbf16ps(6, 2, 3);
+    _tile_loadd(3, ones.data() + 1536, 64);
+    _tile_dpbf16ps(7, 0, 3);
+  }
+  const double load_dp_ns = (now_ms() - t0) * 1e6 / (4.0 * reps);
   _tile_release();
+  std::printf("%-20s %.2f ns a tdpbf16ps (%.0f G bf16 multiply-adds/s), %.2f ns with a tile "
+              "load before each\n", "AMX unit alone", dp_ns, 16 * 16 * 32 / dp_ns, load_dp_ns);
   std::printf("%-20s M %d K %d N %d: %.3f ms a weight\n", "split alone", M, K, N, split);
   const char* names[3] = {"fp32 AVX-512 FMA", "AMX bf16 x 6 terms", "AMX bf16 x 3 terms"};
   for (int v = 0; v < 3; ++v)

@@ -38,4 +38,4 @@ def test_the_amx_split_builds_and_on_amx_hosts_reaches_float32_accuracy(tmp_path
     assert err["fp32 AVX-512 FMA"] < 1e-6
     assert err["AMX bf16 x 6 terms"] < 1e-6  # float32's own rounding
     assert err["AMX bf16 x 3 terms"] > 2 * err["AMX bf16 x 6 terms"]  # ~16 bits only
-    assert "split alone" in out
+    assert "split alone" in out and "AMX unit alone" in out
