@@ -120,6 +120,9 @@ void split_rows(const float* x, int64_t n, uint16_t* hi, uint16_t* mid, uint16_t
   }
 }
 
+// The same 8 tiles of 16 x 64 bytes as the LM head's screen (`csrc/lm_head_greedy_cpu.cc`
+// `load_tiles`), written out here so that this program builds without XLA's FFI headers
+// (including that source would need them; `bench/panel_stream.cc` does so for the matmul).
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
