@@ -2,10 +2,12 @@
 
     .venv/bin/python bench/native_ab.py --base COMMIT --kind matmul [--rows 64]
     .venv/bin/python bench/native_ab.py --base COMMIT --kind attention [--seqs 64 --ctx 128]
+    .venv/bin/python bench/native_ab.py --base COMMIT --kind lm_head [--rows 64]
 
-Builds the kernel's source file (`pallas_kernels/csrc/dense_matmul_cpu.cc` or
-`paged_attention_cpu.cc`) twice, from the working tree and from ``git show COMMIT:...``, each
-into its own library under its own FFI target, and times one jitted workload through each:
+Builds the kernel's source file (`pallas_kernels/csrc/dense_matmul_cpu.cc`,
+`paged_attention_cpu.cc` or `lm_head_greedy_cpu.cc`) twice, from the working tree and from
+``git show COMMIT:...``, each into its own library under its own FFI target, and times one
+jitted workload through each:
 
 - `matmul`: the demo model's weight matmuls (30 layers of fused q/k/v, o, fused gate/up and
   down projections, then the LM head: SmolLM2-135M's shapes, random fp32 weights in 64-column
@@ -14,7 +16,12 @@ into its own library under its own FFI target, and times one jitted workload thr
   (9 query / 3 KV heads, head dim 64, 16-token blocks) with random block tables over a cache
   twice the size they need, as blocks end up after a while of serving; the cache on 2 MiB
   pages as the engine allocates it (``--small-pages``: XLA's own 4 KiB pages; ``--resident``:
-  every sequence and layer reads the same blocks, which stay in cache).
+  every sequence and layer reads the same blocks, which stay in cache);
+- `lm_head`: the screened greedy LM head (`lm_head_greedy_cpu`) over a head of the demo
+  model's shape (49152 x 576, random fp32 weights in 64-column panels with their bfloat16
+  pairs and norms from `lm_head_screen`) for ``--rows`` random hidden rows, each leaning on
+  one column so that one logit stands out; its tokens are checked against the argmax of the
+  float32 logits in float64 numpy.
 
 Both versions must give the same outputs (checked: bit for bit). Reports the median of
 ``--iters`` interleaved calls each, with the load average at the start; writes
@@ -39,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FILES = {"matmul": ("dense_matmul_cpu.cc", "PagedjaxDenseMatmulCpu"),
-         "attention": ("paged_attention_cpu.cc", "PagedjaxRaggedPagedAttentionCpu")}
+         "attention": ("paged_attention_cpu.cc", "PagedjaxRaggedPagedAttentionCpu"),
+         "lm_head": ("lm_head_greedy_cpu.cc", "PagedjaxLmHeadGreedyCpu")}
 
 
 def build(source: str, symbol: str, tag: str, out_dir: Path,
@@ -101,6 +109,43 @@ def matmul_workload(rows: int):
         return lambda: fn(x, ws)
 
     return timed, {"rows": rows, "gflop_per_call": flops / 1e9}
+
+
+def lm_head_workload(rows: int):
+    """(a function of the FFI target giving the timed call, the workload)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.cpu_native import lm_head_screen
+
+    rng = np.random.default_rng(0)
+    h, vocab = 576, 49152
+    w = rng.standard_normal((vocab // 64, h, 64), dtype=np.float32) * 0.05
+    screen = lm_head_screen(w, vocab)
+    bf16, norms, panels = (jax.device_put(a) for a in (screen["bf16"], screen["norms"], w))
+    # Rows leaning on one column each (6 times it, on unit noise), so that as with a trained
+    # model's hidden states one logit stands out (by ~3 of the others' spread) and few columns
+    # pass the screen. Pure noise would make the top logits near ties, hundreds of candidates
+    # a row, and time their float32 recomputation more than the screen.
+    cols = rng.integers(0, vocab, rows)
+    x = (rng.standard_normal((rows, h)) + 6 * w[cols // 64, :, cols % 64]).astype(np.float32)
+    logits = x.astype(np.float64) @ w.transpose(1, 0, 2).reshape(h, vocab).astype(np.float64)
+    want = logits.argmax(axis=1)
+    xd = jax.device_put(x)
+
+    def timed(target):
+        fn = jax.jit(lambda x: jax.ffi.ffi_call(
+            target, jax.ShapeDtypeStruct((rows,), jnp.int32))(x, bf16, norms, panels))
+        got = np.asarray(fn(xd))
+        if not np.array_equal(got, want):  # float32 and float64 may differ on a near tie only
+            top2 = np.sort(logits, axis=1)[:, -2:]
+            close = np.abs(top2[:, 1] - top2[:, 0]) < 1e-4 * np.abs(top2[:, 1])
+            if not np.all((got == want) | close):
+                sys.exit(f"{target}: tokens differ from the float64 argmax")
+        return lambda: fn(xd)
+
+    return timed, {"rows": rows, "head": [vocab, h]}
 
 
 def attention_workload(seqs: int, ctx: int, small_pages: bool, resident: bool = False):
@@ -199,6 +244,8 @@ def main() -> None:
                                          check=True, capture_output=True, text=True).stdout
     if args.kind == "matmul":
         timed, meta = matmul_workload(args.rows)
+    elif args.kind == "lm_head":
+        timed, meta = lm_head_workload(args.rows)
     else:
         timed, meta = attention_workload(args.seqs, args.ctx, args.small_pages, args.resident)
     calls = {}

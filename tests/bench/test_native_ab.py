@@ -35,3 +35,23 @@ def test_a_renamed_build_matches_the_engines_kernel(tmp_path):
     got = jax.ffi.ffi_call("native_ab_test", jax.ShapeDtypeStruct((9, 130), jnp.float32))(x, w)
     np.testing.assert_array_equal(np.asarray(got),
                                   np.asarray(cpu_native.dense_matmul_cpu(x, w, 130)))
+
+
+def test_the_lm_head_workload_checks_tokens_against_float64(tmp_path):
+    """`--kind lm_head`: the renamed screened head gives the float64 argmax of the workload's
+    head (the workload exits on a difference), and so does the engine's build."""
+    spec = importlib.util.spec_from_file_location("native_ab", ROOT / "bench/native_ab.py")
+    native_ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native_ab)
+    name, symbol = native_ab.FILES["lm_head"]
+    source = (ROOT / "pallas_kernels/csrc" / name).read_text()
+    lib, renamed = native_ab.build(source, symbol, "head", tmp_path)
+    jax.ffi.register_ffi_target("native_ab_head", jax.ffi.pycapsule(getattr(lib, renamed)),
+                                platform="cpu")
+    timed, meta = native_ab.lm_head_workload(20)  # AMX's path (from 4 rows), a partial tile
+    assert meta == {"rows": 20, "head": [49152, 576]}
+    got = np.asarray(timed("native_ab_head")())
+    assert cpu_native.available()  # registers the engine's own targets
+    engines = np.asarray(timed(cpu_native.LM_HEAD_GREEDY_TARGET)())
+    np.testing.assert_array_equal(got, engines)
+    assert got.shape == (20,) and len(set(got.tolist())) > 10  # distinct rows, distinct tokens
