@@ -209,7 +209,7 @@ def test_a_failing_table_build_leaves_the_windowed_path(demo_tokenizer, monkeypa
 
 
 class SmallTail(DetokState):
-    """Pieces form after a few characters: the merging, not only the tail, gets exercised."""
+    """Pieces form after a few characters: the pieces, not only the tail, get exercised."""
 
     __slots__ = ()
     TAIL = 6
@@ -219,15 +219,20 @@ class SmallTail(DetokState):
 @settings(max_examples=200, deadline=None)
 @given(pieces=hst.lists(hst.text(max_size=40), max_size=300), data=hst.data())
 def test_text_pieces_equal_one_string(cls, pieces, data):
-    """`DetokState` keeps its text in a short tail and merged pieces: text, length and any
-    tail equal a plain string's, a truncation (a stop string) resets it, and the pieces stay
-    logarithmic."""
+    """`DetokState` keeps its text in a short tail and pieces: text, length and any tail
+    equal a plain string's, a truncation (a stop string) resets it, an append never rewrites
+    an earlier piece (no step copies the text so far), and every piece holds at least a
+    full tail."""
     state, plain = cls(), ""
     for piece in pieces:
+        before = list(state._parts)
         state.append(piece)
         plain += piece
         assert state.length == len(plain)
-        assert len(state._parts) <= 2 + 2 * max(1, len(plain)).bit_length()
+        assert all(a is b for a, b in zip(before, state._parts)) and \
+            len(state._parts) - len(before) in (0, 1)
+        assert all(len(p) >= cls.TAIL for p in state._parts)
+        assert len(state._parts) <= max(1, len(plain)) // cls.TAIL + 1
         start = data.draw(hst.integers(-3, len(plain) + 3))
         assert state.tail(start) == plain[max(0, start):]
     assert state.text == plain and state.length == len(plain)
