@@ -39,7 +39,9 @@ PIECES = (" abc", " hello", "x", " world!")
 
 
 class MergingState(DetokState):
-    """The policy before stop 75, for comparison: pieces merge geometrically."""
+    """The policy before stop 75, for comparison: pieces merge geometrically. Its `append` is
+    the old method whole, not a `super().append` plus the merge, so the baseline pays no
+    extra call per append that the engine's version did not."""
 
     __slots__ = ()
 

@@ -19,13 +19,24 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(cpu_native._compiler() is None, reason="no C++ compiler")
 
 
-def test_a_renamed_build_matches_the_engines_kernel(tmp_path):
+def _native_ab():
     spec = importlib.util.spec_from_file_location("native_ab", ROOT / "bench/native_ab.py")
     native_ab = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(native_ab)
-    name, symbol = native_ab.FILES["matmul"]
+    return native_ab
+
+
+def _renamed_build(native_ab, kind: str, tag: str, tmp_path):
+    """`native_ab.build` of the working tree's source for ``kind``: (lib, renamed symbol)."""
+    name, symbol = native_ab.FILES[kind]
     source = (ROOT / "pallas_kernels/csrc" / name).read_text()
-    lib, renamed = native_ab.build(source, symbol, "test", tmp_path)
+    return native_ab.build(source, symbol, tag, tmp_path)
+
+
+def test_a_renamed_build_matches_the_engines_kernel(tmp_path):
+    native_ab = _native_ab()
+    symbol = native_ab.FILES["matmul"][1]
+    lib, renamed = _renamed_build(native_ab, "matmul", "test", tmp_path)
     assert renamed == f"{symbol}_test" and f"{symbol}_test" in (tmp_path / "test.cc").read_text()
     jax.ffi.register_ffi_target("native_ab_test", jax.ffi.pycapsule(getattr(lib, renamed)),
                                 platform="cpu")
@@ -40,12 +51,8 @@ def test_a_renamed_build_matches_the_engines_kernel(tmp_path):
 def test_the_lm_head_workload_checks_tokens_against_float64(tmp_path):
     """`--kind lm_head`: the renamed screened head gives the float64 argmax of the workload's
     head (the workload exits on a difference), and so does the engine's build."""
-    spec = importlib.util.spec_from_file_location("native_ab", ROOT / "bench/native_ab.py")
-    native_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(native_ab)
-    name, symbol = native_ab.FILES["lm_head"]
-    source = (ROOT / "pallas_kernels/csrc" / name).read_text()
-    lib, renamed = native_ab.build(source, symbol, "head", tmp_path)
+    native_ab = _native_ab()
+    lib, renamed = _renamed_build(native_ab, "lm_head", "head", tmp_path)
     jax.ffi.register_ffi_target("native_ab_head", jax.ffi.pycapsule(getattr(lib, renamed)),
                                 platform="cpu")
     timed, meta = native_ab.lm_head_workload(20)  # AMX's path (from 4 rows), a partial tile
