@@ -53,6 +53,7 @@ class DetokState:
         self.read_offset = read_offset  # tokens before this have been turned into text
 
     def append(self, piece: str) -> None:
+        # `OutputProcessor.stream_rows` inlines this for its steady rows: change both.
         tail = self._tail + piece
         self.length += len(piece)
         if len(tail) < self.TAIL:

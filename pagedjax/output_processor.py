@@ -21,7 +21,7 @@ from pagedjax.core import AppliedToken, Sequence, SequenceGroup
 from pagedjax.core.sequence import _FIRST_FINISHED, SequenceStatus
 from pagedjax.core.steady_decode import DecodeCohort
 from pagedjax.detokenizer import Detokenizer, DetokState
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.outputs import CompletionOutput, RequestOutput, running_delta
 from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -344,6 +344,7 @@ class OutputProcessor:
         slow: list[tuple[RequestState, Sequence]] = []
         check: list[tuple[RequestState, Sequence, DetokState, int]] = []
         first_finished = _FIRST_FINISHED
+        tail_max = DetokState.TAIL
         plain, stops, pipes = self._stream_columns(row_info, cohort, pipe)
         # Rows without stop strings: most streams. Every output of such a row sent all the
         # text released before it, so its delta is this token's text. The loop is the
@@ -363,14 +364,20 @@ class OutputProcessor:
             if text is None:  # ends inside a character, or a special token
                 slow.append((req, seq))
                 continue
-            state.append(text)  # state.release(text, plen + n)
+            # state.release(text, plen + n), inlined (a call is ~0.05 us of ~1 us a row):
+            tail = state._tail + text
+            state.length += len(text)
+            if len(tail) < tail_max:
+                state._tail = tail
+            else:
+                state._tail = ""
+                state._parts.append(tail)
             state.prefix_offset = plen + n - 1
             state.read_offset = plen + n
             first = sent[sid][0]
             sent[sid] = (n, state.length)
-            made.append(RequestOutput(rid, prompt, ids,
-                                      [CompletionOutput(index, text, out[first:n])],
-                                      False, None, cached, None, scheduled))
+            made.append(running_delta(rid, prompt, ids, index, text, out[first:n], cached,
+                                      scheduled))
         for req, seq, state, out, plen, table in stops:
             if seq.status._value_ >= first_finished:
                 continue

@@ -79,6 +79,7 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mi
         engine = llm.engine
         pending = _requests(config.vocab_size, mixed)
         steps = []
+        sent: dict[str, str] = {}
         while pending or engine.has_unfinished_requests():
             for _ in range(3):
                 if pending:
@@ -88,6 +89,19 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mi
             if len(steps) == 9:
                 engine.abort_request("r4")  # a cohort cut by an abort
             outs = engine.step()
+            for o in outs:
+                if o.outputs and o.outputs[0].index == 0 and len(o.outputs) == 1:
+                    sent[o.request_id] = sent.get(o.request_id, "") + o.outputs[0].text
+            # A running stream's released text (`DetokState`, kept in pieces) is what it has
+            # sent, plus what a possible stop string's start holds back.
+            for rid, req in engine._requests.items():
+                if req.delta and len(req.group.seqs) == 1:
+                    state = req.detok[req.group.seqs[0].seq_id]
+                    text = state.text
+                    assert state.length == len(text), rid
+                    assert text.startswith(sent.get(rid, "")), rid
+                    if not req.has_stop_strings:
+                        assert text == sent.get(rid, ""), rid
             # The first scheduled time is the clock's: only whether it is set is compared.
             steps.append(sorted(
                 (o.request_id, o.finished, o.num_cached_tokens, o.first_scheduled_time is not None,
@@ -102,6 +116,22 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mi
 def test_streamed_rows_output_what_the_general_path_does(wide, demo_tokenizer, async_scheduling,
                                                          blocks, mixed, monkeypatch):
     """24 blocks of 8 tokens hold a few of the 16 sequences: preemption cuts cohorts."""
+    _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, mixed,
+                                monkeypatch)
+
+
+def test_streamed_rows_keep_text_pieces_whole(wide, demo_tokenizer, monkeypatch):
+    """`stream_rows` inlines `DetokState.append`: with 5-character tails nearly every token
+    makes a piece, and every running stream's text (joined from its pieces, checked after
+    each step in `_run`) is still what it sent."""
+    from pagedjax.detokenizer import DetokState
+
+    monkeypatch.setattr(DetokState, "TAIL", 5)
+    _check_against_general_path(wide, demo_tokenizer, True, 200, False, monkeypatch)
+
+
+def _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, mixed,
+                                monkeypatch):
     kw = dict(async_scheduling=async_scheduling, blocks=blocks, mixed=mixed,
               monkeypatch=monkeypatch)
     want, none = _run(wide, demo_tokenizer, fast=False, **kw)
