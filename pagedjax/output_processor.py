@@ -376,7 +376,9 @@ class OutputProcessor:
             state.read_offset = plen + n
             first = sent[sid][0]
             sent[sid] = (n, state.length)
-            made.append(running_delta(rid, prompt, ids, index, text, out[first:n], cached,
+            # One token since the last output, as a steady row has: a literal, not a slice.
+            made.append(running_delta(rid, prompt, ids, index, text,
+                                      [tok] if first == n - 1 else out[first:n], cached,
                                       scheduled))
         for req, seq, state, out, plen, table in stops:
             if seq.status._value_ >= first_finished:
