@@ -195,6 +195,9 @@ PHASES = [
     # Steady decode steps build theirs from columns (stop 61): the same stage.
     ("pagedjax.engine", "steady_decode_inputs", "  step inputs"),
     ("pagedjax.engine:LLMEngine", "_sampling_metadata", "  sampling metadata"),
+    # Sampled rows with penalties: their histories' deltas and gather (stop 76).
+    ("pagedjax.engine:LLMEngine", "_device_histories", "  device histories"),
+    ("pagedjax.engine:LLMEngine", "_feed_pending_history", "  history feed"),
     # Async scheduling: the tokens a launched step samples made pending, and the rows that
     # feed the last step's pending tokens to this one.
     ("pagedjax.engine:LLMEngine", "_mark_pending", "  pending tokens"),

@@ -60,6 +60,7 @@ from pagedjax.input_processor import OUTPUT_KINDS, InputProcessor, check_priorit
 from pagedjax.output_processor import OutputProcessor, RequestState
 from pagedjax.outputs import RequestOutput
 from pagedjax.sampler import (
+    DeviceFill,
     SamplerOutput,
     SamplingMetadata,
     SeqSamplingState,
@@ -310,6 +311,9 @@ class LLMEngine:
         self.sampling_batch = SamplingBatch(config.vocab_size, 4 * self.runner.shape_plan.seq_cap,
                                             eos_token_ids=sorted(self.eos_token_ids),
                                             engine_seed=ec.seed)
+        # Its fixed-width ban, mask and bias arrays as device arrays, empty ones cached
+        # (`DeviceFill`); a mesh keeps numpy arguments, which jit places on it.
+        self._meta_fill = DeviceFill() if self.runner.mesh is None else None
         # Sequence id -> its sampled row's (request, sequence, sample index, fan-out), for
         # plain sequences (`_rows_for`); dropped when they end, cleared when it outgrows
         # 4 x max_num_seqs (aborted ones are not dropped one by one).
@@ -1064,7 +1068,7 @@ class LLMEngine:
         ``pack_histories`` False: penalty histories left None for the device to gather."""
         widths = dict(history_width=self.max_model_len, ban_width=self._ban_width,
                       masks=masks, mask_width=self.structured.mask_width,
-                      bias_width=self._bias_width, extra_bans=bans)
+                      bias_width=self._bias_width, extra_bans=bans, fill=self._meta_fill)
         if keys is not None:
             meta = self.sampling_batch.metadata(rows, keys, pad_to, pack_histories=pack_histories,
                                                 **widths)

@@ -155,6 +155,7 @@ class SamplingMetadata:
         mask_width: int | None = None,
         bias_width: int | None = None,
         extra_bans: dict[int, list[int]] | None = None,
+        fill: DeviceFill | None = None,
     ) -> SamplingMetadata:
         """Build the host-side (numpy) metadata for one step.
 
@@ -169,7 +170,7 @@ class SamplingMetadata:
         ``masks`` (row -> packed allowed-token bits, structured outputs) are present at
         ``mask_width`` words whenever the histories are (default: the masks' own width); so
         are the rows' ``logit_bias`` lists, at ``bias_width``. ``extra_bans`` (row -> ids)
-        join the min_tokens bans (bad words).
+        join the min_tokens bans (bad words). ``fill``: see `assemble`.
         """
         b, v = pad_to, vocab_size
         if len(rows) > b:
@@ -213,7 +214,7 @@ class SamplingMetadata:
         return cls.assemble(
             rows, b, v, cols, step, penalised, biased, banned, engine_seed=engine_seed,
             history_width=history_width, ban_width=ban_width, masks=masks,
-            mask_width=mask_width, bias_width=bias_width, extra_bans=extra_bans)
+            mask_width=mask_width, bias_width=bias_width, extra_bans=extra_bans, fill=fill)
 
     @classmethod
     def assemble(
@@ -235,13 +236,18 @@ class SamplingMetadata:
         bias_width: int | None = None,
         extra_bans: dict[int, list[int]] | None = None,
         pack_histories: bool = True,
+        fill: DeviceFill | None = None,
     ) -> SamplingMetadata:
         """The metadata from per-row columns (`param_columns`, padded to ``b`` rows) and the
         rows that are penalised, biased or banned: `from_params` builds those row by row,
         `worker.sampling_batch.SamplingBatch` gathers them from rows kept across steps.
         ``pack_histories`` False (histories kept on the device, `worker.device_histories`):
         where the histories are present, the penalty history fields are None, for the
-        caller to fill."""
+        caller to fill. ``fill`` (`DeviceFill`, single-device engines): the ban, mask and
+        bias arrays are device arrays, the same cached one per shape while nothing is
+        written into them."""
+        blank = np.full if fill is None else fill.blank
+        put = (lambda a: a) if fill is None else fill.put
         banned = {i: list(ids) for i, ids in banned.items() if ids}
         for i, ids in (extra_bans or {}).items():
             if ids:
@@ -250,10 +256,8 @@ class SamplingMetadata:
         # With fixed widths the histories and ban lists are all present (at those widths)
         # iff any row is penalised or banned: two variants per batch size, not eight.
         full = bool(penalised or banned or masks or biased)
-        prompt_lists = {i: rows[i][1].prompt_token_ids for i in penalised if repetition[i] != 1.0}
-        out_lists = {i: rows[i][1].output_token_ids for i in penalised}
 
-        def pack(lists: dict[int, Sequence[int]], fixed: int | None) -> np.ndarray:
+        def pack(lists: dict[int, Sequence[int]], fixed: int | None, device: bool = False):
             longest = max((len(x) for x in lists.values()), default=0)
             if fixed is None:
                 width = _bucket(longest)
@@ -261,24 +265,37 @@ class SamplingMetadata:
                 width = fixed if full else 0
                 if longest > width:
                     raise ValueError(f"{longest} ids exceed the fixed width {width}")
+            if device and not lists:
+                return blank((b, width), -1, np.int32)
             out = np.full((b, width), -1, np.int32)
             for i, ids in lists.items():
                 out[i, : len(ids)] = np.asarray(ids, np.int32)
-            return out
+            return put(out) if device else out
 
         if mask_width is None:
             mask_width = next((len(m) for m in (masks or {}).values()), 0)
-        bitmask = np.full((b, mask_width if full else 0), -1, np.int32)
-        for i, m in (masks or {}).items():
-            bitmask[i] = m
+        shape = (b, mask_width if full else 0)
+        if masks:
+            bitmask = np.full(shape, -1, np.int32)
+            for i, m in masks.items():
+                bitmask[i] = m
+            bitmask = put(bitmask)
+        else:
+            bitmask = blank(shape, -1, np.int32)
         bias_lists = {i: list(rows[i][0].logit_bias) for i in biased}
-        bias_ids = pack(bias_lists, bias_width)
-        bias_vals = np.zeros(bias_ids.shape, np.float32)
-        for i in biased:
-            bias_vals[i, : len(bias_lists[i])] = list(rows[i][0].logit_bias.values())
+        bias_ids = pack(bias_lists, bias_width, device=True)
+        if biased:
+            bias_vals = np.zeros(bias_ids.shape, np.float32)
+            for i in biased:
+                bias_vals[i, : len(bias_lists[i])] = list(rows[i][0].logit_bias.values())
+            bias_vals = put(bias_vals)
+        else:
+            bias_vals = blank(bias_ids.shape, 0.0, np.float32)
         if pack_histories or not full:
-            out_hist = pack(out_lists, history_width)
-            prompt_hist = pack(prompt_lists, history_width)
+            out_hist = pack({i: rows[i][1].output_token_ids for i in penalised},
+                            history_width)
+            prompt_hist = pack({i: rows[i][1].prompt_token_ids for i in penalised
+                                if repetition[i] != 1.0}, history_width)
         else:
             out_hist = prompt_hist = None
         top_k, top_p, min_p = cols["top_k"], cols["top_p"], cols["min_p"]
@@ -288,7 +305,7 @@ class SamplingMetadata:
             engine_seed=np.uint32(engine_seed % (1 << 32)),
             output_token_ids=out_hist,
             prompt_token_ids=prompt_hist,
-            banned_token_ids=pack(banned, ban_width),
+            banned_token_ids=pack(banned, ban_width, device=True),
             allowed_bitmask=bitmask,
             bias_token_ids=bias_ids,
             bias_values=bias_vals,
@@ -297,6 +314,36 @@ class SamplingMetadata:
             do_min_p=np.bool_((min_p > 0.0).any()),
             want_topk=np.bool_(True),
         )
+
+
+class DeviceFill:
+    """Where a single-device engine's sampling metadata puts its fixed-width id arrays.
+
+    With any row penalised, banned, masked or biased, the ban lists, token masks and logit
+    biases are all present at fixed widths (2048, vocab / 32 and 512 columns: one compiled
+    variant for every such batch), so a 256-row step of sampled rows with penalties built
+    ~4.5 MB of them, nearly always empty (-1 ids, zero biases), and handing numpy arrays of
+    that size to the jitted sampler copied them again: 0.12 ms of fills and 0.2-0.4 ms of
+    argument transfer a step on the Xeon host, against 6 us for device arrays
+    (`bench/sampling_metadata.py`). An empty one is made once per shape on the device and
+    reused; a written one is put on the device, so the sampler is called with device
+    arrays either way (numpy and device arguments are different jit keys: mixing them
+    would compile twice). The arrays are uncommitted, on the default device, as numpy
+    arguments would be."""
+
+    def __init__(self) -> None:
+        self._blank: dict[tuple, jax.Array] = {}
+
+    def blank(self, shape: tuple[int, int], value, dtype) -> jax.Array:
+        key = (shape, value, np.dtype(dtype).str)
+        a = self._blank.get(key)
+        if a is None:
+            a = self._blank[key] = jax.device_put(np.full(shape, value, dtype))
+        return a
+
+    @staticmethod
+    def put(a: np.ndarray) -> jax.Array:
+        return jax.device_put(a)
 
 
 def param_columns(vocab_size: int) -> tuple[tuple[str, type, object], ...]:

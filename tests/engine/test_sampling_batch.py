@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as hst
 
-from pagedjax.sampler import SamplingMetadata, SeqSamplingState
+from pagedjax.sampler import DeviceFill, SamplingMetadata, SeqSamplingState
 from pagedjax.sampling_params import SamplingParams
 from pagedjax.worker.sampling_batch import SamplingBatch
 
@@ -48,6 +48,9 @@ def _leaves_equal(a: SamplingMetadata, b: SamplingMetadata) -> None:
 def test_equals_from_params_over_steps(reqs, seed, data):
     rng = np.random.default_rng(seed)
     batch = SamplingBatch(VOCAB, max_slots=64, eos_token_ids=EOS, engine_seed=11)
+    # The same with the ban, mask and bias arrays on the device (`DeviceFill`).
+    on_device = SamplingBatch(VOCAB, max_slots=64, eos_token_ids=EOS, engine_seed=11)
+    fill = DeviceFill()
     # Live sequences: (seq id, sample index, params, request counter, prompt, outputs).
     live, next_id = [], 0
     for _step in range(6):
@@ -70,10 +73,48 @@ def test_equals_from_params_over_steps(reqs, seed, data):
                                             extra_bans=bans, **WIDTHS)
         got = batch.metadata(rows, keys, pad, extra_bans=bans, **WIDTHS)
         _leaves_equal(got, want)
+        dev = on_device.metadata(rows, keys, pad, extra_bans=bans, fill=fill, **WIDTHS)
+        _leaves_equal(dev, want)
+        for name in DEVICE_FIELDS:
+            assert isinstance(getattr(dev, name), jax.Array), name
         if rng.random() < 0.3:  # a sequence ends
             gone = live.pop(int(rng.integers(0, len(live))))
             batch.release([gone[0]])
-        assert len(batch) == len(live)
+            on_device.release([gone[0]])
+        assert len(batch) == len(live) == len(on_device)
+
+
+DEVICE_FIELDS = ("banned_token_ids", "allowed_bitmask", "bias_token_ids", "bias_values")
+
+
+def test_device_fill_reuses_empty_arrays_and_writes_the_rest():
+    """An empty ban, mask or bias array is one cached device array per shape; one with
+    something in it is made for the step and holds it (poisoned: the cached empty ones are
+    checked unchanged after a step that wrote its own)."""
+    fill = DeviceFill()
+    plain = [(SamplingParams(temperature=0.7, presence_penalty=0.5),
+              SeqSamplingState([1, 2], [3]))] * 3
+    kw = dict(history_width=16, ban_width=8, bias_width=4, mask_width=2, fill=fill)
+    a = SamplingMetadata.from_params(plain, 4, VOCAB, **kw)
+    b = SamplingMetadata.from_params(plain, 4, VOCAB, **kw)
+    for name in DEVICE_FIELDS:
+        assert getattr(a, name) is getattr(b, name), name  # cached, not rebuilt
+        assert not getattr(a, name).committed  # placed by jit like a numpy argument
+    biased = plain[:2] + [(SamplingParams(temperature=0.7, presence_penalty=0.5,
+                                          logit_bias={5: 2.0}, min_tokens=3,
+                                          stop_token_ids=[9]), SeqSamplingState([1], []))]
+    mask = np.array([0x0F, 0], np.int32)
+    c = SamplingMetadata.from_params(biased, 4, VOCAB, masks={1: mask}, **kw)
+    np.testing.assert_array_equal(np.asarray(c.bias_token_ids)[2], [5, -1, -1, -1])
+    np.testing.assert_array_equal(np.asarray(c.bias_values)[2], [2.0, 0, 0, 0])
+    assert 9 in np.asarray(c.banned_token_ids)[2].tolist()
+    np.testing.assert_array_equal(np.asarray(c.allowed_bitmask)[1], mask)
+    for name in DEVICE_FIELDS:
+        assert getattr(c, name) is not getattr(a, name)
+        blank = np.asarray(getattr(a, name))
+        assert (blank == (0 if name == "bias_values" else -1)).all(), name
+        _leaves_equal(c, SamplingMetadata.from_params(biased, 4, VOCAB, masks={1: mask},
+                                                      **{**kw, "fill": None}))
 
 
 def test_slots_are_written_once_released_and_swept():
