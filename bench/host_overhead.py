@@ -16,7 +16,8 @@ Steady state: N requests with 128-token prompts decode together, EOS ignored, th
 after start-up as the server does (`--no-gc-freeze`: not), then `SETTLE_STEPS` untimed steps
 (the freeze's one full collection leaves the caches cold); the median and p99 over `--steps`
 decode steps are reported (with 200, p99 is the second slowest), for each sampling mix (`greedy`: all greedy;
-`mixed`: half the requests with top-p, penalties and logprobs) and output kind (`cumulative`:
+`mixed`: half the requests with top-p, penalties and logprobs; `sampled`: every request at
+temperature 0.7 and top-p 0.95, as most chat clients send) and output kind (`cumulative`:
 an output per request per step, as a library caller streaming; `delta`: an output per request
 per step holding only what is new, as the HTTP and gRPC servers ask; `final_only`: as
 `LLM.generate`; `engine_process`: the servers' deltas as `pagedjax serve --engine-process`
@@ -353,6 +354,9 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 sp = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.2,
                                     repetition_penalty=1.1, logprobs=2, max_tokens=steps + 200,
                                     ignore_eos=True, stop=["\n\n\n\n"])
+            elif mix == "sampled":
+                sp = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=steps + 200,
+                                    ignore_eos=True)
             else:
                 sp = SamplingParams(temperature=0, max_tokens=steps + 200, ignore_eos=True)
             kind = output_kind
