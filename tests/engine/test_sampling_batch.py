@@ -89,8 +89,8 @@ DEVICE_FIELDS = ("banned_token_ids", "allowed_bitmask", "bias_token_ids", "bias_
 
 def test_device_fill_reuses_empty_arrays_and_writes_the_rest():
     """An empty ban, mask or bias array is one cached device array per shape; one with
-    something in it is made for the step and holds it (poisoned: the cached empty ones are
-    checked unchanged after a step that wrote its own)."""
+    something in it is made for the step and holds it, and the cached empty ones are still
+    empty after a step that wrote its own."""
     fill = DeviceFill()
     plain = [(SamplingParams(temperature=0.7, presence_penalty=0.5),
               SeqSamplingState([1, 2], [3]))] * 3
@@ -113,8 +113,8 @@ def test_device_fill_reuses_empty_arrays_and_writes_the_rest():
         assert getattr(c, name) is not getattr(a, name)
         blank = np.asarray(getattr(a, name))
         assert (blank == (0 if name == "bias_values" else -1)).all(), name
-        _leaves_equal(c, SamplingMetadata.from_params(biased, 4, VOCAB, masks={1: mask},
-                                                      **{**kw, "fill": None}))
+    _leaves_equal(c, SamplingMetadata.from_params(biased, 4, VOCAB, masks={1: mask},
+                                                  **{**kw, "fill": None}))
 
 
 def test_slots_are_written_once_released_and_swept():
