@@ -81,6 +81,7 @@ from pagedjax.sampling_params import (
 from pagedjax.spec import NgramProposer, accepted_prefix
 from pagedjax.spec.draft import DraftModelProposer
 from pagedjax.structured.manager import StructuredOutputs
+from pagedjax.worker.cohort_metadata import CohortMetadata
 from pagedjax.worker.compile_stats import memory_maps, num_backend_compiles
 from pagedjax.worker.device_histories import HistorySlots
 from pagedjax.worker.host_heap import release_freed_memory
@@ -314,6 +315,9 @@ class LLMEngine:
         # Its fixed-width ban, mask and bias arrays as device arrays, empty ones cached
         # (`DeviceFill`); a mesh keeps numpy arguments, which jit places on it.
         self._meta_fill = DeviceFill() if self.runner.mesh is None else None
+        # A steady cohort's sampling metadata, kept across its steps where only the rows'
+        # token counts change (`worker.cohort_metadata`).
+        self.cohort_meta = CohortMetadata(config.vocab_size, self._meta_fill)
         # Sequence id -> its sampled row's (request, sequence, sample index, fan-out), for
         # plain sequences (`_rows_for`); dropped when they end, cleared when it outgrows
         # 4 x max_num_seqs (aborted ones are not dropped one by one).
@@ -1136,6 +1140,61 @@ class LLMEngine:
                                 native=self.runner.native_greedy)
             fl.row_info, fl.out = row_info, out
             return self._mark_pending(fl, out) if self.runner.feed_tokens else fl
+        steady = run is not None and plain_rows and self.spec_config is None
+        meta = self.cohort_meta.get(run.cohort, b_pad, run.cohort.pending) if steady else None
+        if meta is None:
+            meta = self._step_metadata(row_info, rows_per_seq, sched, b_pad, fl, prev)
+            if steady and not self.cohort_meta.refused(run.cohort):
+                self._keep_metadata(run.cohort, row_info, b_pad, meta)
+        # Beams rank candidates from `sample`'s raw log-softmax rows; speculative steps keep
+        # the one sampler they were verified with. (Plain rows are never beams.)
+        beamed = not plain_rows and any(info[0].is_beam for info in row_info)
+        if (GREEDY_FAST_PATH and meta.plain_greedy and not meta.want_topk
+                and self.spec_config is None and not beamed):
+            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS,
+                                native=self.runner.native_greedy)
+        else:
+            x, picked = self._sampler_rows(logits, src)
+            out = sample(x, meta, num_logprobs=MAX_LOGPROBS, rows=picked,
+                         native=self.runner.native_sampler,
+                         chunked=self.runner.chunked_top_k)
+            if out.raw_logprobs is None and beamed:
+                # The native sampler leaves out the [B, V] log-softmax; beams rank from it.
+                out = out._replace(raw_logprobs=raw_logprob_rows(x, picked))
+        beams = (self.beams.candidates(out.raw_logprobs, row_info, self._requests)
+                 if beamed else None)
+        fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
+        if beams:
+            fl.beam_groups = beams[0] + beams[3]
+            fl.beam_cands, fl.host_beam_cands = beams[1], beams[2]
+            fl.num_device_beam_groups = len(beams[0])
+            fl.needs_sync = True
+        if not self.runner.feed_tokens:
+            return fl  # the step is finished before the next is scheduled: nothing pending
+        return self._mark_pending(fl, out)
+
+    def _keep_metadata(self, cohort, row_info: list[tuple], b_pad: int,
+                       meta: SamplingMetadata) -> None:
+        """Offer a steady step's metadata to `cohort_meta` for the cohort's next steps: kept
+        when every row's sampling is fixed (`RequestState.fixed_sampling`) and past its
+        ``min_tokens`` (bans lifted: they do not come back); the cohort refused for good when a
+        row's is not fixed; else offered again next step."""
+        wants = []
+        for req, seq, _index, _fan_out in row_info:
+            if not req.fixed_sampling:
+                self.cohort_meta.keep(cohort, b_pad, meta, [], None)
+                return
+            min_tokens = req.min_tokens
+            if min_tokens and len(seq.output_token_ids) + seq.num_pending < min_tokens:
+                return
+            wants.append(bool(req.params.logprobs))
+        self.cohort_meta.keep(cohort, b_pad, meta,
+                              [info[1].output_token_ids for info in row_info], wants)
+
+    def _step_metadata(self, row_info: list[tuple], rows_per_seq: list[int], sched, b_pad: int,
+                       fl: _InFlight, prev: _InFlight | None) -> SamplingMetadata:
+        """The step's sampling metadata from its rows: parameters, penalty histories (on the
+        device or packed here), token masks and bans, drafted rows."""
         # Penalty histories: kept on the device (`worker.device_histories`), else packed on
         # the host from buffers grown by deltas (`InputBatch.histories`).
         on_device = self.history_slots is not None
@@ -1168,31 +1227,7 @@ class LLMEngine:
             meta = self._device_histories(meta, row_info, fl)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
             meta = self._feed_pending_history(meta, row_info, prev)
-        # Beams rank candidates from `sample`'s raw log-softmax rows; speculative steps keep
-        # the one sampler they were verified with.
-        if (GREEDY_FAST_PATH and meta.plain_greedy and not meta.want_topk
-                and self.spec_config is None
-                and not any(info[0].is_beam for info in row_info)):
-            out = sample_greedy(logits, src, num_logprobs=MAX_LOGPROBS,
-                                native=self.runner.native_greedy)
-        else:
-            x, picked = self._sampler_rows(logits, src)
-            out = sample(x, meta, num_logprobs=MAX_LOGPROBS, rows=picked,
-                         native=self.runner.native_sampler,
-                         chunked=self.runner.chunked_top_k)
-            if out.raw_logprobs is None and any(info[0].is_beam for info in row_info):
-                # The native sampler leaves out the [B, V] log-softmax; beams rank from it.
-                out = out._replace(raw_logprobs=raw_logprob_rows(x, picked))
-        beams = self.beams.candidates(out.raw_logprobs, row_info, self._requests)
-        fl.row_info, fl.out = row_info, out._replace(raw_logprobs=None)
-        if beams:
-            fl.beam_groups = beams[0] + beams[3]
-            fl.beam_cands, fl.host_beam_cands = beams[1], beams[2]
-            fl.num_device_beam_groups = len(beams[0])
-            fl.needs_sync = True
-        if not self.runner.feed_tokens:
-            return fl  # the step is finished before the next is scheduled: nothing pending
-        return self._mark_pending(fl, out)
+        return meta
 
     @staticmethod
     def _sampler_rows(logits: jax.Array, src: np.ndarray) -> tuple[jax.Array, np.ndarray]:

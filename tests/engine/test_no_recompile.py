@@ -111,6 +111,18 @@ def test_zero_compiles_after_warmup(tiny, mode, prefix_caching, async_scheduling
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
+    # A steady tail of sampled rows: their metadata is kept across steps and cut down as
+    # they end (`worker.cohort_metadata`), with arguments of the kinds built metadata has.
+    hits = engine.cohort_meta.num_hits, engine.cohort_meta.num_cuts
+    for i, m in enumerate(rng.permutation(np.arange(12, 32, 5))):
+        sp = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=int(m), ignore_eos=True,
+                            logprobs=1 if i % 2 else None)
+        engine.add_request(f"tail{i}", None, sp,
+                           prompt_token_ids=[int(t) for t in rng.integers(3, 60, 8)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    if spec is None:
+        assert engine.cohort_meta.num_hits > hits[0] + 10 and engine.cohort_meta.num_cuts > hits[1]
     stats = engine.get_stats()
     assert stats.num_preemptions_total > 0
     assert spec is None or stats.spec_num_accepted_tokens > 0
