@@ -1143,9 +1143,10 @@ class LLMEngine:
         steady = run is not None and plain_rows and self.spec_config is None
         meta = self.cohort_meta.get(run.cohort, b_pad, run.cohort.pending) if steady else None
         if meta is None:
-            meta = self._step_metadata(row_info, rows_per_seq, sched, b_pad, fl, prev)
+            meta = self._step_metadata(row_info, rows_per_seq, sched, b_pad, fl)
             if steady and not self.cohort_meta.refused(run.cohort):
                 self._keep_metadata(run.cohort, row_info, b_pad, meta)
+        meta = self._with_histories(meta, row_info, fl, prev)
         # Beams rank candidates from `sample`'s raw log-softmax rows; speculative steps keep
         # the one sampler they were verified with. (Plain rows are never beams.)
         beamed = not plain_rows and any(info[0].is_beam for info in row_info)
@@ -1176,12 +1177,15 @@ class LLMEngine:
     def _keep_metadata(self, cohort, row_info: list[tuple], b_pad: int,
                        meta: SamplingMetadata) -> None:
         """Offer a steady step's metadata to `cohort_meta` for the cohort's next steps: kept
-        when every row's sampling is fixed (`RequestState.fixed_sampling`) and past its
+        when every row's sampling is fixed (`RequestState.fixed_sampling`; a penalised row's
+        too where its histories are kept on the device and gathered each step) and past its
         ``min_tokens`` (bans lifted: they do not come back); the cohort refused for good when a
         row's is not fixed; else offered again next step."""
         wants = []
+        # Penalty histories packed into it (on the host, each step), not left to the device.
+        packed = meta.output_token_ids is not None
         for req, seq, _index, _fan_out in row_info:
-            if not req.fixed_sampling:
+            if not req.fixed_sampling or packed and req.penalised:
                 self.cohort_meta.keep(cohort, b_pad, meta, [], None)
                 return
             min_tokens = req.min_tokens
@@ -1192,9 +1196,10 @@ class LLMEngine:
                               [info[1].output_token_ids for info in row_info], wants)
 
     def _step_metadata(self, row_info: list[tuple], rows_per_seq: list[int], sched, b_pad: int,
-                       fl: _InFlight, prev: _InFlight | None) -> SamplingMetadata:
-        """The step's sampling metadata from its rows: parameters, penalty histories (on the
-        device or packed here), token masks and bans, drafted rows."""
+                       fl: _InFlight) -> SamplingMetadata:
+        """The step's sampling metadata from its rows: parameters, token masks and bans,
+        drafted rows, penalty histories packed here (else None: kept on the device, for
+        `_with_histories`)."""
         # Penalty histories: kept on the device (`worker.device_histories`), else packed on
         # the host from buffers grown by deltas (`InputBatch.histories`).
         on_device = self.history_slots is not None
@@ -1220,9 +1225,14 @@ class LLMEngine:
                     rows[r0 + j] = (params, st._replace(num_pending=0, output_token_ids=(
                         np.concatenate(head + [np.asarray(drafts[:j], np.int32)]))))
         masks, bans = self._token_masks(row_info, rows, fl)
-        meta = self._sampling_metadata(rows, b_pad, masks, bans,
+        return self._sampling_metadata(rows, b_pad, masks, bans,
                                        [(seq.seq_id, index) for _, seq, index, _ in row_info],
                                        pack_histories=not on_device)
+
+    def _with_histories(self, meta: SamplingMetadata, row_info: list[tuple], fl: _InFlight,
+                        prev: _InFlight | None) -> SamplingMetadata:
+        """``meta`` with the penalty histories kept on the device gathered for its rows, and
+        each penalised row's pending token written in after its known ones."""
         if meta.output_token_ids is None:
             meta = self._device_histories(meta, row_info, fl)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:

@@ -85,10 +85,10 @@ class RequestState:
         # so a token of a running sequence of it needs no output processing.
         self.quiet = False
         self.min_tokens = p.min_tokens
-        # Its sampling metadata row is the same at every step once past `min_tokens`: no
-        # penalty history, grammar or bad words to follow (`worker.cohort_metadata`).
-        self.fixed_sampling = not (p.uses_penalties or self.bad_words or self.is_beam
-                                   or self.grammar is not None)
+        # Its sampling metadata row is the same at every step once past `min_tokens`, but
+        # for a penalty history (gathered apart, `worker.cohort_metadata`): no grammar or bad
+        # words to follow.
+        self.fixed_sampling = not (self.bad_words or self.is_beam or self.grammar is not None)
         # Nothing reads its text before its final output (no per-step output, no stop
         # string to find): each sequence is decoded once, when it finishes or the output is
         # made, not a token at a time, which takes detokenization off every step's host time.

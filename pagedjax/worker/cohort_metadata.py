@@ -2,17 +2,22 @@
 
 A steady decode step (`core.steady_decode`) samples the same sequences, in the same order, as
 the step before. For rows whose sampling never changes once they are past ``min_tokens`` (no
-penalty histories, grammar or bad words to follow: `RequestState.fixed_sampling`), every
-field of `SamplingMetadata` is fixed by the requests but ``step``, the count of tokens each
-row has generated (its random stream). Building the metadata row by row took ~0.45 ms of a
-256-row sampled step's host time on the Xeon host (rows, `SamplingBatch` gather, assembly),
-about as much as the rest of the launch; kept, a step makes ``step`` from the rows' output
-lists and replaces it (`bench/host_overhead.py --mixes sampled`).
+grammar or bad words to follow: `RequestState.fixed_sampling`), every field of
+`SamplingMetadata` but the penalty histories is fixed by the requests except ``step``, the
+count of tokens each row has generated (its random stream). Building the metadata row by
+row took ~0.45 ms of a 256-row sampled step's host time on the Xeon host (rows,
+`SamplingBatch` gather, assembly), about as much as the rest of the launch; kept, a step
+makes ``step`` from the rows' output lists and replaces it (`bench/host_overhead.py
+--mixes sampled`).
+
+Penalised rows qualify where their histories are kept on the device (`HistorySlots`): the
+kept metadata leaves the histories out, and each step gathers them as a built one does.
 
 A cohort cut down (sequences ended) cuts its metadata the same way, rows kept in order and
-padded again, when nothing but the per-row columns is written (no token masks, biases or
-bans at their fixed widths); else the next step builds it afresh. The result equals the
-metadata built for the step from its rows, field for field
+padded again: host arrays are cut, empty device arrays (`DeviceFill`'s) replaced by the empty
+ones of the new batch; a written device array (a token mask, a logit bias) would have to be
+cut on the device, so the next step builds the metadata afresh instead. The result equals
+the metadata built for the step from its rows, field for field
 (`tests/engine/test_cohort_metadata.py`).
 """
 
@@ -79,9 +84,10 @@ class CohortMetadata:
 
     def keep(self, cohort, b: int, meta: SamplingMetadata, outs: list[list[int]],
              wants: list[bool] | None) -> None:
-        """Keep ``meta``, built for ``cohort``'s rows this step, for its next steps; ``wants``
-        None: a row of it never qualifies (penalties, grammar, bad words), so it is not kept
-        and the cohort is not offered again."""
+        """Keep ``meta``, built for ``cohort``'s rows this step (histories left to the
+        device), for its next steps; ``wants`` (each row wants logprobs) None: a row of it
+        never qualifies (grammar, bad words, host-packed histories), so it is not kept and the
+        cohort is not offered again."""
         if wants is None:
             self._refused = cohort.key
             self._kept = None
@@ -94,29 +100,47 @@ class CohortMetadata:
 
     def _cut(self, kept: _Kept, key: int, rows: list[int], b: int) -> _Kept | None:
         """``kept`` cut to ``rows`` (indices, in order), padded to ``b``; None where an array
-        wider than 0 columns would have to be cut too."""
-        meta = kept.meta
-        fields: dict[str, object] = {}
-        for f in dataclasses.fields(meta):
-            a = getattr(meta, f.name)
-            if f.name in _SCALARS or a is None:
-                continue
-            if a.ndim == 2:
-                if a.shape[1]:
-                    return None
-                if a.shape[0] != b:
-                    fill = self._fill
-                    if isinstance(a, np.ndarray) or fill is None:
-                        a = np.zeros((b, 0), a.dtype)
-                    else:
-                        a = fill.blank((b, 0), -1 if a.dtype.kind in "iu" else 0.0, a.dtype)
-                fields[f.name] = a
+        written on the device would have to be cut too (a device op, compiled)."""
+        meta, fill = kept.meta, self._fill
         idx = np.asarray(rows, np.intp)
         n = len(idx)
+        fields: dict[str, object] = {}
         for name, dtype, pad in (*self._columns, ("step", np.int32, 0)):
             col = np.full(b, pad, dtype)
             col[:n] = getattr(meta, name)[idx]
             fields[name] = col
+        # The id-list arrays are present at their fixed widths iff a row is penalised,
+        # banned, masked or biased (`SamplingMetadata.assemble`'s ``full``): whether that
+        # still holds of the rows kept. (Past min_tokens, none is banned.)
+        wide = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)
+                if f.name not in _SCALARS and getattr(meta, f.name) is not None
+                and getattr(meta, f.name).ndim == 2}
+        full = any(a.shape[1] for a in wide.values())
+        if full:
+            full = bool(((fields["presence_penalty"] != 0) | (fields["frequency_penalty"] != 0)
+                         | (fields["repetition_penalty"] != 1))[:n].any())
+            for name in ("banned_token_ids", "allowed_bitmask", "bias_token_ids"):
+                a = wide[name]
+                if isinstance(a, np.ndarray):
+                    full = full or bool((a[idx] != -1).any())
+                elif fill is None or a is not fill.blank(a.shape, -1, a.dtype):
+                    return None
+        for name, a in wide.items():
+            # Id lists pad with -1, biases with 0 (`SamplingMetadata.assemble`).
+            pad = -1 if a.dtype.kind in "iu" else 0.0
+            width = a.shape[1] if full else 0
+            if isinstance(a, np.ndarray):
+                out = np.full((b, width), pad, a.dtype)
+                if width:
+                    out[:n] = a[idx]
+                fields[name] = out
+            elif a is fill.blank(a.shape, pad, a.dtype):
+                fields[name] = fill.blank((b, width), pad, a.dtype)
+            else:  # a written bias's values: the ids were checked above
+                return None
+        if not full and meta.output_token_ids is None:  # histories left to the device: none
+            fields["output_token_ids"] = np.full((b, 0), -1, np.int32)
+            fields["prompt_token_ids"] = np.full((b, 0), -1, np.int32)
         temperature, top_k, top_p, min_p = (fields[k] for k in ("temperature", "top_k",
                                                                  "top_p", "min_p"))
         wants = kept.wants[idx]

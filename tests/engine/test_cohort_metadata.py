@@ -1,9 +1,9 @@
 """A steady cohort's sampling metadata kept across its steps (`worker.cohort_metadata`):
 kept, advanced and cut down, it equals what `SamplingMetadata.from_params` builds from the
 same rows; in the engine, every steady step's sampler call gets the same metadata as with
-the cache off, for sampled, seeded, filtered, biased, masked and min_tokens rows next to
-penalised ones (which refuse the cohort), with async scheduling on and off and under
-preemption, and the outputs are identical."""
+the cache off, for sampled, seeded, filtered, biased, masked, penalised and min_tokens rows,
+with async scheduling on and off, under preemption, and with penalty histories packed on the
+host (which refuse cohorts with a penalised row), and the outputs are identical."""
 
 from __future__ import annotations
 
@@ -39,11 +39,15 @@ class _Cohort:
 
 
 def _random_params(rng) -> SamplingParams:
+    penalised = rng.random() < 0.3
     return SamplingParams(
         temperature=float(rng.choice([0.0, 0.6, 1.0])), top_k=int(rng.choice([-1, 5, 200])),
         top_p=float(rng.choice([1.0, 0.8])), min_p=float(rng.choice([0.0, 0.1])),
         seed=None if rng.random() < 0.5 else int(rng.integers(0, 2**33)),
-        logprobs=None if rng.random() < 0.6 else int(rng.integers(0, 3)), max_tokens=100)
+        logprobs=None if rng.random() < 0.6 else int(rng.integers(0, 3)), max_tokens=100,
+        presence_penalty=0.4 if penalised else 0.0,
+        repetition_penalty=float(rng.choice([1.0, 1.3])) if penalised else 1.0,
+        logit_bias={5: 2.0} if rng.random() < 0.15 else None)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -65,7 +69,10 @@ def test_kept_and_cut_equal_from_params(seed, device):
                                           pending)) for i in rows],
             pad, VOCAB, engine_seed=3, history_width=16, ban_width=4, mask_width=2,
             bias_width=2, fill=fill)
-        return meta.replace(want_topk=np.bool_(any(params[i].logprobs for i in rows)))
+        meta = meta.replace(want_topk=np.bool_(any(params[i].logprobs for i in rows)))
+        if meta.output_token_ids.shape[1]:  # present: left to the device, as the engine does
+            meta = meta.replace(output_token_ids=None, prompt_token_ids=None)
+        return meta
 
     cache = CohortMetadata(VOCAB, fill)
     cohort = _Cohort(1)
@@ -74,21 +81,30 @@ def test_kept_and_cut_equal_from_params(seed, device):
     cache.keep(cohort, b, fresh(rows, b), [seqs[i][1] for i in rows],
                [bool(params[i].logprobs) for i in rows])
     assert cache.get(cohort, 2 * b, pending) is None  # another sampler batch: built afresh
-    cuts = 0
+    cuts = hits = 0
     for step in range(6):
         for i in rows:
             seqs[i][1].append(int(rng.integers(0, VOCAB)))
+        written = False
         if step in (2, 4) and len(rows) > 1:  # cut down: some sequences ended
+            # A logit bias is written on the device there: not cut, built afresh.
+            written = device and any(params[i].logit_bias for i in rows)
             keep = sorted(rng.choice(len(rows), int(rng.integers(1, len(rows))),
                                      replace=False).tolist())
             rows = [rows[k] for k in keep]
             cohort = _Cohort(cohort.key + 1, (cohort.key, keep))
             b = max(1, 1 << int(len(rows) - 1).bit_length())
-            cuts += 1
+            cuts += not written
         got = cache.get(cohort, b, pending)
+        if written:
+            assert got is None
+            cache.keep(cohort, b, fresh(rows, b), [seqs[i][1] for i in rows],
+                       [bool(params[i].logprobs) for i in rows])
+            got = cache.get(cohort, b, pending)
+        hits += 1
         assert got is not None
         _leaves_equal(got, fresh(rows, b), f"step {step}")
-    assert cache.num_cuts == cuts and cache.num_hits == 6
+    assert cache.num_cuts == cuts and cache.num_hits == hits
     assert cache.get(_Cohort(99), b, pending) is None  # an unrelated cohort
 
 
@@ -106,6 +122,18 @@ def test_written_wide_arrays_are_not_cut_and_refusals_hold():
     assert cache.get(_Cohort(1), 4, 0) is not None  # kept whole: the bias rows are fixed
     # Cut down, the bias array would have to be cut on the device: built afresh instead.
     assert cache.get(_Cohort(2, (1, [0, 2])), 2, 0) is None
+    # Its empty ban and mask arrays alone are replaced by the new batch's empty ones.
+    plain_rows = [rows[0], rows[2], (plain, SeqSamplingState([1], [4], 5, 0))]
+    penalised = SamplingParams(temperature=0.5, presence_penalty=0.3, max_tokens=9)
+    plain_rows.append((penalised, SeqSamplingState([1], [6], 6, 0)))
+    meta = SamplingMetadata.from_params(plain_rows, 4, VOCAB, ban_width=4, mask_width=2,
+                                        bias_width=2, history_width=8, fill=fill)
+    cache.keep(_Cohort(5), 4, meta.replace(output_token_ids=None, prompt_token_ids=None),
+               [r[1].output_token_ids for r in plain_rows], [False] * 4)
+    cut = cache.get(_Cohort(6, (5, [1, 3])), 2, 0)
+    assert cut is not None and cut.output_token_ids is None
+    assert cut.banned_token_ids is fill.blank((2, 4), -1, np.int32)
+    np.testing.assert_array_equal(cut.presence_penalty, np.float32([0.0, 0.3]))
     cache.keep(_Cohort(3), 4, meta, [], None)
     assert cache.refused(_Cohort(3)) and not cache.refused(_Cohort(4))
     assert cache.get(_Cohort(3), 4, 0) is None
@@ -132,14 +160,16 @@ def _requests(vocab: int, count: int) -> list[tuple[str, list[int], SamplingPara
     for i in range(count):
         prompt = [int(t) for t in rng.integers(3, vocab, int(rng.integers(3, 30)))]
         kind = kinds[i % len(kinds)]
-        if i == 3:  # one penalised request: the cohorts it is in are refused
-            kind = dict(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.2)
+        if i in (3, 10):  # penalised requests: their histories gathered on the device
+            kind = dict(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.2,
+                        frequency_penalty=0.2 * (i == 10))
         out.append((f"r{i}", prompt, SamplingParams(max_tokens=int(rng.integers(10, 60)),
                                                     **kind)))
     return out
 
 
-def _run(tiny, async_scheduling: bool, mode: str, blocks: int, kept: bool, monkeypatch):
+def _run(tiny, async_scheduling: bool, mode: str, blocks: int, kept: bool, monkeypatch,
+         device_histories: bool = True):
     config, params = tiny
     metas: list[SamplingMetadata] = []
     real_sample = engine_mod.sample
@@ -154,7 +184,8 @@ def _run(tiny, async_scheduling: bool, mode: str, blocks: int, kept: bool, monke
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=blocks, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96,
                           preemption_mode=mode, swap_space_gb=0.01,
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling,
+                          device_penalty_histories=device_histories)
     engine = llm.engine
     reqs = _requests(config.vocab_size, 14)
     pending = list(reqs)
@@ -180,14 +211,17 @@ def _run(tiny, async_scheduling: bool, mode: str, blocks: int, kept: bool, monke
     return results, metas, engine
 
 
-@pytest.mark.parametrize("async_scheduling,mode,blocks", [
-    (False, "recompute", 120), (True, "recompute", 120), (True, "swap", 14),
-    (False, "recompute", 14)])
-def test_kept_metadata_equals_the_built(tiny, async_scheduling, mode, blocks, monkeypatch):
+@pytest.mark.parametrize("async_scheduling,mode,blocks,device_histories", [
+    (False, "recompute", 120, True), (True, "recompute", 120, True), (True, "swap", 14, True),
+    (False, "recompute", 14, True), (True, "recompute", 120, False)])
+def test_kept_metadata_equals_the_built(tiny, async_scheduling, mode, blocks, device_histories,
+                                        monkeypatch):
     with monkeypatch.context() as m:
-        built, built_metas, _ = _run(tiny, async_scheduling, mode, blocks, False, m)
+        built, built_metas, _ = _run(tiny, async_scheduling, mode, blocks, False, m,
+                                     device_histories)
     with monkeypatch.context() as m:
-        kept, kept_metas, engine = _run(tiny, async_scheduling, mode, blocks, True, m)
+        kept, kept_metas, engine = _run(tiny, async_scheduling, mode, blocks, True, m,
+                                        device_histories)
     assert set(built) == {f"r{i}" for i in range(14)}
     assert kept == built
     # The same sampler calls, each with the same metadata, argument types included.
@@ -204,9 +238,11 @@ def test_kept_metadata_equals_the_built(tiny, async_scheduling, mode, blocks, mo
         assert engine.get_stats().num_preemptions_total > 0
 
 
-def test_penalised_cohorts_are_refused(tiny, monkeypatch):
-    """A cohort with a penalised row is never kept (its histories change every step), and is
-    not offered again step after step."""
+@pytest.mark.parametrize("device_histories", [False, True])
+def test_penalised_cohorts_with_host_histories_are_refused(tiny, device_histories,
+                                                          monkeypatch):
+    """With penalty histories packed on the host each step, a cohort with a penalised row is
+    never kept, and is not offered again step after step; kept where the device holds them."""
     config, params = tiny
     offers = []
     real_keep = CohortMetadata.keep
@@ -217,7 +253,8 @@ def test_penalised_cohorts_are_refused(tiny, monkeypatch):
 
     monkeypatch.setattr(CohortMetadata, "keep", keep)
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=64, block_size=8,
-                          max_num_seqs=4, max_model_len=96)
+                          max_num_seqs=4, max_model_len=96,
+                          device_penalty_histories=device_histories)
     sps = [SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True),
            SamplingParams(temperature=0.8, max_tokens=40, presence_penalty=0.3,
                           ignore_eos=True)]
@@ -225,5 +262,8 @@ def test_penalised_cohorts_are_refused(tiny, monkeypatch):
     engine = llm.engine
     assert engine.scheduler.num_steady_steps > 20
     refused = [k for k, r in offers if r]
-    assert refused and len(refused) == len(set(refused))  # each cohort refused once
-    assert engine.cohort_meta.num_hits == 0
+    if device_histories:
+        assert not refused and engine.cohort_meta.num_hits > 20
+    else:
+        assert refused and len(refused) == len(set(refused))  # each cohort refused once
+        assert engine.cohort_meta.num_hits == 0
