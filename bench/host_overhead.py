@@ -17,9 +17,11 @@ after start-up as the server does (`--no-gc-freeze`: not), then `SETTLE_STEPS` u
 (the freeze's one full collection leaves the caches cold); the median and p99 over `--steps`
 decode steps are reported (with 200, p99 is the second slowest), for each sampling mix (`greedy`: all greedy;
 `mixed`: half the requests with top-p, penalties and logprobs; `sampled`: every request at
-temperature 0.7 and top-p 0.95, as most chat clients send) and output kind (`cumulative`:
-an output per request per step, as a library caller streaming; `delta`: an output per request
-per step holding only what is new, as the HTTP and gRPC servers ask; `final_only`: as
+temperature 0.7 and top-p 0.95, as most chat clients send; `sampled_one_lp`: the same, one
+of them with 2 logprobs, which used to take every row off the streamed fast path) and
+output kind (`cumulative`: an output per request per step, as a library caller streaming;
+`delta`: an output per request per step holding only what is new, as the HTTP and gRPC
+servers ask; `final_only`: as
 `LLM.generate`; `engine_process`: the servers' deltas as `pagedjax serve --engine-process`
 asks for them, text-free (`delta_ids`, stop strings left to the front end), plus turning each
 step's outputs into the pipe's message, running deltas made as rows (`LLMEngine.pipe_rows`);
@@ -196,6 +198,8 @@ PHASES = [
     # Steady decode steps build theirs from columns (stop 61): the same stage.
     ("pagedjax.engine", "steady_decode_inputs", "  step inputs"),
     ("pagedjax.engine:LLMEngine", "_sampling_metadata", "  sampling metadata"),
+    # A steady cohort's, kept across its steps (stop 77): the same stage.
+    ("pagedjax.worker.cohort_metadata:CohortMetadata", "get", "  sampling metadata"),
     # Sampled rows with penalties: their histories' deltas and gather (stop 76).
     ("pagedjax.engine:LLMEngine", "_device_histories", "  device histories"),
     ("pagedjax.engine:LLMEngine", "_feed_pending_history", "  history feed"),
@@ -354,9 +358,12 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 sp = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.2,
                                     repetition_penalty=1.1, logprobs=2, max_tokens=steps + 200,
                                     ignore_eos=True, stop=["\n\n\n\n"])
-            elif mix == "sampled":
+            elif mix == "sampled" or mix == "sampled_one_lp" and i:
                 sp = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=steps + 200,
                                     ignore_eos=True)
+            elif mix == "sampled_one_lp":  # one request of them with logprobs
+                sp = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=steps + 200,
+                                    ignore_eos=True, logprobs=2)
             else:
                 sp = SamplingParams(temperature=0, max_tokens=steps + 200, ignore_eos=True)
             kind = output_kind
