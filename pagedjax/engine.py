@@ -226,7 +226,7 @@ class LLMEngine:
     def pipe_rows(self, on: bool) -> None:
         self._pipe_rows = bool(on)
         # Steady cohorts were classified, and their columns made, for the other row kind.
-        self._steady_quiet = self._steady_streamed = 0
+        self._steady_kind = None
         if hasattr(self, "outputs"):
             self.outputs.forget_stream_columns()
 
@@ -324,11 +324,10 @@ class LLMEngine:
         self._plain_rows: dict[int, tuple] = {}
         # Per steady cohort (`core.steady_decode`), keyed by `DecodeCohort.key`: its
         # `_rows_for` result, its `_plain_greedy` answer (when no row's min_tokens can change
-        # it) and whether every row is quiet (which stays so).
+        # it) and how its rows are applied (`_steady_classes`; which stays so).
         self._steady_rows: tuple[int, tuple] | None = None
         self._steady_plain: tuple[int, int] | None = None
-        self._steady_quiet = 0
-        self._steady_streamed = 0  # the cohort whose rows `stream_rows` outputs, likewise
+        self._steady_kind: tuple[int, bool, bool, list[int]] | None = None
         self._steady_caps: tuple[int, list[int]] | None = None  # `_pending_caps`
         warm = ec.warmup if ec.warmup is not None else jax.default_backend() != "cpu"
         if warm:
@@ -1596,6 +1595,11 @@ class LLMEngine:
                                     c.cum_logprobs[:k], c.valid[:k])
         return touched
 
+    # A steady step's rows other than its quiet and streamed ones (`_steady_classes`) are
+    # listed and processed one by one while they are at most this share of the step; past
+    # it, the general path is as fast. (Tests set 0 to compare with the general path.)
+    LISTED_MAX_SHARE = 0.5
+
     def _apply_plain(self, fl: _InFlight, out) -> set[str] | None:
         """`_apply_samples` for a step of plain rows (most decode steps): no fork, draft,
         grammar or beam, so the scheduler takes the rows as they are
@@ -1603,53 +1607,17 @@ class LLMEngine:
         Returns the requests left for `_finish` to output when the step made its running
         rows' outputs itself (`fl.made`), else None (every request the step advanced)."""
         row_info = fl.row_info
-        # Quiet rows (`RequestState.quiet`) need output processing only when they finish:
-        # when every row is quiet, the others are not even listed. A request stays quiet
-        # once it is: a steady cohort's answer, once all its rows are, is kept. Streamed
-        # cohorts: every row quiet and final-only, a plain delta stream past its first
-        # token (`RequestState.stream_plain`) or, in the engine process's child, a pipe row
-        # past its first output (`RequestState.pipe_plain`); also kept, as none changes.
         run = fl.sched.steady
         streamed = False
+        listed: list[int] = []
         if run is None:
             quiet = all(info[0].quiet for info in row_info)
         else:
-            c = run.cohort
-            keys = (c.key, -1 if c.parent is None else c.parent[0])
-            quiet = self._steady_quiet in keys
-            streamed = not quiet and self._steady_streamed in keys
-            settled = True  # False: a pipe row before its first output; ask again next step
-            if not (quiet or streamed):
-                pipe = self._pipe_rows
-                quiet = streamed = True
-                piped = False
-                for info in row_info:
-                    req = info[0]
-                    if not req.quiet:
-                        quiet = False
-                        if not (req.stream_plain and req.first_token_time is not None):
-                            streamed = False
-                            break
-                    elif req.streams:
-                        if pipe and req.pipe_plain and req.sent:
-                            piped = True
-                            continue
-                        streamed = False  # text-free deltas: output as quiet rows
-                        if pipe and req.pipe_plain:
-                            settled = False
-                        if not quiet:
-                            break
-                if piped and streamed:
-                    quiet = False
-                streamed = streamed and not quiet
-            # (a cut-down cohort's rows are all quiet / streamed too)
-            if quiet and settled:
-                self._steady_quiet = c.key
-            elif streamed:
-                self._steady_streamed = c.key
+            quiet, streamed, listed = self._steady_classes(run.cohort, row_info)
         if run is not None and (quiet or streamed):  # rows are the cohort's sequences, in order
             applied, num_applied = self.scheduler.update_steady(
-                run, out.token_ids.tolist(), fl.pending_rows)
+                run, out.token_ids.tolist(), fl.pending_rows, listed,
+                out.logprobs.tolist() if listed else None)
         else:
             applied, num_applied = self.scheduler.update_from_rows(
                 row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows,
@@ -1661,9 +1629,72 @@ class LLMEngine:
         fl.made, stopped = self.outputs.stream_rows(row_info, run.cohort, self._pipe_rows)
         for req, seq in stopped:
             self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
+        # (Listed rows are among the applied: `_finish` makes their outputs.)
         ended = {row_info[a.index][0].request_id for a in applied}
         ended.update(req.request_id for req, _ in stopped)
         return ended
+
+    def _steady_classes(self, c, row_info: list[tuple]) -> tuple[bool, bool, list[int]]:
+        """How a steady step of cohort ``c`` applies its rows: (quiet, streamed, listed).
+
+        Quiet rows (`RequestState.quiet`) need output processing only when they finish: when
+        every row is quiet, the others are not even listed. A request stays quiet once it
+        is. Streamed: every row quiet and final-only, a plain delta stream past its first
+        token (`RequestState.stream_plain`) or, in the engine process's child, a pipe row
+        past its first output (`RequestState.pipe_plain`): `stream_rows` outputs them.
+        Listed: the rows that are neither (logprobs, text-producing final-only rows with
+        stop strings), past their first token, at most `LISTED_MAX_SHARE` of the step: the
+        scheduler lists their tokens (`Scheduler.update_steady`'s ``listed``) and they take
+        `OutputProcessor.process` and `_finish`'s outputs, as on the general path, while the
+        others are applied from the cohort's columns. Before, one such row sent the whole
+        step down the general path: a request with logprobs among 255 plain streams took the
+        256-row `delta` step 0.64 -> 1.26 ms (`bench/host_overhead.py --mixes
+        sampled_one_lp`). Neither quiet nor streamed: the general path.
+
+        Kept per cohort while settled (none of it changes then), and cut with it."""
+        kept = self._steady_kind
+        if kept is not None:
+            if kept[0] == c.key:
+                return kept[1], kept[2], kept[3]
+            if c.parent is not None and kept[0] == c.parent[0]:  # cut down: rows cut alike
+                listed = kept[3]
+                if listed:
+                    was = set(listed)
+                    listed = [j for j, i in enumerate(c.parent[1]) if i in was]
+                self._steady_kind = (c.key, kept[1], kept[2], listed)
+                return kept[1], kept[2], listed
+        pipe = self._pipe_rows
+        quiet = streamed = True
+        piped = False
+        settled = True  # False: a pipe row before its first output; ask again next step
+        listed: list[int] = []
+        limit = int(len(row_info) * self.LISTED_MAX_SHARE)
+        for r, info in enumerate(row_info):
+            req = info[0]
+            if not req.quiet:
+                if req.first_token_time is None or pipe and req.pipe_plain:
+                    return False, False, []  # not settled yet / a pipe row `stream_rows` makes
+                if not req.stream_plain:
+                    listed.append(r)
+                    if len(listed) > limit:
+                        return False, False, []
+                    continue
+                quiet = False
+            elif req.streams:
+                if pipe and req.pipe_plain and req.sent:
+                    piped = True
+                    continue
+                streamed = False  # text-free deltas: output as quiet rows
+                if pipe and req.pipe_plain:
+                    settled = False
+                if not quiet:
+                    return False, False, []
+        if piped and streamed:
+            quiet = False
+        streamed = streamed and not quiet
+        if quiet and settled or streamed:
+            self._steady_kind = (c.key, quiet, streamed, listed)
+        return quiet, streamed, listed
 
     def _accept(self, drafts: tuple[int, ...], sampled: list[int]) -> int:
         """Accepted drafts (`pagedjax.spec.verify`), counted for the metrics."""

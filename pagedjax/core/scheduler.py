@@ -454,7 +454,8 @@ class Scheduler:
             add(new_tuple(AppliedToken, (i, g, seq, False, None)))
         return applied, i + 1 - dropped
 
-    def update_steady(self, run: SteadyRun, token_ids: list[int], pending: dict[int, int]
+    def update_steady(self, run: SteadyRun, token_ids: list[int], pending: dict[int, int],
+                      listed: list[int] | None = None, logprobs: list[float] | None = None
                       ) -> tuple[list[AppliedToken], int]:
         """`update_from_rows(..., ended_only=True)` for a steady step (``run``) whose rows are
         its cohort's sequences, in order, and whose requests read no logprob (`quiet` rows:
@@ -462,7 +463,9 @@ class Scheduler:
         is an append and a length test in one loop over the cohort's columns
         (`DecodeCohort.columns`); stop ids are looked for over the step's tokens at once (a
         set's `isdisjoint`, in C), and only rows holding one are checked as there. Same
-        tokens, finishes, reasons and order as `update_from_rows`."""
+        tokens, finishes, reasons and order as `update_from_rows`. ``listed`` (row indices,
+        ascending): rows applied as `update_from_rows` without ``ended_only`` does, listed
+        whether they ended or not and their cumulative logprob advanced by ``logprobs``."""
         c = run.cohort
         seqs, groups = c.seqs, c.groups
         outs, limits, stop_any = c.columns()
@@ -488,15 +491,22 @@ class Scheduler:
             for r in pending.values():
                 if r not in gone:
                     seqs[r].num_pending -= 1
+        if listed:
+            for r in listed:
+                if r not in gone:
+                    seqs[r].cumulative_logprob += logprobs[r]
+            listed = set(listed)
+        else:
+            listed = ()
         if stop_any.isdisjoint(token_ids):
             hits: list[int] = []
         else:
             hits = [r for r, t in zip(range(len(seqs)), token_ids) if t in stop_any]
-        if not (long or hits):
+        if not (long or hits or listed):
             return [], i + 1 - len(gone)
         stops = set(hits)
         applied: list[AppliedToken] = []
-        for r in sorted(stops.union(long)):  # in row order, as `update_from_rows`
+        for r in sorted(stops.union(long, listed)):  # in row order, as `update_from_rows`
             if r in gone:
                 continue
             g, seq = groups[r], seqs[r]
@@ -508,6 +518,8 @@ class Scheduler:
                     continue
             if len(outs[r]) >= limits[r]:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
+                applied.append(new_tuple(AppliedToken, (r, g, seq, False, None)))
+            elif r in listed:
                 applied.append(new_tuple(AppliedToken, (r, g, seq, False, None)))
         return applied, i + 1 - len(gone)
 

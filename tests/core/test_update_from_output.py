@@ -234,14 +234,17 @@ def test_rows_apply_as_sampled_tokens_do(specs, steps, aborts, max_len, ended_on
                                          min_size=7, max_size=7), st.booleans()),
                       min_size=1, max_size=14),
        aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 5)), max_size=3),
-       max_len=st.integers(12, 30))
-def test_steady_rows_apply_as_rows_do(specs, steps, aborts, max_len):
+       max_len=st.integers(12, 30),
+       listed_groups=st.frozensets(st.integers(0, 5), max_size=3))
+def test_steady_rows_apply_as_rows_do(specs, steps, aborts, max_len, listed_groups):
     """`update_steady` (a steady step of quiet rows: the cohort's sequences, in order) applies
     a step as `update_from_rows(..., ended_only=True)` does: the same tokens, statuses, stop
     reasons, pending counts, ended entries and count, with sequences finishing or aborted
     between steps, the cohort cut down to its running groups on some steps (its columns cut
     with it), a token past the rows (a padded bucket's) and pending tokens on all rows, on
-    none or on some (async scheduling: a sequence's certainly-last token is not pending)."""
+    none or on some (async scheduling: a sequence's certainly-last token is not pending).
+    Listed rows (some requests' rows, `listed`) are entered whether they ended or not, as
+    without ``ended_only``, and their cumulative logprobs advance as there."""
     (ra, ga), (rb, gb) = _twins(specs, max_len)
     cohort = DecodeCohort(gb, [g.seqs[0] for g in gb], [[] for _ in gb], len(gb), 0)
     for t, (row, cut) in enumerate(steps):
@@ -266,20 +269,24 @@ def test_steady_rows_apply_as_rows_do(specs, steps, aborts, max_len):
             x.num_pending += 1
             y.num_pending += 1
         toks = [row[r][0] for r in range(len(rows))]
-        lps = [-0.5] * len(toks)
+        lps = [-0.25 * (r + 1) for r in range(len(toks))]
         want, want_count = ra.update_from_rows(
-            [(_Owner(ga[i]), ga[i].seqs[0], 0, False) for i in rows], toks, lps, pend_a,
-            ended_only=True)
+            [(_Owner(ga[i]), ga[i].seqs[0], 0, False) for i in rows], toks, lps, pend_a)
+        listed = [r for r, i in enumerate(rows) if i in listed_groups]
+        want = [a for a in want if a.seq.status.is_finished or a.index in listed]
         run = SteadyRun(cohort, [0] * len(rows), None, [])
-        got, count = rb.update_steady(run, toks + [row[-1][0]], pend_b)  # + a padding row
+        # + a padding row's token and logprob
+        got, count = rb.update_steady(run, toks + [row[-1][0]], pend_b, listed, lps + [-9.0])
         assert count == want_count
         assert [(a.index, a.seq.seq_id, a.group.request_id, a.forked, a.stop_reason)
                 for a in got] == \
             [(a.index, a.seq.seq_id, a.group.request_id, a.forked, a.stop_reason) for a in want]
-        for g, h in zip(ga, gb, strict=True):
+        for i, (g, h) in enumerate(zip(ga, gb, strict=True)):
             x, y = g.seqs[0], h.seqs[0]
             assert (x.output_token_ids, x.status, x.num_pending) == \
                 (y.output_token_ids, y.status, y.num_pending)
+            if i in listed_groups:
+                assert x.cumulative_logprob == y.cumulative_logprob
         assert [g.request_id for g in ra.free_finished_seq_groups()] == \
             [g.request_id for g in rb.free_finished_seq_groups()]
     assert ra.has_unfinished_seqs() == rb.has_unfinished_seqs()

@@ -13,6 +13,8 @@ import pytest
 from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
+from pagedjax.core import Scheduler
+from pagedjax.engine import LLMEngine
 from pagedjax.output_processor import OutputProcessor, RequestState
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 
@@ -46,7 +48,11 @@ def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingPar
     for i in range(24):
         kw = kinds[i % len(kinds)]
         kind = "final_only" if i % 7 == 0 and i else "delta"  # quiet rows among the streams
-        if mixed and i % 8 == 3:  # rows the fast path does not take: the general path's
+        if mixed == "listed" and i % 5 == 2:  # a few rows listed beside the streamed ones
+            kw = [dict(temperature=0.8, seed=i, logprobs=2),
+                  dict(temperature=0, logprobs=0, stop=["e", " a"], min_tokens=6),
+                  dict(temperature=0.9, seed=i, logprobs=1, max_tokens=60)][i % 3]
+        elif mixed and i % 8 == 3:  # rows the fast path does not take: the general path's
             kw = dict(temperature=0, logprobs=1) if i % 16 == 3 else dict(n=2, seed=1)
         prompt = [int(t) for t in rng.integers(20, vocab, int(rng.integers(3, 30)))]
         kw = {"max_tokens": int(rng.integers(4, 40)), **kw}
@@ -54,10 +60,21 @@ def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingPar
     return out
 
 
-def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mixed: bool,
-         monkeypatch) -> tuple[list[list[tuple]], int]:
+def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int,
+         mixed: bool | str, monkeypatch) -> tuple[list[list[tuple]], int]:
     made = [0]
     with monkeypatch.context() as m:
+        if not fast:  # no row listed beside streamed ones: the general path's steps
+            m.setattr(LLMEngine, "LISTED_MAX_SHARE", 0.0)
+        real_steady = Scheduler.update_steady
+
+        def steady(self, run, token_ids, pending, listed=None, logprobs=None):
+            if listed:
+                made[1] += 1
+            return real_steady(self, run, token_ids, pending, listed, logprobs)
+
+        m.setattr(Scheduler, "update_steady", steady)
+        made.append(0)
         real_init, real_rows = RequestState.__post_init__, OutputProcessor.stream_rows
 
         def init(self):
@@ -108,14 +125,17 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int, mi
                  [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
                    c.cumulative_logprob, c.logprobs) for c in o.outputs]) for o in outs))
         assert engine.block_manager.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
-        return steps, made[0]
+        return steps, made
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("blocks,mixed", [(200, False), (24, False), (200, True)])
+@pytest.mark.parametrize("blocks,mixed", [(200, False), (24, False), (200, True),
+                                          (200, "listed"), (24, "listed")])
 def test_streamed_rows_output_what_the_general_path_does(wide, demo_tokenizer, async_scheduling,
                                                          blocks, mixed, monkeypatch):
-    """24 blocks of 8 tokens hold a few of the 16 sequences: preemption cuts cohorts."""
+    """24 blocks of 8 tokens hold a few of the 16 sequences: preemption cuts cohorts.
+    "listed": logprob rows (one with stop strings) among the streams, listed beside them
+    (`LLMEngine._steady_classes`)."""
     _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, mixed,
                                 monkeypatch)
 
@@ -134,11 +154,13 @@ def _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, 
                                 monkeypatch):
     kw = dict(async_scheduling=async_scheduling, blocks=blocks, mixed=mixed,
               monkeypatch=monkeypatch)
-    want, none = _run(wide, demo_tokenizer, fast=False, **kw)
-    got, made = _run(wide, demo_tokenizer, fast=True, **kw)
-    assert none == 0
-    if not mixed:
+    want, (none, none_listed) = _run(wide, demo_tokenizer, fast=False, **kw)
+    got, (made, listed) = _run(wide, demo_tokenizer, fast=True, **kw)
+    assert none == 0 and none_listed == 0
+    if mixed != True:  # noqa: E712 (True: rows that break steady steps)
         assert made > 50  # the steady steps did take the fast path
+    if mixed == "listed":
+        assert listed > 10  # ... with the logprob rows listed beside the streamed ones
     assert got == want
     # The deltas add up to each stream's whole decode (up to a stop string, where one hit).
     texts: dict[str, str] = {}
