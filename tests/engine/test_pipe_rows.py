@@ -107,15 +107,34 @@ def test_pipe_rows_carry_what_the_outputs_would(tiny):
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("blocks", [200, 14])
-def test_steady_pipe_rows_carry_what_the_outputs_would(tiny, async_scheduling, blocks):
+def test_steady_pipe_rows_carry_what_the_outputs_would(tiny, async_scheduling, blocks,
+                                                       monkeypatch):
     """Steady steps of pipe rows (`stream_rows` with ``pipe``), with async scheduling on and
-    off; 14 blocks of 8 tokens hold a few of the 8 sequences, so preemption cuts cohorts."""
+    off; 14 blocks of 8 tokens hold a few of the 8 sequences, so preemption cuts cohorts. The
+    logprob rows among them are listed beside the others (`LLMEngine._steady_classes`); with
+    none listed (the general path for those steps) the outputs are the same."""
+    from pagedjax.core import Scheduler
+    from pagedjax.engine import LLMEngine
+
+    listed = [0]
+    real = Scheduler.update_steady
+
+    def steady(self, run, token_ids, pending, rows=None, logprobs=None):
+        listed[0] += bool(rows)
+        return real(self, run, token_ids, pending, rows, logprobs)
+
     kw = dict(steady=True, async_scheduling=async_scheduling, blocks=blocks)
     objects, none, _ = _pipe(tiny, False, **kw)
+    monkeypatch.setattr(Scheduler, "update_steady", steady)
     rows, made, streamed = _pipe(tiny, True, **kw)
     assert none == 0
     assert streamed > 30  # the steady steps did make their rows from the columns
+    assert listed[0] > 5  # ... with the logprob rows listed beside them
     assert rows == objects
+    with monkeypatch.context() as m:
+        m.setattr(LLMEngine, "LISTED_MAX_SHARE", 0.0)
+        general, _, _ = _pipe(tiny, False, **kw)
+    assert general == objects
     # The deltas add up to each stream's whole output: max_tokens where nothing stops it.
     ids: dict[str, list[int]] = {}
     for step in rows:
