@@ -1637,9 +1637,9 @@ class LLMEngine:
     def _steady_classes(self, c, row_info: list[tuple]) -> tuple[bool, bool, list[int]]:
         """How a steady step of cohort ``c`` applies its rows: (quiet, streamed, listed).
 
-        Quiet rows (`RequestState.quiet`) need output processing only when they finish: when
-        every row is quiet, the others are not even listed. A request stays quiet once it
-        is. Streamed: every row quiet and final-only, a plain delta stream past its first
+        Quiet rows (`RequestState.quiet`) need output processing only when they finish: of
+        them, only the rows that end are entered in the applied list. A request stays quiet
+        once it is. Streamed: every row quiet and final-only, a plain delta stream past its first
         token (`RequestState.stream_plain`) or, in the engine process's child, a pipe row
         past its first output (`RequestState.pipe_plain`): `stream_rows` outputs them.
         Listed: the rows that are neither (logprobs, text-producing final-only rows with
