@@ -94,10 +94,6 @@ class CohortMetadata:
             return
         self._kept = _Kept(cohort.key, b, meta, outs, np.array(wants, bool))
 
-    def clear(self) -> None:
-        self._kept = None
-        self._refused = None
-
     def _cut(self, kept: _Kept, key: int, rows: list[int], b: int) -> _Kept | None:
         """``kept`` cut to ``rows`` (indices, in order), padded to ``b``; None where an array
         written on the device would have to be cut too (a device op, compiled)."""
