@@ -12,15 +12,27 @@ its local copy and the workers discard theirs.
 Why broadcast instead of running the same deterministic scheduler everywhere: the schedule
 depends on request arrival, aborts and wall-clock (streaming servers), which only the leader
 sees; broadcasting a few KB per step keeps the workers free of any engine state.
+
+Every process must also compile the *same* program for each collective call, and the leader
+and the workers reach the same jitted functions from different call stacks (`send_step`
+versus `worker_loop`, `execute` versus `_execute_local`). JAX writes the caller's traceback
+into each operation's location metadata, so the programs differed in that metadata. Since
+jax 0.12.1 this deadlocks the CPU (gloo) collectives: the processes' first collective from
+differing stacks never completes. `align_traced_programs` turns the traceback metadata off
+for multi-process runs.
 """
 
 from __future__ import annotations
+
+import logging
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from pagedjax.worker.paged_attention import PagedMeta
+
+logger = logging.getLogger(__name__)
 
 OP_STOP, OP_STEP, OP_COPY = 0, 1, 2
 _HEADER = 8
@@ -32,6 +44,21 @@ def is_multiprocess() -> bool:
 
 def is_leader_of_many() -> bool:
     return jax.process_count() > 1 and jax.process_index() == 0
+
+
+def align_traced_programs() -> None:
+    """Multi-process runs: trace without caller tracebacks in the operations' locations, so
+    every process compiles identical programs whichever stack reaches a jitted function.
+
+    A process-wide JAX setting (``jax_traceback_in_locations_limit`` = 0), set before the
+    runner traces anything: the leader and the workers trace the step, the broadcasts and
+    the block copies from different call stacks, and with the tracebacks in the metadata
+    their programs differ. With jax 0.12.1's CPU collectives that hangs the first such
+    collective on every process (`tests/parallel/test_tensor_parallel.py`'s two-process run
+    did, in CI and here). Error messages keep the operation's own source line."""
+    if is_multiprocess() and jax.config.jax_traceback_in_locations_limit != 0:
+        logger.info("multi-process run: tracing without caller tracebacks in op locations")
+        jax.config.update("jax_traceback_in_locations_limit", 0)
 
 
 def min_over_processes(value: int) -> int:

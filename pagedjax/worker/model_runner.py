@@ -317,6 +317,7 @@ class ModelRunner:
             if multihost.is_multiprocess() and engine_config.preemption_mode == "swap":
                 raise ValueError("preemption_mode: 'swap' is not supported across processes; "
                                  "use 'recompute'")
+            multihost.align_traced_programs()  # before anything here traces a collective
             self.mesh = make_mesh(self.tp, devices)
             config = sharded_config(config, self.tp)
             attn = ShardedPagedAttention(self.mesh, engine_config.attention_backend, layout,
