@@ -17,6 +17,7 @@ from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
 from pagedjax.sampler import DeviceFill, SamplingMetadata, SeqSamplingState
 from pagedjax.worker.cohort_metadata import CohortMetadata
+from tests.engine.helpers import finished_key
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
 
@@ -197,12 +198,7 @@ def _run(tiny, async_scheduling: bool, mode: str, blocks: int, kept: bool, monke
             engine.add_request(rid, None, sp, prompt_token_ids=prompt, output_kind="final_only")
         for out in engine.step():
             if out.finished:
-                results[out.request_id] = tuple(
-                    (c.index, tuple(c.token_ids), c.finish_reason,
-                     None if c.logprobs is None else tuple(
-                         tuple(sorted((k, round(v, 5)) for k, v in d.items()))
-                         for d in c.logprobs))
-                    for c in out.outputs)
+                results[out.request_id] = finished_key(out)
         step += 1
         assert step < 3000
     bm = engine.block_manager

@@ -21,6 +21,7 @@ from pagedjax.core import Scheduler
 from pagedjax.core.scheduler import PENDING_TOKEN
 from pagedjax.core.sequence import SequenceStatus
 from pagedjax.worker.step_inputs import build_step_inputs
+from tests.engine.helpers import finished_key
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
 
@@ -135,12 +136,7 @@ def _run(tiny, async_scheduling: bool, mode: str, steady: bool, monkeypatch, blo
                                output_kind="final_only")
         for out in engine.step():
             if out.finished:
-                results[out.request_id] = tuple(
-                    (c.index, tuple(c.token_ids), c.finish_reason,
-                     None if c.logprobs is None else tuple(
-                         tuple(sorted((k, round(v, 5)) for k, v in d.items()))
-                         for d in c.logprobs))
-                    for c in out.outputs)
+                results[out.request_id] = finished_key(out)
         step += 1
         assert step < 3000
     bm = engine.block_manager
