@@ -1102,8 +1102,7 @@ class LLMEngine:
                                        plan=self.runner.shape_plan, batch=self.input_batch,
                                        num_groups=self.runner.num_kv_groups,
                                        spec_lens=spec_lens, num_tokens=sched.num_batched_tokens)
-        if self.runner.feed_tokens:
-            self._feed_pending(sched, inputs, prev)
+        steady_src = self._feed_pending(sched, inputs, prev) if self.runner.feed_tokens else None
         kept = self._steady_plain
         if run is not None and kept is not None and (
                 kept[0] == run.cohort.key
@@ -1145,7 +1144,7 @@ class LLMEngine:
             meta = self._step_metadata(row_info, rows_per_seq, sched, b_pad, fl)
             if steady and not self.cohort_meta.refused(run.cohort):
                 self._keep_metadata(run.cohort, row_info, b_pad, meta)
-        meta = self._with_histories(meta, row_info, fl, prev)
+        meta = self._with_histories(meta, row_info, fl, prev, steady_src)
         # Beams rank candidates from `sample`'s raw log-softmax rows; speculative steps keep
         # the one sampler they were verified with. (Plain rows are never beams.)
         beamed = not plain_rows and any(info[0].is_beam for info in row_info)
@@ -1229,14 +1228,38 @@ class LLMEngine:
                                        pack_histories=not on_device)
 
     def _with_histories(self, meta: SamplingMetadata, row_info: list[tuple], fl: _InFlight,
-                        prev: _InFlight | None) -> SamplingMetadata:
+                        prev: _InFlight | None, steady_src: np.ndarray | None = None
+                        ) -> SamplingMetadata:
         """``meta`` with the penalty histories kept on the device gathered for its rows, and
-        each penalised row's pending token written in after its known ones."""
+        each penalised row's pending token written in after its known ones. ``steady_src``:
+        each row's row in the previous step's tokens, when every row's token is pending and
+        the rows are a steady cohort's (`_feed_pending`)."""
+        o_lens = None
         if meta.output_token_ids is None:
-            meta = self._device_histories(meta, row_info, fl)
+            meta, o_lens = self._device_histories(meta, row_info, fl)
         if self.runner.feed_tokens and meta.output_token_ids.shape[1]:
-            meta = self._feed_pending_history(meta, row_info, prev)
+            rows = (self.history_slots.steady_rows(self._history_key(fl))
+                    if steady_src is not None and o_lens is not None else None)
+            if rows is not None:
+                # Steady rows, every token pending: each penalised row's pending token goes
+                # after its known outputs (the lengths just gathered), without a pass over
+                # the rows (`_feed_pending_history` makes the same arrays one by one).
+                b = meta.output_token_ids.shape[0]
+                cols, srcs = np.full(b, -1, np.int32), np.zeros(b, np.int32)
+                cols[rows], srcs[rows] = o_lens[rows], steady_src[rows]
+                meta = meta.replace(output_token_ids=self.runner.merge_pending_history(
+                    meta.output_token_ids, cols, srcs, prev.tokens))
+            else:
+                meta = self._feed_pending_history(meta, row_info, prev)
         return meta
+
+    @staticmethod
+    def _history_key(fl: _InFlight) -> int | None:
+        """The key `HistorySlots` keeps a step's rows by: a steady step of plain rows samples
+        its cohort's sequences in the cohort's order, one row each, so the cohort's key
+        names its rows (None: any other step)."""
+        run = fl.sched.steady
+        return run.cohort.key if run is not None and fl.plain and not fl.spec_rows else None
 
     @staticmethod
     def _sampler_rows(logits: jax.Array, src: np.ndarray) -> tuple[jax.Array, np.ndarray]:
@@ -1428,14 +1451,20 @@ class LLMEngine:
         return out
 
     def _device_histories(self, meta: SamplingMetadata, row_info, fl: _InFlight
-                          ) -> SamplingMetadata:
+                          ) -> tuple[SamplingMetadata, np.ndarray]:
         """The step's penalty histories gathered on the device: the ids the host learned
         since the last step are written into each penalised sequence's slot, and a drafted
         sequence's rows 1..k get their drafts after its outputs (and its pending token, which
-        `_feed_pending_history` writes in next), as the host-packed rows hold them."""
+        `_feed_pending_history` writes in next), as the host-packed rows hold them. Also
+        returns each row's output length on the host. A steady cohort's next step reuses
+        the rows kept by its last (`HistorySlots.steady`)."""
         b = meta.temperature.shape[0]
-        seqs = [seq if req.penalised else None for req, seq, _, _ in row_info]
-        slots, p_lens, o_lens, idx, val = self.history_slots.step(seqs, b)
+        key = self._history_key(fl)
+        got = self.history_slots.steady(key, b) if key is not None else None
+        if got is None:
+            seqs = [seq if req.penalised else None for req, seq, _, _ in row_info]
+            got = self.history_slots.step(seqs, b, key)
+        slots, p_lens, o_lens, idx, val = got
         patches = []
         for r0, drafts in fl.spec_rows.values():
             seq = seqs[r0]
@@ -1450,7 +1479,7 @@ class LLMEngine:
         except Exception:
             self.history_slots.invalidate()  # the runner reset the device copy
             raise
-        return meta.replace(output_token_ids=out, prompt_token_ids=prompt)
+        return meta.replace(output_token_ids=out, prompt_token_ids=prompt), o_lens
 
     def _feed_pending_history(self, meta: SamplingMetadata, row_info, prev: _InFlight | None
                               ) -> SamplingMetadata:
@@ -1473,13 +1502,15 @@ class LLMEngine:
         return meta.replace(output_token_ids=self.runner.merge_pending_history(
             meta.output_token_ids, cols, srcs, prev.tokens))
 
-    def _feed_pending(self, sched, inputs, prev: _InFlight | None) -> None:
+    def _feed_pending(self, sched, inputs, prev: _InFlight | None) -> np.ndarray | None:
         """Point each pending token of the step at its row in the previous step's sampled
-        tokens, which stay on the device (`ModelRunner._make_serve_step`)."""
+        tokens, which stay on the device (`ModelRunner._make_serve_step`). Returns those
+        rows by sequence when the step is steady and every token pending
+        (`_steady_feed`), else None."""
         rows = self._steady_feed(sched, inputs, prev)
         if rows is not None:
             inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
-            return
+            return rows[: len(sched.steady.starts)]
         cu = inputs.meta.cu_q_lens
         for i, s in enumerate(sched.scheduled):
             at = -1 - len(s.spec_token_ids)  # drafts follow a pending token
@@ -1493,6 +1524,7 @@ class LLMEngine:
             rows[cu[i + 1] + at] = prev.pending_rows[s.seq_id]
         if rows is not None:
             inputs.prev_rows, inputs.prev_tokens = rows, prev.tokens
+        return None
 
     @staticmethod
     def _steady_feed(sched, inputs, prev: _InFlight | None) -> np.ndarray | None:

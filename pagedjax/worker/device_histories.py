@@ -45,12 +45,28 @@ class HistorySlots:
         self._at: dict[int, list[int]] = {}  # seq id -> [slot, prompt len, outputs sent]
         self._free = list(range(slots - 1, -1, -1))
         self.num_full_writes = 0  # sequences written whole: for tests
+        self.num_steady_steps = 0  # steps `_steady_step` served: for tests
+        # The last keyed step's rows, for the next step of the same key (`_steady_step`):
+        # (key, pad_to, rows, their slots, prompt lengths and outputs sent (arrays), output
+        # lists, `_at` entries). While it is kept, its "sent" array, not the entries, says
+        # what the device holds of those rows: `_settle` writes it back before anything else
+        # reads the entries.
+        self._steady: tuple | None = None
 
     def __len__(self) -> int:
         return len(self._at)
 
+    def _settle(self) -> None:
+        """Write the kept rows' sent counts back into their entries and drop the keep."""
+        st = self._steady
+        if st is not None:
+            self._steady = None
+            for ent, n in zip(st[7], st[5].tolist(), strict=True):
+                ent[2] = n
+
     def release(self, seq_ids: Iterable[int]) -> None:
         """Free the slots of sequences that ended."""
+        self._settle()
         for sid in seq_ids:
             ent = self._at.pop(sid, None)
             if ent is not None:
@@ -58,6 +74,7 @@ class HistorySlots:
 
     def invalidate(self) -> None:
         """The device copy is zeros again: forget every slot."""
+        self._steady = None
         self._at.clear()
         self._free = list(range(self.slots - 1, -1, -1))
 
@@ -69,12 +86,54 @@ class HistorySlots:
             raise RuntimeError(f"a step uses more than {self.slots} penalised sequences")
         return self._free.pop()
 
-    def step(self, seqs: Sequence, pad_to: int
+    def steady(self, key: object, pad_to: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+        """`step` for the rows of the last call made with ``key`` (the engine passes a steady
+        decode cohort's key: the same sequences in the same rows, `core.steady_decode`), when
+        each has at most one output more than the device holds; else None (call `step`).
+
+        Such a step costs no pass over Python entries: the lengths are read in one
+        ``map(len, ...)``, the new ids are each list's last, and the slots, prompt lengths and
+        write indices are array arithmetic on the kept rows. Every row's growth is checked,
+        not assumed, so a cohort step that applied no token (or two) falls back."""
+        st = self._steady
+        if st is None or st[0] != key or st[1] != pad_to:
+            return None
+        _key, _pad, rows, slots, p_lens, sent, outs, _ents = st
+        n = np.fromiter(map(len, outs), np.int32, len(outs))
+        grew = n - sent
+        if int(grew.min()) < 0 or int(grew.max()) > 1 or int((p_lens + n).max()) > self.width:
+            return None  # `step` handles (and reports) it
+        new = np.flatnonzero(grew)
+        if len(new) == len(outs):
+            val = np.fromiter((o[-1] for o in outs), np.int32, len(outs))
+            idx = slots * self.width + p_lens + sent
+        else:
+            val = np.fromiter((outs[i][-1] for i in new.tolist()), np.int32, len(new))
+            idx = (slots * self.width + p_lens + sent)[new]
+        st[5][:] = n  # what the device holds once these writes land (`_settle` reads it)
+        full_slots = np.zeros(pad_to, np.int32)
+        full_p = np.zeros(pad_to, np.int32)
+        full_o = np.zeros(pad_to, np.int32)
+        full_slots[rows], full_p[rows], full_o[rows] = slots, p_lens, n
+        self.num_steady_steps += 1
+        return full_slots, full_p, full_o, idx.astype(np.int32), val
+
+    def steady_rows(self, key: object) -> np.ndarray | None:
+        """The rows with histories of the last call made with ``key`` (None: no such call
+        is kept)."""
+        st = self._steady
+        return st[2] if st is not None and st[0] == key else None
+
+    def step(self, seqs: Sequence, pad_to: int, key: object = None
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """For sampler rows ``seqs`` (a sequence with ``seq_id``, ``prompt_token_ids`` and
         ``output_token_ids``, or None for a row without histories): each row's (slot, prompt
         length, output length), padded to ``pad_to`` rows of zeros, and the flat (index,
-        value) writes that bring the device up to date. Rows of one sequence share its slot."""
+        value) writes that bring the device up to date. Rows of one sequence share its slot.
+        ``key``: kept with the rows for `steady` to serve the next call of the same key
+        (only when each sequence has a row of its own)."""
+        self._settle()
         slots = np.zeros(pad_to, np.int32)
         p_lens = np.zeros(pad_to, np.int32)
         o_lens = np.zeros(pad_to, np.int32)
@@ -110,6 +169,14 @@ class HistorySlots:
                         ent[2] = n
                 got = seen[s.seq_id] = (slot, p, n)
             slots[r], p_lens[r], o_lens[r] = got
+        if key is not None:
+            rows = [r for r, s in enumerate(seqs) if s is not None]
+            if rows and len(seen) == len(rows):
+                at = self._at
+                self._steady = (
+                    key, pad_to, np.asarray(rows, np.intp), slots[rows], p_lens[rows],
+                    o_lens[rows], [seqs[r].output_token_ids for r in rows],
+                    [at[seqs[r].seq_id] for r in rows])
         return (slots, p_lens, o_lens, np.asarray(idx, np.int32).reshape(-1),
                 np.asarray(val, np.int32).reshape(-1))
 

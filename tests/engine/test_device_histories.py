@@ -149,6 +149,51 @@ def test_device_histories_equal_host_packing(tiny, mode, prefix_caching, seed,
         assert e_host.get_stats().num_preemptions_total > 0
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_steady_cohorts_equal_host_packing(tiny, async_scheduling):
+    """Requests decoding side by side (steady cohorts, cut as they end): the steps served by
+    `HistorySlots.steady` and the pending tokens fed without a pass over the rows give the
+    bits the host-packed histories give, with every released slot poisoned."""
+    config, params = tiny
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, config.vocab_size, int(rng.integers(4, 30)))]
+               for _ in range(8)]
+    sps = [SamplingParams(temperature=0.8, seed=i, max_tokens=20 + 7 * i, ignore_eos=True,
+                          presence_penalty=1.2, frequency_penalty=0.5,
+                          repetition_penalty=1.3 if i % 2 else 1.0, logprobs=i % 3)
+           if i != 3 else SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+           for i in range(8)]
+    got = {}
+    for on_device in (False, True):
+        llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=64, block_size=8,
+                              max_num_seqs=8, max_model_len=128,
+                              async_scheduling=async_scheduling,
+                              device_penalty_histories=on_device)
+        feeds = {"all": 0, "by rows": 0}
+        if on_device:
+            engine = llm.engine
+            poisoned = _poison_released(engine, np.random.default_rng(3))
+            merge, by_rows = engine.runner.merge_pending_history, engine._feed_pending_history
+
+            def count(key, f, feeds=feeds):
+                def call(*a, **k):
+                    feeds[key] += 1
+                    return f(*a, **k)
+                return call
+
+            engine.runner.merge_pending_history = count("all", merge)
+            engine._feed_pending_history = count("by rows", by_rows)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps)
+        got[on_device] = [(_key(o), _logprobs(o)) for o in outs]
+    slots = llm.engine.history_slots
+    assert slots.num_steady_steps >= 40 and poisoned and len(slots) == 0
+    if async_scheduling:  # most pending tokens fed from the steady rows, not row by row
+        assert feeds["all"] - feeds["by rows"] >= 40, feeds
+    for (k_host, lp_host), (k_dev, lp_dev) in zip(got[False], got[True], strict=True):
+        assert k_dev == k_host
+        np.testing.assert_array_equal(lp_dev, lp_host)
+
+
 def test_penalties_change_tokens(tiny):
     """The workload above is not vacuous: without the histories (all -1) greedy penalised
     rows pick other tokens."""
@@ -272,6 +317,91 @@ def test_slots_gather_the_packed_histories(data):
         np.testing.assert_array_equal(np.asarray(out), _packed(want_out, b, w))
         np.testing.assert_array_equal(np.asarray(prompt), _packed(want_prompt, b, w))
         assert len(slots) <= n_slots
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_steady_rows_gather_the_packed_histories(data):
+    """Keyed steps (`HistorySlots.steady`: a steady cohort's rows served from the last
+    call's arrays) between general steps, releases and invalidations, the kept sequences
+    growing by 0, 1 or 2 outputs a step (2: the general path's): every gather equals the
+    host-packed histories, whatever junk the slots held before."""
+    w, n_slots, b = 40, 6, 5
+    dev = dh.DeviceHistories(n_slots, w, spec_tokens=0, device=jax.devices("cpu")[0])
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    dev.array = jnp.asarray(rng.integers(0, 500, dev.shape).astype(np.int32))
+    slots = dh.HistorySlots(n_slots, w)
+    seqs = [_Seq(i, [int(t) for t in rng.integers(0, 500, rng.integers(0, 12))])
+            for i in range(4)]
+    key = 0
+    rows = [seqs[0], None, seqs[1], seqs[2], None]
+    steady = 0
+    for _ in range(data.draw(st.integers(2, 16))):
+        op = data.draw(st.sampled_from(["keyed"] * 6 + ["general", "release", "invalidate",
+                                                        "new key"]))
+        for s in seqs:  # what the host learned since the last step
+            if len(s.prompt_token_ids) + len(s.output_token_ids) + 2 <= w:
+                s.output_token_ids += [int(t) for t in rng.integers(0, 500, data.draw(
+                    st.sampled_from([0, 1, 1, 1, 2])))]
+        step_rows, k = rows, key
+        if op == "general":
+            step_rows, k = [seqs[3], seqs[0], None, None, None], None
+        elif op == "release":
+            slots.release([seqs[int(rng.integers(0, 3))].seq_id])
+        elif op == "invalidate":
+            slots.invalidate()
+            dev.reset()
+        elif op == "new key":
+            key += 1
+            k = key
+        before = slots.num_steady_steps
+        got = slots.steady(k, b) if k is not None else None
+        if got is None:
+            got = slots.step(step_rows, b, k)
+        steady += slots.num_steady_steps - before
+        rep = rng.random(b) < 0.5
+        out, prompt = dev.gather(*got[:3], rep, *got[3:])
+        want_out = {r: s.output_token_ids for r, s in enumerate(step_rows) if s is not None}
+        want_prompt = {r: s.prompt_token_ids for r, s in enumerate(step_rows)
+                       if s is not None and rep[r]}
+        np.testing.assert_array_equal(np.asarray(out), _packed(want_out, b, w))
+        np.testing.assert_array_equal(np.asarray(prompt), _packed(want_prompt, b, w))
+        np.testing.assert_array_equal(got[2], [len(want_out.get(r, [])) for r in range(b)])
+        kept = slots.steady_rows(k) if k is not None else None
+        assert kept is None or list(kept) == [0, 2, 3]
+
+
+def test_steady_rows_take_the_fast_path():
+    """The property test above is not vacuous: a cohort's steps of one new output each are
+    served by `steady`, one write per row at the right place; two outputs in one step, a
+    release or a general step in between fall back."""
+    w = 32
+    dev = dh.DeviceHistories(4, w, spec_tokens=0, device=jax.devices("cpu")[0])
+    dev.array = jnp.full(dev.shape, 77, jnp.int32)
+    slots = dh.HistorySlots(4, w)
+    a, c = _Seq(0, [1, 2, 3]), _Seq(1, [4])
+    rows = [a, None, c]
+    assert slots.steady(7, 4) is None
+    got = slots.step(rows, 4, key=7)
+    for i in range(3):
+        a.output_token_ids.append(10 + i)
+        c.output_token_ids.append(20 + i)
+        got = slots.steady(7, 4)
+        assert got is not None and slots.num_steady_steps == i + 1
+        assert got[3].tolist() == [slots._at[0][0] * w + 3 + i, slots._at[1][0] * w + 1 + i]
+        assert got[4].tolist() == [10 + i, 20 + i]
+        out, _ = dev.gather(*got[:3], np.zeros(4, bool), *got[3:])
+        np.testing.assert_array_equal(np.asarray(out)[[0, 2], : i + 1],
+                                      [[10 + j for j in range(i + 1)], [20 + j for j in range(i + 1)]])
+    a.output_token_ids += [50, 51]
+    assert slots.steady(7, 4) is None  # two new: the general step
+    assert slots.steady(8, 4) is None and slots.steady(7, 2) is None  # another key, width
+    slots.step(rows, 4, key=7)
+    c.output_token_ids.append(30)
+    assert slots.steady(7, 4) is not None
+    slots.release([1])
+    assert slots.steady(7, 4) is None and slots.steady_rows(7) is None
+    assert slots._at[0][2] == 5  # the kept count written back before the release
 
 
 def test_long_new_sequences_spill_into_write_calls():
