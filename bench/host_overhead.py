@@ -219,6 +219,8 @@ PHASES = [
     # And steady steps of quiet rows here (stop 63).
     ("pagedjax.core.scheduler:Scheduler", "update_steady", "    update_from_output"),
     ("pagedjax.output_processor:OutputProcessor", "process", "    output processing"),
+    # A steady step's running listed rows (stop 79): the same stage.
+    ("pagedjax.output_processor:OutputProcessor", "listed_rows", "    output processing"),
     # A steady cohort's streamed rows (stop 62; pipe rows stop 71).
     ("pagedjax.output_processor:OutputProcessor", "stream_rows", "    stream rows"),
     ("pagedjax.detokenizer:Detokenizer", "step", "      detokenization"),

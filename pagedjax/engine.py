@@ -1654,16 +1654,23 @@ class LLMEngine:
             applied, num_applied = self.scheduler.update_from_rows(
                 row_info, out.token_ids.tolist(), out.logprobs.tolist(), fl.pending_rows,
                 ended_only=quiet)
+        stop_seq = self.scheduler.stop_seq
         for req, seq in self.outputs.process(applied, None, out, row_info, num_applied):
-            self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
+            stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
+        took = ()
+        if listed:  # (the ended ones are among the applied)
+            stopped, took = self.outputs.listed_rows(row_info, run.cohort, listed, out)
+            for req, seq in stopped:
+                stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if not streamed:
             return None
         fl.made, stopped = self.outputs.stream_rows(row_info, run.cohort, self._pipe_rows)
         for req, seq in stopped:
-            self.scheduler.stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
-        # (Listed rows are among the applied: `_finish` makes their outputs.)
+            stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
+        # `_finish` makes the outputs of the ended rows and of the listed ones.
         ended = {row_info[a.index][0].request_id for a in applied}
         ended.update(req.request_id for req, _ in stopped)
+        ended.update(took)
         return ended
 
     def _steady_classes(self, c, row_info: list[tuple]) -> tuple[bool, bool, list[int]]:

@@ -464,8 +464,9 @@ class Scheduler:
         (`DecodeCohort.columns`); stop ids are looked for over the step's tokens at once (a
         set's `isdisjoint`, in C), and only rows holding one are checked as there. Same
         tokens, finishes, reasons and order as `update_from_rows`. ``listed`` (row indices,
-        ascending): rows applied as `update_from_rows` without ``ended_only`` does, listed
-        whether they ended or not and their cumulative logprob advanced by ``logprobs``."""
+        ascending): rows whose requests read logprobs, their cumulative logprob advanced by
+        ``logprobs``; entered, as the others, when they ended (the engine's output processor
+        takes the running ones from the cohort's columns, `OutputProcessor.listed_rows`)."""
         c = run.cohort
         seqs, groups = c.seqs, c.groups
         outs, limits, stop_any = c.columns()
@@ -495,18 +496,15 @@ class Scheduler:
             for r in listed:
                 if r not in gone:
                     seqs[r].cumulative_logprob += logprobs[r]
-            listed = set(listed)
-        else:
-            listed = ()
         if stop_any.isdisjoint(token_ids):
             hits: list[int] = []
         else:
             hits = [r for r, t in zip(range(len(seqs)), token_ids) if t in stop_any]
-        if not (long or hits or listed):
+        if not (long or hits):
             return [], i + 1 - len(gone)
         stops = set(hits)
         applied: list[AppliedToken] = []
-        for r in sorted(stops.union(long, listed)):  # in row order, as `update_from_rows`
+        for r in sorted(stops.union(long)):  # in row order, as `update_from_rows`
             if r in gone:
                 continue
             g, seq = groups[r], seqs[r]
@@ -518,8 +516,6 @@ class Scheduler:
                     continue
             if len(outs[r]) >= limits[r]:
                 self._finish_seq(g, seq, SequenceStatus.FINISHED_LENGTH)
-                applied.append(new_tuple(AppliedToken, (r, g, seq, False, None)))
-            elif r in listed:
                 applied.append(new_tuple(AppliedToken, (r, g, seq, False, None)))
         return applied, i + 1 - len(gone)
 

@@ -243,8 +243,8 @@ def test_steady_rows_apply_as_rows_do(specs, steps, aborts, max_len, listed_grou
     between steps, the cohort cut down to its running groups on some steps (its columns cut
     with it), a token past the rows (a padded bucket's) and pending tokens on all rows, on
     none or on some (async scheduling: a sequence's certainly-last token is not pending).
-    Listed rows (some requests' rows, `listed`) are entered whether they ended or not, as
-    without ``ended_only``, and their cumulative logprobs advance as there."""
+    Listed rows (some requests' rows, `listed`) are entered only when they ended, as the
+    others, and their cumulative logprobs advance as without ``ended_only``."""
     (ra, ga), (rb, gb) = _twins(specs, max_len)
     cohort = DecodeCohort(gb, [g.seqs[0] for g in gb], [[] for _ in gb], len(gb), 0)
     for t, (row, cut) in enumerate(steps):
@@ -273,7 +273,7 @@ def test_steady_rows_apply_as_rows_do(specs, steps, aborts, max_len, listed_grou
         want, want_count = ra.update_from_rows(
             [(_Owner(ga[i]), ga[i].seqs[0], 0, False) for i in rows], toks, lps, pend_a)
         listed = [r for r, i in enumerate(rows) if i in listed_groups]
-        want = [a for a in want if a.seq.status.is_finished or a.index in listed]
+        want = [a for a in want if a.seq.status.is_finished]
         run = SteadyRun(cohort, [0] * len(rows), None, [])
         # + a padding row's token and logprob
         got, count = rb.update_steady(run, toks + [row[-1][0]], pend_b, listed, lps + [-9.0])

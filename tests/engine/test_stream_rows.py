@@ -48,10 +48,13 @@ def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingPar
     for i in range(24):
         kw = kinds[i % len(kinds)]
         kind = "final_only" if i % 7 == 0 and i else "delta"  # quiet rows among the streams
-        if mixed == "listed" and i % 5 == 2:  # a few rows listed beside the streamed ones
+        if mixed == "listed_final":  # `LLM.generate`'s steps: quiet rows, listed ones
+            kind = "final_only"
+        if mixed in ("listed", "listed_final") and i % 5 == 2:  # a few rows listed
             kw = [dict(temperature=0.8, seed=i, logprobs=2),
                   dict(temperature=0, logprobs=0, stop=["e", " a"], min_tokens=6),
-                  dict(temperature=0.9, seed=i, logprobs=1, max_tokens=60)][i % 3]
+                  dict(temperature=0.9, seed=i, logprobs=1, max_tokens=60,
+                       logit_bias=SPLIT_BYTES)][i % 3]
         elif mixed and i % 8 == 3:  # rows the fast path does not take: the general path's
             kw = dict(temperature=0, logprobs=1) if i % 16 == 3 else dict(n=2, seed=1)
         prompt = [int(t) for t in rng.integers(20, vocab, int(rng.integers(3, 30)))]
@@ -130,12 +133,14 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int,
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("blocks,mixed", [(200, False), (24, False), (200, True),
-                                          (200, "listed"), (24, "listed")])
+                                          (200, "listed"), (24, "listed"),
+                                          (24, "listed_final")])
 def test_streamed_rows_output_what_the_general_path_does(wide, demo_tokenizer, async_scheduling,
                                                          blocks, mixed, monkeypatch):
     """24 blocks of 8 tokens hold a few of the 16 sequences: preemption cuts cohorts.
     "listed": logprob rows (one with stop strings) among the streams, listed beside them
-    (`LLMEngine._steady_classes`)."""
+    (`LLMEngine._steady_classes`, `OutputProcessor.listed_rows`); "listed_final": the same
+    rows final-only, beside quiet ones."""
     _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, mixed,
                                 monkeypatch)
 
@@ -157,9 +162,9 @@ def _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, 
     want, (none, none_listed) = _run(wide, demo_tokenizer, fast=False, **kw)
     got, (made, listed) = _run(wide, demo_tokenizer, fast=True, **kw)
     assert none == 0 and none_listed == 0
-    if mixed != True:  # noqa: E712 (True: rows that break steady steps)
+    if mixed not in (True, "listed_final"):  # (True: rows that break steady steps)
         assert made > 50  # the steady steps did take the fast path
-    if mixed == "listed":
+    if mixed in ("listed", "listed_final"):
         assert listed > 10  # ... with the logprob rows listed beside the streamed ones
     assert got == want
     # The deltas add up to each stream's whole decode (up to a stop string, where one hit).
