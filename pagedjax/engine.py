@@ -1657,14 +1657,20 @@ class LLMEngine:
         stop_seq = self.scheduler.stop_seq
         for req, seq in self.outputs.process(applied, None, out, row_info, num_applied):
             stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
-        took = ()
+        took, made = (), None
         if listed:  # (the ended ones are among the applied)
-            stopped, took = self.outputs.listed_rows(row_info, run.cohort, listed, out)
+            # A streamed step's running listed delta streams get their outputs there too
+            # (`_finish` then makes the others' only); the engine process's pipe rows are
+            # `delta_row`'s.
+            made = [] if streamed and not self._pipe_rows else None
+            stopped, took = self.outputs.listed_rows(row_info, run.cohort, listed, out, made)
             for req, seq in stopped:
                 stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if not streamed:
             return None
         fl.made, stopped = self.outputs.stream_rows(row_info, run.cohort, self._pipe_rows)
+        if made:
+            fl.made.extend(made)
         for req, seq in stopped:
             stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         # `_finish` makes the outputs of the ended rows and of the listed ones.

@@ -247,14 +247,17 @@ class OutputProcessor:
                 req.stop_reason[seq.seq_id] = reason
         return stopped
 
-    def listed_rows(self, row_info: list[tuple], cohort: DecodeCohort, listed: list[int], out
+    def listed_rows(self, row_info: list[tuple], cohort: DecodeCohort, listed: list[int], out,
+                    made: list | None = None
                     ) -> tuple[list[tuple[RequestState, Sequence]], list[str]]:
         """`process` for a steady step's running listed rows (`LLMEngine._steady_classes`:
         rows with logprobs, text-producing final-only rows with stop strings), whose tokens
         `Scheduler.update_steady` appended: their logprob entries, incremental text and
         stop strings. Rows that ended take `process` (the scheduler lists them in its
         applied entries). Returns the sequences a stop string finished, for the scheduler to
-        stop, their stop reasons recorded, and the ids of the requests whose rows it took.
+        stop, their stop reasons recorded, and the ids of the requests whose rows it took
+        and whose outputs are still to make. With ``made``, the running one-sequence delta
+        streams' outputs are made here, as `make_output` makes them, and appended to it.
 
         The same work as `process`, less what is fixed for a row's life: its request's
         flags, detokenizer state, output and logprob lists and prompt length come from
@@ -272,13 +275,19 @@ class OutputProcessor:
                 for r in listed:
                     req, seq = row_info[r][0], row_info[r][1]
                     p, sid = req.params, seq.seq_id
+                    # A running delta stream's output fields fixed past its first token.
+                    stream = ((req.request_id, req.prompt, req.prompt_token_ids,
+                               req.seq_index[sid], req.sent, sid, req.num_cached_tokens or 0,
+                               req.first_scheduled_time)
+                              if req.delta and p.prompt_logprobs is None
+                              and len(req.group.seqs) == 1 else None)
                     cols.append((req, seq, req.detok[sid], seq.output_token_ids,
                                  len(seq.prompt_token_ids),
                                  None if p.logprobs is None else req.logprobs[sid],
                                  p.logprobs, req.lazy_text,
                                  (p.stops, p.longest_stop - 1, p.min_tokens, p)
                                  if req.has_stop_strings else None,
-                                 p.skip_special_tokens, texts[p.skip_special_tokens]))
+                                 p.skip_special_tokens, texts[p.skip_special_tokens], stream))
             width = max((c[6] or 0 for c in cols), default=0)
             self._listed_cols = (cohort.key, listed, cols, width)
         if any(c[5] is not None for c in cols):
@@ -286,12 +295,15 @@ class OutputProcessor:
             tlps = out.topk_logprobs[:, :width].tolist()
             ttok, tlp = out.token_ids.tolist(), out.logprobs.tolist()
         first_finished = _FIRST_FINISHED
-        items, check, took = [], [], []
-        for r, (req, seq, state, outs, plen, lp_list, k, lazy, stops, skip, table) in zip(
-                listed, cols):
+        items, check, took, streams = [], [], [], []
+        for r, (req, seq, state, outs, plen, lp_list, k, lazy, stops, skip, table,
+                stream) in zip(listed, cols):
             if seq.status._value_ >= first_finished:
                 continue  # ended: `process` does it
-            took.append(req.request_id)
+            if made is not None and stream is not None:
+                streams.append((seq, state, outs, lp_list, stops, stream))
+            else:
+                took.append(req.request_id)
             if lp_list is not None:
                 ids, lps = tids[r], tlps[r]
                 if k == 1:
@@ -331,6 +343,27 @@ class OutputProcessor:
                     stopped.append((req, seq))
                     req.stop_reason[seq.seq_id] = hit
                     break
+        if streams:
+            gone = {id(seq) for _, seq in stopped}
+            for seq, state, outs, lp_list, stops, (rid, prompt, ids, index, sent, sid, cached,
+                                                     scheduled) in streams:
+                if gone and id(seq) in gone:  # stopped: `_finish` makes its final output
+                    took.append(rid)
+                    continue
+                # `_delta_fields` of a running sequence: text that may still start a stop
+                # string waits.
+                n_sent, chars_sent = sent.get(sid, (0, 0))
+                visible = state.length
+                text = state.tail(chars_sent)
+                if stops is not None:
+                    visible = max(chars_sent, visible - stops[1])
+                    text = text[:visible - chars_sent]
+                n = len(outs)
+                sent[sid] = (n, visible)
+                made.append(running_delta(
+                    rid, prompt, ids, index, text, outs[n_sent:n], cached, scheduled,
+                    None if lp_list is None else seq.cumulative_logprob,
+                    None if lp_list is None else lp_list[n_sent:n]))
         return stopped, took
 
     @staticmethod

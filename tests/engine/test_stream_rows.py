@@ -51,7 +51,8 @@ def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingPar
         if mixed == "listed_final":  # `LLM.generate`'s steps: quiet rows, listed ones
             kind = "final_only"
         if mixed in ("listed", "listed_final") and i % 5 == 2:  # a few rows listed
-            kw = [dict(temperature=0.8, seed=i, logprobs=2),
+            # (a stop string that never comes: its last 2 characters wait each step)
+            kw = [dict(temperature=0.8, seed=i, logprobs=2, stop=["qzx"], max_tokens=60),
                   dict(temperature=0, logprobs=0, stop=["e", " a"], min_tokens=6),
                   dict(temperature=0.9, seed=i, logprobs=1, max_tokens=60,
                        logit_bias=SPLIT_BYTES)][i % 3]
