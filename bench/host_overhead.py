@@ -203,6 +203,8 @@ PHASES = [
     # Sampled rows with penalties: their histories' deltas and gather (stop 76).
     ("pagedjax.engine:LLMEngine", "_device_histories", "  device histories"),
     ("pagedjax.engine:LLMEngine", "_feed_pending_history", "  history feed"),
+    # A steady step's, from the rows as arrays (stop 79): the same stage.
+    ("pagedjax.engine:LLMEngine", "_feed_steady_history", "  history feed"),
     # Async scheduling: the tokens a launched step samples made pending, and the rows that
     # feed the last step's pending tokens to this one.
     ("pagedjax.engine:LLMEngine", "_mark_pending", "  pending tokens"),

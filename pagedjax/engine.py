@@ -1241,17 +1241,22 @@ class LLMEngine:
             rows = (self.history_slots.steady_rows(self._history_key(fl))
                     if steady_src is not None and o_lens is not None else None)
             if rows is not None:
-                # Steady rows, every token pending: each penalised row's pending token goes
-                # after its known outputs (the lengths just gathered), without a pass over
-                # the rows (`_feed_pending_history` makes the same arrays one by one).
-                b = meta.output_token_ids.shape[0]
-                cols, srcs = np.full(b, -1, np.int32), np.zeros(b, np.int32)
-                cols[rows], srcs[rows] = o_lens[rows], steady_src[rows]
-                meta = meta.replace(output_token_ids=self.runner.merge_pending_history(
-                    meta.output_token_ids, cols, srcs, prev.tokens))
+                meta = self._feed_steady_history(meta, rows, o_lens, steady_src, prev)
             else:
                 meta = self._feed_pending_history(meta, row_info, prev)
         return meta
+
+    def _feed_steady_history(self, meta: SamplingMetadata, rows: np.ndarray, o_lens: np.ndarray,
+                             src: np.ndarray, prev: _InFlight) -> SamplingMetadata:
+        """`_feed_pending_history` for steady rows whose tokens are all pending: each
+        penalised row (``rows``) gets its pending token, at row ``src`` of the previous
+        step's tokens, after its known outputs (``o_lens``, the lengths just gathered): the
+        same arrays, without a pass over the rows."""
+        b = meta.output_token_ids.shape[0]
+        cols, srcs = np.full(b, -1, np.int32), np.zeros(b, np.int32)
+        cols[rows], srcs[rows] = o_lens[rows], src[rows]
+        return meta.replace(output_token_ids=self.runner.merge_pending_history(
+            meta.output_token_ids, cols, srcs, prev.tokens))
 
     @staticmethod
     def _history_key(fl: _InFlight) -> int | None:
