@@ -262,14 +262,17 @@ class OutputProcessor:
         The same work as `process`, less what is fixed for a row's life: its request's
         flags, detokenizer state, output and logprob lists and prompt length come from
         columns made once per cohort and cut with it, so the loop reads no dictionary and
-        tests no flag it need not (~1.5 us of ~3.5 a row in `process`). Equal to `process`
-        step by step (`tests/engine/test_stream_rows.py`'s listed cases)."""
+        tests no flag it need not (~2.2 us a row against ~3.5 in `process`, `--phases` of
+        `bench/host_overhead.py --mixes mixed`). Equal to `process` step by step
+        (`tests/engine/test_stream_rows.py`'s listed cases)."""
         key, rows, cols, width = self._listed_cols
         if key != cohort.key:
             if cohort.parent is not None and cohort.parent[0] == key:
                 at = {r: j for j, r in enumerate(rows)}
                 cols = [cols[at[i]] for i in cohort.parent[1] if i in at]
-            else:
+            if len(cols) != len(listed) or cohort.parent is None or cohort.parent[0] != key:
+                # (A cut's rows are the engine's listed ones cut alike: a mismatch would mean
+                # they were classified afresh, so the columns are made afresh too.)
                 cols = []
                 texts = self.detokenizer.token_texts() or ([], [])
                 for r in listed:

@@ -45,8 +45,8 @@ class HistorySlots:
         self._at: dict[int, list[int]] = {}  # seq id -> [slot, prompt len, outputs sent]
         self._free = list(range(slots - 1, -1, -1))
         self.num_full_writes = 0  # sequences written whole: for tests
-        self.num_steady_steps = 0  # steps `_steady_step` served: for tests
-        # The last keyed step's rows, for the next step of the same key (`_steady_step`):
+        self.num_steady_steps = 0  # steps `steady` served: for tests
+        # The last keyed step's rows, for the next step of the same key (`steady`):
         # (key, pad_to, rows, their slots, prompt lengths and outputs sent (arrays), output
         # lists, `_at` entries). While it is kept, its "sent" array, not the entries, says
         # what the device holds of those rows: `_settle` writes it back before anything else
