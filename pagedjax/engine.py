@@ -1664,11 +1664,11 @@ class LLMEngine:
             stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         took, made = (), None
         if listed:  # (the ended ones are among the applied)
-            # A streamed step's running listed delta streams get their outputs there too
-            # (`_finish` then makes the others' only); the engine process's pipe rows are
-            # `delta_row`'s.
-            made = [] if streamed and not self._pipe_rows else None
-            stopped, took = self.outputs.listed_rows(row_info, run.cohort, listed, out, made)
+            # A streamed step's running listed delta streams get their outputs there too,
+            # pipe rows included (`_finish` then makes the others' only).
+            made = [] if streamed else None
+            stopped, took = self.outputs.listed_rows(row_info, run.cohort, listed, out, made,
+                                                     self._pipe_rows)
             for req, seq in stopped:
                 stop_seq(seq, SequenceStatus.FINISHED_STOPPED, req.request_id)
         if not streamed:

@@ -248,7 +248,7 @@ class OutputProcessor:
         return stopped
 
     def listed_rows(self, row_info: list[tuple], cohort: DecodeCohort, listed: list[int], out,
-                    made: list | None = None
+                    made: list | None = None, pipe: bool = False
                     ) -> tuple[list[tuple[RequestState, Sequence]], list[str]]:
         """`process` for a steady step's running listed rows (`LLMEngine._steady_classes`:
         rows with logprobs, text-producing final-only rows with stop strings), whose tokens
@@ -257,7 +257,9 @@ class OutputProcessor:
         applied entries). Returns the sequences a stop string finished, for the scheduler to
         stop, their stop reasons recorded, and the ids of the requests whose rows it took
         and whose outputs are still to make. With ``made``, the running one-sequence delta
-        streams' outputs are made here, as `make_output` makes them, and appended to it.
+        streams' outputs are made here, as `make_output` makes them, and appended to it;
+        with ``pipe`` too (the engine process's child, `LLMEngine.pipe_rows`), a pipe row's
+        past its first output as `delta_row` makes it.
 
         The same work as `process`, less what is fixed for a row's life: its request's
         flags, detokenizer state, output and logprob lists and prompt length come from
@@ -281,7 +283,7 @@ class OutputProcessor:
                     # A running delta stream's output fields fixed past its first token.
                     stream = ((req.request_id, req.prompt, req.prompt_token_ids,
                                req.seq_index[sid], req.sent, sid, req.num_cached_tokens or 0,
-                               req.first_scheduled_time)
+                               req.first_scheduled_time, req.pipe_row)
                               if req.delta and p.prompt_logprobs is None
                               and len(req.group.seqs) == 1 else None)
                     cols.append((req, seq, req.detok[sid], seq.output_token_ids,
@@ -349,9 +351,23 @@ class OutputProcessor:
         if streams:
             gone = {id(seq) for _, seq in stopped}
             for seq, state, outs, lp_list, stops, (rid, prompt, ids, index, sent, sid, cached,
-                                                     scheduled) in streams:
+                                                     scheduled, pipe_row) in streams:
                 if gone and id(seq) in gone:  # stopped: `_finish` makes its final output
                     took.append(rid)
+                    continue
+                if pipe and pipe_row:
+                    if not sent:  # its first output is `make_output`'s
+                        took.append(rid)
+                        continue
+                    # `delta_row` of a running sequence.
+                    n = len(outs)
+                    n_sent = sent[sid][0]
+                    sent[sid] = (n, 0)  # a text-free state releases no text
+                    comp = ((index, "", outs[n_sent:n], None, None, None, None)
+                            if lp_list is None else
+                            (index, "", outs[n_sent:n], seq.cumulative_logprob,
+                             lp_list[n_sent:n], None, None))
+                    made.append((rid, None, [comp], False, None, cached, None, scheduled))
                     continue
                 # `_delta_fields` of a running sequence: text that may still start a stop
                 # string waits.
