@@ -32,7 +32,7 @@ FINISH_REASON = {
     SequenceStatus.FINISHED_ABORTED: "abort",
 }
 
-def _top_entry(ids: list[int], lps: list[float], k: int) -> dict[int, float]:
+def top_entry(ids: list[int], lps: list[float], k: int) -> dict[int, float]:
     """A row's top-``k`` logprob entry from its top-k lists (as wide as the step's widest
     request asks, so maybe wider than ``k``). Literals for the common small counts: ~0.1 us
     a row against ~0.5 for dict(zip()) of two slices, for every logprob row of every step."""
@@ -41,6 +41,21 @@ def _top_entry(ids: list[int], lps: list[float], k: int) -> dict[int, float]:
     if k == 2:
         return {ids[0]: lps[0], ids[1]: lps[1]}
     return dict(zip(ids[:k], lps[:k]) if k < len(ids) else zip(ids, lps))
+
+
+def pipe_block(rids: list[str], tokens: list[int], logprobs: tuple | None = None) -> tuple:
+    """A steady step's running pipe rows (the engine process's child, `LLMEngine.pipe_rows`)
+    as columns: ``(None, rids, tokens, logprobs)``, one new token per row; ``logprobs``:
+    None, or per row ``(cumulative logprobs, logprob counts, top-k ids, top-k logprobs,
+    sampled token logprobs)``. What a `delta_row` of each would carry, less what is fixed
+    after a request's first output (its prompt, index, cached-token count, first scheduled
+    time: the front end keeps them from that output, `decode_outputs`) and with the logprob
+    entries left to the front end to build (`top_entry`), as vLLM V1's engine core sends
+    arrays, not dictionaries. A None where a row's request id would be marks it.
+
+    Pickling 256 rows as tuples (a list and two tuples each) cost ~0.15 ms of the child's
+    step and building a logprob row's entry ~0.5 us; a block is a few flat lists."""
+    return (None, rids, tokens, logprobs)
 
 
 # `OutputProcessor._stream_columns`' row kinds: a text stream without stop strings, one
@@ -209,7 +224,7 @@ class OutputProcessor:
                                 for b in applied)
                     top = (out.topk_ids[:, :width].tolist(), out.topk_logprobs[:, :width].tolist(),
                            out.token_ids.tolist(), out.logprobs.tolist())
-                entry = _top_entry(top[0][r], top[1][r], p.logprobs)
+                entry = top_entry(top[0][r], top[1][r], p.logprobs)
                 # This row's token (a speculative step appends several per sequence).
                 entry[top[2][r]] = top[3][r]
                 req.logprobs[seq.seq_id].append(entry)
@@ -260,8 +275,9 @@ class OutputProcessor:
         stop, their stop reasons recorded, and the ids of the requests whose rows it took
         and whose outputs are still to make. With ``made``, the running one-sequence delta
         streams' outputs are made here, as `make_output` makes them, and appended to it;
-        with ``pipe`` too (the engine process's child, `LLMEngine.pipe_rows`), a pipe row's
-        past its first output as `delta_row` makes it.
+        with ``pipe`` too (the engine process's child, `LLMEngine.pipe_rows`), the pipe rows
+        past their first output with one token since the last go as one `pipe_block`, their
+        logprob entries left to the front end; another pipe row as `delta_row` makes it.
 
         The same work as `process`, less what is fixed for a row's life: its request's
         flags, detokenizer state, output and logprob lists and prompt length come from
@@ -297,24 +313,40 @@ class OutputProcessor:
                                  p.skip_special_tokens, texts[p.skip_special_tokens], stream))
             width = max((c[6] or 0 for c in cols), default=0)
             self._listed_cols = (cohort.key, listed, cols, width)
-        if any(c[5] is not None for c in cols):
-            tids = out.topk_ids[:, :width].tolist()
-            tlps = out.topk_logprobs[:, :width].tolist()
-            ttok, tlp = out.token_ids.tolist(), out.logprobs.tolist()
         first_finished = _FIRST_FINISHED
-        items, check, took, streams = [], [], [], []
+        items, check, took, streams, entries = [], [], [], [], []
+        # The engine process's child: running text-free pipe rows with logprobs, one token
+        # since their last output, go as one `pipe_block` (their entries built by the front
+        # end; a None keeps each logprob list as long as the outputs, `delta_row` slicing
+        # past it).
+        blocked = made is not None and pipe
+        b_rows: list[int] = []
+        b_rids: list[str] = []
+        b_toks: list[int] = []
+        b_cums: list[float] = []
+        b_ks: list[int] = []
         for r, (req, seq, state, outs, plen, lp_list, k, lazy, stops, skip, table,
                 stream) in zip(listed, cols):
             if seq.status._value_ >= first_finished:
                 continue  # ended: `process` does it
             if made is not None and stream is not None:
+                if blocked and stream[8] and lp_list is not None and lazy:
+                    sent, sid = stream[4], stream[5]
+                    n = len(outs)
+                    if sent and sent[sid][0] == n - 1:
+                        sent[sid] = (n, 0)
+                        lp_list.append(None)
+                        b_rows.append(r)
+                        b_rids.append(stream[0])
+                        b_toks.append(outs[-1])
+                        b_cums.append(seq.cumulative_logprob)
+                        b_ks.append(k)
+                        continue
                 streams.append((seq, state, outs, lp_list, stops, stream))
             else:
                 took.append(req.request_id)
             if lp_list is not None:
-                entry = _top_entry(tids[r], tlps[r], k)
-                entry[ttok[r]] = tlp[r]
-                lp_list.append(entry)
+                entries.append((r, lp_list, k))
             if lazy:
                 continue  # no text, no stop string: nothing more before it finishes
             total = plen + len(outs)
@@ -329,6 +361,18 @@ class OutputProcessor:
                     state.release(text, total)
                     continue
             items.append((seq.get_token_slice, total, state, skip))
+        if entries:
+            tids = out.topk_ids[:, :width].tolist()
+            tlps = out.topk_logprobs[:, :width].tolist()
+            ttok, tlp = out.token_ids.tolist(), out.logprobs.tolist()
+            for r, lp_list, k in entries:
+                entry = top_entry(tids[r], tlps[r], k)
+                entry[ttok[r]] = tlp[r]
+                lp_list.append(entry)
+        if b_rows:
+            made.append(pipe_block(b_rids, b_toks, (
+                b_cums, b_ks, out.topk_ids[b_rows, :width].tolist(),
+                out.topk_logprobs[b_rows, :width].tolist(), out.logprobs[b_rows].tolist())))
         if items:
             self.detokenizer.step(items)
         stopped = []
@@ -506,8 +550,9 @@ class OutputProcessor:
         `make_output` (which holds back a possible stop string's start). The same text,
         token ids, offsets and stops as `process` + `make_output`
         (`tests/engine/test_stream_rows.py`). With ``pipe`` (the engine process's child,
-        `LLMEngine.pipe_rows`), running `pipe_plain` rows come out as their pipe rows, as
-        `delta_row` makes them (`tests/engine/test_pipe_rows.py`)."""
+        `LLMEngine.pipe_rows`), running `pipe_plain` rows come out as one `pipe_block`
+        (a row with more than one token since its last output: as `delta_row` makes it;
+        `tests/engine/test_pipe_rows.py`)."""
         made: list = []
         slow: list[tuple[RequestState, Sequence]] = []
         check: list[tuple[RequestState, Sequence, DetokState, int]] = []
@@ -558,15 +603,24 @@ class OutputProcessor:
                 slow.append((req, seq))
                 continue
             state.release(table[tok], plen + n)
-        for req, seq, out, sent, sid, index in pipes:
-            if seq.status._value_ >= first_finished:
-                continue  # ended: its final row is `delta_row`'s
-            n = len(out)
-            first = sent[sid][0]
-            sent[sid] = (n, 0)  # a text-free state releases no text
-            made.append((req.request_id, None, [(index, "", out[first:n], None, None, None, None)],
-                         False, None, req.num_cached_tokens or 0, None,
-                         req.first_scheduled_time))
+        if pipes:
+            rids: list[str] = []
+            toks: list[int] = []
+            for req, seq, out, sent, sid, index, rid in pipes:
+                if seq.status._value_ >= first_finished:
+                    continue  # ended: its final row is `delta_row`'s
+                n = len(out)
+                first = sent[sid][0]
+                sent[sid] = (n, 0)  # a text-free state releases no text
+                if first == n - 1:  # one token since its last output, as steady rows have
+                    rids.append(rid)
+                    toks.append(out[-1])
+                    continue
+                made.append((rid, None, [(index, "", out[first:n], None, None, None, None)],
+                             False, None, req.num_cached_tokens or 0, None,
+                             req.first_scheduled_time))
+            if rids:
+                made.append(pipe_block(rids, toks))
         if slow:
             self.detokenizer.step([(seq.get_token_slice, seq.num_total_tokens,
                                     req.detok[seq.seq_id], req.params.skip_special_tokens)
@@ -620,7 +674,7 @@ class OutputProcessor:
                                 req.first_scheduled_time)))
                     elif pipe and req.pipe_plain:
                         cols.append((_PIPE, (req, seq, seq.output_token_ids, req.sent, sid,
-                                             req.seq_index[sid])))
+                                             req.seq_index[sid], req.request_id)))
                     else:
                         cols.append(None)
             rows = [c for c in cols if c is not None]

@@ -38,8 +38,8 @@ from collections.abc import Callable
 
 from pagedjax.detokenizer import Detokenizer, DetokState
 from pagedjax.input_processor import text_free_ok
-from pagedjax.output_processor import OutputProcessor
-from pagedjax.outputs import CompletionOutput, RequestOutput
+from pagedjax.output_processor import OutputProcessor, top_entry
+from pagedjax.outputs import CompletionOutput, RequestOutput, running_delta
 from pagedjax.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def encode_outputs(outs: list, sent_prompts: set[str]) -> list[tuple]:
     rows = []
     for o in outs:
         if type(o) is tuple:  # made as a row by the engine (`LLMEngine.pipe_rows`)
-            if o[3]:
+            if o[0] is not None and o[3]:  # (a `pipe_block`'s rows are running)
                 sent_prompts.discard(o[0])
             rows.append(o)
             continue
@@ -114,15 +114,41 @@ def encode_outputs(outs: list, sent_prompts: set[str]) -> list[tuple]:
 
 
 def decode_outputs(rows: list[tuple], prompts: dict[str, tuple]) -> list[RequestOutput]:
-    """`encode_outputs`' inverse; ``prompts`` keeps each running request's prompt."""
+    """`encode_outputs`' inverse; ``prompts`` keeps each running request's prompt text and
+    ids, and what its first output said of the fields a `pipe_block` leaves out (its first
+    sequence's index, cached-token count, first scheduled time: fixed by then)."""
     outs = []
-    for rid, prompt, comps, finished, prompt_lp, cached, error, scheduled in rows:
+    for row in rows:
+        if row[0] is None:
+            _expand_block(row, prompts, outs)
+            continue
+        rid, prompt, comps, finished, prompt_lp, cached, error, scheduled = row
         if prompt is not None:
-            prompts[rid] = prompt
-        text, ids = prompts.pop(rid) if finished else prompts[rid]
+            prompts[rid] = (*prompt, comps[0][0] if comps else 0, cached, scheduled)
+        text, ids = (prompts.pop(rid) if finished else prompts[rid])[:2]
         outs.append(RequestOutput(rid, text, ids, [CompletionOutput(*c) for c in comps],
                                   finished, prompt_lp, cached, error, scheduled))
     return outs
+
+
+def _expand_block(block: tuple, prompts: dict[str, tuple], outs: list) -> None:
+    """A `pipe_block`'s rows as the `RequestOutput`s `decode_outputs` makes of their
+    `delta_row`s (`tests/engine/test_pipe_rows.py`): one running token each, and the
+    logprob entry `OutputProcessor.listed_rows` would have made of the top-k columns."""
+    _, rids, toks, lp = block
+    if lp is None:
+        for rid, tok in zip(rids, toks, strict=True):
+            text, ids, index, cached, scheduled = prompts[rid]
+            outs.append(running_delta(rid, text, ids, index, "", [tok], cached, scheduled))
+        return
+    cums, ks, tids, tlps, tlp = lp
+    for j, rid in enumerate(rids):
+        text, ids, index, cached, scheduled = prompts[rid]
+        tok = toks[j]
+        entry = top_entry(tids[j], tlps[j], ks[j])
+        entry[tok] = tlp[j]
+        outs.append(running_delta(rid, text, ids, index, "", [tok], cached, scheduled,
+                                  cums[j], [entry]))
 
 
 def _front_info(engine) -> dict:

@@ -1,10 +1,13 @@
 """`LLMEngine.pipe_rows`: the engine process's child takes running text-free deltas as pipe
-rows made straight from request state (`OutputProcessor.delta_row`, and for a steady step's
-running rows `OutputProcessor.stream_rows`); the pipe carries exactly what the
-`RequestOutput`s would have become (`encode_outputs`), step by step. (Within a step the
-outputs' order is the engine's: each is one request's, so steps are compared sorted.)"""
+rows made straight from request state (`OutputProcessor.delta_row`), and a steady step's
+running rows as a `pipe_block` of columns (`OutputProcessor.stream_rows`, `listed_rows`);
+the front end decodes from the pipe exactly the `RequestOutput`s the engine would have made
+(`encode_outputs`, `decode_outputs`), step by step. (Within a step the outputs' order is the
+engine's: each is one request's, so steps are compared sorted.)"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -12,7 +15,7 @@ import pytest
 from models.config import ModelConfig
 from models.weights import assemble_params
 from pagedjax import LLM, SamplingParams
-from pagedjax.serving.engine_process import encode_outputs
+from pagedjax.serving.engine_process import decode_outputs, encode_outputs
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 from tests.parallel.tp_script import NoTokenizer
 
@@ -40,7 +43,7 @@ def _params(i: int, rng: np.random.Generator) -> SamplingParams:
 
 def _steady_params(i: int, rng: np.random.Generator) -> tuple[SamplingParams, str]:
     """Mostly rows `stream_rows` makes (greedy or sampled, stop ids, min_tokens), among
-    quiet final-only rows; now and then one it does not (logprobs)."""
+    quiet final-only rows; one in six it does not (logprobs: `listed_rows`)."""
     m = int(rng.integers(4, 40))
     kind = i % 6
     if kind == 0:
@@ -51,13 +54,13 @@ def _steady_params(i: int, rng: np.random.Generator) -> tuple[SamplingParams, st
     if kind == 2:
         return SamplingParams(temperature=0.8, seed=i, top_p=0.9, max_tokens=m,
                               min_tokens=3), "delta_ids"
-    if kind == 3 and i % 4 == 3:
-        return SamplingParams(temperature=0, max_tokens=m, logprobs=1), "delta_ids"
+    if kind == 3:  # 1, 2 or 3 logprobs: a step's top-k columns as wide as the widest
+        return SamplingParams(temperature=0, max_tokens=m, logprobs=1 + i // 6 % 3), "delta_ids"
     return SamplingParams(temperature=0, max_tokens=m, ignore_eos=True), "delta_ids"
 
 
 def _pipe(tiny, rows: bool, *, steady: bool = False, async_scheduling: bool = True,
-          blocks: int = 64) -> tuple[list[list[tuple]], int, int]:
+          blocks: int = 64) -> tuple[list[list[tuple]], int, int, int]:
     config, params = tiny
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=blocks, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
@@ -70,13 +73,13 @@ def _pipe(tiny, rows: bool, *, steady: bool = False, async_scheduling: bool = Tr
         prompt = [int(t) for t in rng.integers(3, config.vocab_size, int(rng.integers(2, 30)))]
         sp, kind = _steady_params(i, rng) if steady else (_params(i, rng), "delta_ids")
         pending.append((f"r{i}", prompt, sp, kind))
-    steps, sent, made = [], set(), 0
+    steps, sent, made, prompts, logprob_blocks = [], set(), 0, {}, 0
     streamed = [0]
     real = engine.outputs.stream_rows
 
     def counted(*args):
         got = real(*args)
-        streamed[0] += sum(type(o) is tuple for o in got[0])
+        streamed[0] += _rows(got[0])
         return got
 
     engine.outputs.stream_rows = counted
@@ -88,19 +91,33 @@ def _pipe(tiny, rows: bool, *, steady: bool = False, async_scheduling: bool = Tr
         if len(steps) == 6:
             engine.abort_request("r7")  # an abort's output after rows
         outs = engine.step()
-        made += sum(type(o) is tuple for o in outs)
-        # The first scheduled time is the clock's: only whether it is set is compared.
-        steps.append(sorted(((*r[:7], r[7] is not None) for r in encode_outputs(outs, sent)),
+        made += _rows(outs)
+        logprob_blocks += sum(type(o) is tuple and o[0] is None and o[3] is not None
+                              for o in outs)
+        steps.append(sorted(map(_fields, decode_outputs(encode_outputs(outs, sent), prompts)),
                             key=lambda r: r[0]))
-    assert not sent  # every finished request's prompt forgotten
+    assert not sent and not prompts  # every finished request's prompt forgotten, both ends
     bm = engine.block_manager
     assert bm.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
-    return steps, made, streamed[0]
+    return steps, made, streamed[0], logprob_blocks
+
+
+def _rows(outs: list) -> int:
+    """Outputs made as pipe rows: `delta_row`s and the rows of `pipe_block`s."""
+    return sum(len(o[1]) if o[0] is None else 1 for o in outs if type(o) is tuple)
+
+
+def _fields(o) -> tuple:
+    """A decoded output's fields; of the first scheduled time (the clock's), whether it is
+    set."""
+    return (o.request_id, o.prompt, o.prompt_token_ids,
+            [dataclasses.astuple(c) for c in o.outputs], o.finished, o.prompt_logprobs,
+            o.num_cached_tokens, o.error, o.first_scheduled_time is not None)
 
 
 def test_pipe_rows_carry_what_the_outputs_would(tiny):
-    objects, none, _ = _pipe(tiny, False)
-    rows, made, _ = _pipe(tiny, True)
+    objects, none, _, _ = _pipe(tiny, False)
+    rows, made, _, _ = _pipe(tiny, True)
     assert none == 0 and made > 40
     assert rows == objects
 
@@ -124,22 +141,23 @@ def test_steady_pipe_rows_carry_what_the_outputs_would(tiny, async_scheduling, b
         return real(self, run, token_ids, pending, rows, logprobs)
 
     kw = dict(steady=True, async_scheduling=async_scheduling, blocks=blocks)
-    objects, none, _ = _pipe(tiny, False, **kw)
+    objects, none, _, _ = _pipe(tiny, False, **kw)
     monkeypatch.setattr(Scheduler, "update_steady", steady)
-    rows, made, streamed = _pipe(tiny, True, **kw)
+    rows, made, streamed, logprob_blocks = _pipe(tiny, True, **kw)
     assert none == 0
     assert streamed > 30  # the steady steps did make their rows from the columns
     assert listed[0] > 5  # ... with the logprob rows listed beside them
+    assert logprob_blocks > 5  # ... and sent as blocks of logprob columns
     assert rows == objects
     with monkeypatch.context() as m:
         m.setattr(LLMEngine, "LISTED_MAX_SHARE", 0.0)
-        general, _, _ = _pipe(tiny, False, **kw)
+        general, _, _, _ = _pipe(tiny, False, **kw)
     assert general == objects
     # The deltas add up to each stream's whole output: max_tokens where nothing stops it.
     ids: dict[str, list[int]] = {}
     for step in rows:
         for r in step:
-            ids.setdefault(r[0], []).extend(r[2][0][2])
+            ids.setdefault(r[0], []).extend(r[3][0][2])
     rng = np.random.default_rng(1)
     checked = 0
     for i in range(24):
@@ -168,7 +186,7 @@ def test_pipe_rows_switch_drops_the_cached_cohort_answer(tiny):
     engine.pipe_rows = True
     for _ in range(3):
         outs = engine.step()
-    assert len(outs) == 4 and all(type(o) is tuple for o in outs)
+    assert len(outs) == 1 and outs[0][0] is None and len(outs[0][1]) == 4  # one block
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.block_manager.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks

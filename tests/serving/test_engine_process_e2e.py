@@ -106,7 +106,11 @@ TEXT_PARAMS = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
                SamplingParams(n=3, temperature=0.9, seed=4, max_tokens=20, min_tokens=3,
                               stop=[" a", "\n", "."], include_stop_str_in_output=True),
                # One output at the end, the best two of four, decoded in the front end.
-               SamplingParams(n=2, best_of=4, temperature=1.0, seed=8, max_tokens=16)]
+               SamplingParams(n=2, best_of=4, temperature=1.0, seed=8, max_tokens=16),
+               # Logprob streams: their steady steps' rows cross the pipe as columns, the
+               # entries built in the front end (`pipe_block`).
+               SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2),
+               SamplingParams(temperature=0.8, seed=9, max_tokens=28, logprobs=1)]
 
 
 def _in_process_deltas(engine, prompts, params) -> list[dict]:
@@ -123,16 +127,19 @@ def _in_process_deltas(engine, prompts, params) -> list[dict]:
 
 def _merged(outs) -> dict[int, list]:
     """A stream's deltas put together per sample: text, tokens, the last cumulative logprob,
-    finish and stop reasons. Only the last output is finished. (The outputs themselves may
-    differ: a stream whose consumer is behind gets its pending deltas merged.)"""
+    finish and stop reasons, the logprob entries (None without). Only the last output is
+    finished. (The outputs themselves may differ: a stream whose consumer is behind gets its
+    pending deltas merged.)"""
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
     acc: dict[int, list] = {}
     for o in outs:
         for c in o.outputs:
-            a = acc.setdefault(c.index, ["", [], None, None, None])
+            a = acc.setdefault(c.index, ["", [], None, None, None, None])
             a[0] += c.text
             a[1] += c.token_ids
-            a[2:] = c.cumulative_logprob, c.finish_reason, c.stop_reason
+            a[2:5] = c.cumulative_logprob, c.finish_reason, c.stop_reason
+            if c.logprobs is not None:
+                a[5] = (a[5] or []) + c.logprobs
     return acc
 
 
@@ -142,8 +149,14 @@ def _same(a: dict[int, list], b: dict[int, list]) -> bool:
     def lp_close(x, y):
         return x is None and y is None or x is not None and y is not None and abs(x - y) < 1e-3
 
+    def entries_close(x, y):
+        return x is None and y is None or x is not None and y is not None and len(x) == len(
+            y) and all(e.keys() == f.keys() and all(lp_close(e[t], f[t]) for t in e)
+                       for e, f in zip(x, y))
+
     return sorted(a) == sorted(b) and all(
-        a[i][:2] + a[i][3:] == b[i][:2] + b[i][3:] and lp_close(a[i][2], b[i][2]) for i in a)
+        a[i][:2] + a[i][3:5] == b[i][:2] + b[i][3:5] and lp_close(a[i][2], b[i][2])
+        and entries_close(a[i][5], b[i][5]) for i in a)
 
 
 def test_delta_ids_carry_the_delta_tokens_without_text(offline):
