@@ -26,7 +26,9 @@ servers ask; `final_only`: as
 asks for them, text-free (`delta_ids`, stop strings left to the front end), plus turning each
 step's outputs into the pipe's message, running deltas made as rows (`LLMEngine.pipe_rows`);
 `engine_process_objects`: the same with every output made as a `RequestOutput` first, the
-A/B baseline of those rows; `--kinds` picks).
+A/B baseline of those rows; `--kinds` picks). An `engine_process` row also times the
+parent's side of its steps (`front_end`: unpickling and `decode_outputs`, as sent and as one
+tuple per row), which runs in the other process, off the child's step.
 
 Where the tail comes from. This VM changes speed for seconds at a time (a plain Python loop
 runs 1.3-1.6x slower in its slow spells, whatever runs), so after each timed step, outside
@@ -309,9 +311,10 @@ def _commit() -> str:
 def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             output_kind: str = "cumulative", freeze_gc: bool = True,
             phases: _Phases | _Calls | None = None, gc_threshold: int | None = None,
-            trace: list | None = None) -> dict:
+            trace: list | None = None, messages: list | None = None) -> dict:
     """One row: ``steps`` timed decode steps of ``num_seqs`` sequences; ``trace``, if given,
-    gets each timed step's (ms, probe us)."""
+    gets each timed step's (ms, probe us); ``messages`` (an `engine_process` kind) each
+    timed step's outputs as pickled for the pipe."""
     import gc
 
     import pagedjax.engine as eng_mod
@@ -416,9 +419,11 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 t0 = time.perf_counter()
                 outs = engine.step()
                 if ipc:  # what the engine process adds: its outputs made ready for the pipe
-                    pickle.dumps(("step", encode_outputs(outs, sent), engine.get_stats(), 0, True),
-                                 protocol=pickle.HIGHEST_PROTOCOL)
+                    msg = pickle.dumps(("step", encode_outputs(outs, sent), engine.get_stats(),
+                                        0, True), protocol=pickle.HIGHEST_PROTOCOL)
                 times.append(time.perf_counter() - t0)
+                if messages is not None:
+                    messages.append(msg)
                 probes.append(_probe_us())
                 _baton_pass(b"d")
         finally:
@@ -447,6 +452,37 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
             "median_ms": 1e3 * statistics.median(times),
             "p99_ms": 1e3 * times[min(len(times) - 1, int(0.99 * len(times)))],
             "max_ms": 1e3 * times[-1], **tail}
+
+
+def front_end(messages: list[bytes], reps: int = 5) -> dict:
+    """The engine process's parent's share of each step: unpickling its message and
+    `decode_outputs`, ms per step, for the messages as the child sent them (steady steps'
+    running rows as a `pipe_block`) and for the same outputs as one tuple per row (the
+    format before blocks: `encode_outputs` of the decoded `RequestOutput`s), alternated.
+    The parent's prompts are made up (one per request, as its first output would have left
+    them): decoding reads them, their contents cost nothing."""
+    from pagedjax.serving.engine_process import decode_outputs, encode_outputs
+
+    pairs = []
+    for m in messages:
+        rows = pickle.loads(m)[1]
+        rids = {rid for r in rows for rid in (r[1] if r[0] is None else (r[0],))}
+        prompts = {rid: ("prompt", [1, 2, 3], 0, 0, 1.0) for rid in rids}
+        outs = decode_outputs(rows, dict(prompts))
+        as_rows = pickle.dumps(("step", encode_outputs(outs, set(rids)), *pickle.loads(m)[2:]),
+                               protocol=pickle.HIGHEST_PROTOCOL)
+        pairs.append((m, as_rows, prompts))
+    times: dict[str, list[float]] = {"as_sent": [], "as_rows": []}
+    for _ in range(reps):
+        for m, as_rows, prompts in pairs:
+            for name, msg in (("as_sent", m), ("as_rows", as_rows)):
+                kept = dict(prompts)
+                t0 = time.perf_counter()
+                decode_outputs(pickle.loads(msg)[1], kept)
+                times[name].append(time.perf_counter() - t0)
+    return {f"front_end_{k}_median_ms": 1e3 * statistics.median(v) for k, v in times.items()} | {
+        "message_bytes_as_sent": statistics.median(len(m) for m, _, _ in pairs),
+        "message_bytes_as_rows": statistics.median(len(r) for _, r, _ in pairs)}
 
 
 def metadata_ab(num_rows: int, reps: int) -> dict:
@@ -636,8 +672,14 @@ def main() -> None:
             for mix in args.mixes.split(","):
                 for n in map(int, args.seqs.split(",")):
                     trace: list = []
+                    msgs = [] if kind == "engine_process" else None
                     r = {**measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze,
-                                   trace=trace), "rep": rep}
+                                   trace=trace, messages=msgs), "rep": rep}
+                    if msgs:  # the parent's side of the same steps, off the child's time
+                        r |= front_end(msgs)
+                        print(f"  front end: {r['front_end_as_sent_median_ms']:.3f} ms a step "
+                              f"as sent, {r['front_end_as_rows_median_ms']:.3f} as rows",
+                              flush=True)
                     rows.append(r)
                     traces.append({k: r[k] for k in ("rep", "output_kind", "mix", "num_seqs")}
                                   | {"step_ms_and_probe_us": trace})

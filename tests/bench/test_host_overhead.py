@@ -25,6 +25,33 @@ def test_measure_runs_the_real_engine_over_the_stub(demo_gguf, demo_tokenizer):
             assert row["p99_speed_adjusted_ms"] > 0 and row["gc_max_ms"] >= 0
 
 
+def test_front_end_decodes_each_message_both_ways(demo_gguf, demo_tokenizer, monkeypatch):
+    """`front_end` times the parent's side of the timed steps: their messages as sent (the
+    steady steps' rows as `pipe_block`s) and as one row each, decoding to equal outputs."""
+    import pickle
+
+    import bench.host_overhead as ho
+    from pagedjax.serving.engine_process import decode_outputs, encode_outputs
+
+    monkeypatch.setitem(ho.ENGINE_ARGS, "async_scheduling", True)
+    config = read_config(str(demo_gguf))
+    msgs: list = []
+    measure(6, 5, "mixed", demo_tokenizer, config, output_kind="engine_process",
+            freeze_gc=False, messages=msgs)
+    assert len(msgs) == 5
+    rows = pickle.loads(msgs[-1])[1]
+    assert any(r[0] is None and r[3] is not None for r in rows)  # a logprob block
+    assert any(r[0] is None and r[3] is None for r in rows)  # a plain one
+    prompts = {rid: ("p", [1], 0, 0, 1.0) for r in rows for rid in r[1]}
+    outs = decode_outputs(rows, dict(prompts))
+    assert len(outs) == 6 and all(len(o.outputs[0].token_ids) == 1 for o in outs)
+    again = decode_outputs(encode_outputs(outs, set(prompts)), dict(prompts))
+    assert [(o.request_id, o.outputs) for o in again] == [(o.request_id, o.outputs) for o in outs]
+    got = ho.front_end(msgs, reps=1)
+    assert got["front_end_as_sent_median_ms"] > 0 and got["front_end_as_rows_median_ms"] > 0
+    assert 0 < got["message_bytes_as_sent"] < got["message_bytes_as_rows"]
+
+
 def test_measure_runs_async_scheduling_over_the_stub(demo_gguf, demo_tokenizer, monkeypatch):
     """`--engine-arg async_scheduling=true`: each step launched before the last one's tokens
     are applied, as a CPU engine runs by default; the steps are steady decode steps."""
