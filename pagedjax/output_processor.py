@@ -308,7 +308,8 @@ class OutputProcessor:
                                  len(seq.prompt_token_ids),
                                  None if p.logprobs is None else req.logprobs[sid],
                                  p.logprobs, req.lazy_text,
-                                 (p.stops, p.longest_stop - 1, p.min_tokens, p)
+                                 (p.stops, p.longest_stop - 1, p.min_tokens, p,
+                                  "".join({stop[-1]: None for stop in p.stops}))
                                  if req.has_stop_strings else None,
                                  p.skip_special_tokens, texts[p.skip_special_tokens], stream))
             width = max((c[6] or 0 for c in cols), default=0)
@@ -350,16 +351,30 @@ class OutputProcessor:
             if lazy:
                 continue  # no text, no stop string: nothing more before it finishes
             total = plen + len(outs)
-            if stops is not None:
-                check.append((req, seq, state, state.length, stops, outs))
             # `Detokenizer.append_token`, from the whole-character texts (`token_texts`,
             # as `stream_rows`): a token ending inside a character takes the window.
             tok = outs[-1]
             if state.read_offset == total - 1 and tok < len(table):
                 text = table[tok]
                 if text is not None:
+                    if stops is None:
+                        state.release(text, total)
+                        continue
+                    old = state.length
                     state.release(text, total)
+                    if len(outs) <= stops[2]:  # the last step's text was not searched
+                        check.append((req, seq, state, old, stops, outs))
+                        continue
+                    # The last step searched the text up to here as far back as `find_stop`
+                    # reaches now, so a stop string found now ends in this text: one
+                    # without any stop string's last character stops nothing.
+                    for last in stops[4]:
+                        if last in text:
+                            check.append((req, seq, state, old, stops, outs))
+                            break
                     continue
+            if stops is not None:
+                check.append((req, seq, state, state.length, stops, outs))
             items.append((seq.get_token_slice, total, state, skip))
         if entries:
             tids = out.topk_ids[:, :width].tolist()
@@ -376,7 +391,7 @@ class OutputProcessor:
         if items:
             self.detokenizer.step(items)
         stopped = []
-        for req, seq, state, old, (strings, back, min_tokens, p), outs in check:
+        for req, seq, state, old, (strings, back, min_tokens, p, _), outs in check:
             if len(outs) < min_tokens:
                 continue
             # Only a tail that holds a stop string takes the search (`find_stop`), which

@@ -31,6 +31,10 @@ def wide(demo_tokenizer):
 # Single bytes of multi-byte characters in the demo vocabulary (`Detokenizer.token_texts`
 # None): favoured, they make text that ends inside a character and is held back.
 SPLIT_BYTES = {i: 7.0 for i in range(111, 111 + 96)}
+# The demo vocabulary's "y", "a", "b", "x", "ya", "ay": favoured, they make the stop
+# strings "ya" and "bxbxbxbxbxbx" come within a few tokens, ended by tokens with and without
+# the last character.
+STOP_CHARS = {105: 30.0, 81: 29.0, 82: 28.0, 104: 30.0, 5488: 27.0, 341: 27.0}
 
 
 def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingParams, str]]:
@@ -50,13 +54,20 @@ def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingPar
         kind = "final_only" if i % 7 == 0 and i else "delta"  # quiet rows among the streams
         if mixed == "listed_final":  # `LLM.generate`'s steps: quiet rows, listed ones
             kind = "final_only"
-        if mixed in ("listed", "listed_final") and i % 5 == 2:  # a few rows listed
+        if mixed == "listed_stops" and i % 3 == 1:
+            # Listed rows whose stop strings come often (their characters favoured), at
+            # and after `min_tokens`: `listed_rows` skips the search for a text without
+            # a stop string's last character only where the last step searched.
+            kw = dict(temperature=1.0, seed=i, logprobs=1 + i % 2, stop=["ya", "bxbxbxbxbxbx"],
+                      min_tokens=8 + i % 10, max_tokens=60, logit_bias=STOP_CHARS)
+        elif mixed in ("listed", "listed_final") and i % 5 == 2:  # a few rows listed
             # (a stop string that never comes: its last 2 characters wait each step)
             kw = [dict(temperature=0.8, seed=i, logprobs=2, stop=["qzx"], max_tokens=60),
                   dict(temperature=0, logprobs=0, stop=["e", " a"], min_tokens=6),
                   dict(temperature=0.9, seed=i, logprobs=1, max_tokens=60,
                        logit_bias=SPLIT_BYTES)][i % 3]
-        elif mixed and i % 8 == 3:  # rows the fast path does not take: the general path's
+        elif mixed in (True, "listed", "listed_final") and i % 8 == 3:  # rows the fast
+            # path does not take: the general path's
             kw = dict(temperature=0, logprobs=1) if i % 16 == 3 else dict(n=2, seed=1)
         prompt = [int(t) for t in rng.integers(20, vocab, int(rng.integers(3, 30)))]
         kw = {"max_tokens": int(rng.integers(4, 40)), **kw}
@@ -135,7 +146,7 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int,
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("blocks,mixed", [(200, False), (24, False), (200, True),
                                           (200, "listed"), (24, "listed"),
-                                          (24, "listed_final")])
+                                          (24, "listed_final"), (200, "listed_stops")])
 def test_streamed_rows_output_what_the_general_path_does(wide, demo_tokenizer, async_scheduling,
                                                          blocks, mixed, monkeypatch):
     """24 blocks of 8 tokens hold a few of the 16 sequences: preemption cuts cohorts.
@@ -165,7 +176,7 @@ def _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, 
     assert none == 0 and none_listed == 0
     if mixed not in (True, "listed_final"):  # (True: rows that break steady steps)
         assert made > 50  # the steady steps did take the fast path
-    if mixed in ("listed", "listed_final"):
+    if mixed in ("listed", "listed_final", "listed_stops"):
         assert listed > 10  # ... with the logprob rows listed beside the streamed ones
     assert got == want
     # The deltas add up to each stream's whole decode (up to a stop string, where one hit).
