@@ -461,13 +461,16 @@ def front_end(messages: list[bytes], reps: int = 5) -> dict:
     format before blocks: `encode_outputs` of the decoded `RequestOutput`s), alternated.
     The parent's prompts are made up (one per request, as its first output would have left
     them): decoding reads them, their contents cost nothing."""
+    import pagedjax.serving.engine_process as ep
     from pagedjax.serving.engine_process import decode_outputs, encode_outputs
 
+    # (A tree before blocks, as `host_overhead_ab.py`'s base: its prompts are text and ids.)
+    kept_fields = ("prompt", [1, 2, 3], 0, 0, 1.0)[:5 if hasattr(ep, "_expand_block") else 2]
     pairs = []
     for m in messages:
         rows = pickle.loads(m)[1]
         rids = {rid for r in rows for rid in (r[1] if r[0] is None else (r[0],))}
-        prompts = {rid: ("prompt", [1, 2, 3], 0, 0, 1.0) for rid in rids}
+        prompts = {rid: kept_fields for rid in rids}
         outs = decode_outputs(rows, dict(prompts))
         as_rows = pickle.dumps(("step", encode_outputs(outs, set(rids)), *pickle.loads(m)[2:]),
                                protocol=pickle.HIGHEST_PROTOCOL)
@@ -672,7 +675,8 @@ def main() -> None:
             for mix in args.mixes.split(","):
                 for n in map(int, args.seqs.split(",")):
                     trace: list = []
-                    msgs = [] if kind == "engine_process" else None
+                    # (Not in lockstep: an A/B times the child's steps only.)
+                    msgs = [] if kind == "engine_process" and BATON is None else None
                     r = {**measure(n, args.steps, mix, tok, config, kind, not args.no_gc_freeze,
                                    trace=trace, messages=msgs), "rep": rep}
                     if msgs:  # the parent's side of the same steps, off the child's time
