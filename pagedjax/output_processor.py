@@ -58,6 +58,20 @@ def pipe_block(rids: list[str], tokens: list[int], logprobs: tuple | None = None
     return (None, rids, tokens, logprobs)
 
 
+def _hand_over(entries: list, a: int, b: int) -> list:
+    """``entries[a:b]``, a delta's logprob entries, with the engine's references to them
+    dropped (None in their place): once sent they are the client's (a delta only ever reads
+    the entries past its last output), so they are freed with its outputs instead of living
+    as long as the request. CPython counts every allocation of a container toward the
+    collector's young generation, dictionaries it does not track included, until it is
+    freed: 128 logprob streams' kept entries set off a gen-0 collection (~1 ms) every ~80
+    steps at 256 rows."""
+    got = entries[a:b]
+    for i in range(a, b):
+        entries[i] = None
+    return got
+
+
 # `OutputProcessor._stream_columns`' row kinds: a text stream without stop strings, one
 # with them, an engine-process pipe row.
 _PLAIN, _STOPS, _PIPE = 0, 1, 2
@@ -421,7 +435,7 @@ class OutputProcessor:
                     comp = ((index, "", outs[n_sent:n], None, None, None, None)
                             if lp_list is None else
                             (index, "", outs[n_sent:n], seq.cumulative_logprob,
-                             lp_list[n_sent:n], None, None))
+                             _hand_over(lp_list, n_sent, n), None, None))
                     made.append((rid, None, [comp], False, None, cached, None, scheduled))
                     continue
                 # `_delta_fields` of a running sequence: text that may still start a stop
@@ -437,7 +451,7 @@ class OutputProcessor:
                 made.append(running_delta(
                     rid, prompt, ids, index, text, outs[n_sent:n], cached, scheduled,
                     None if lp_list is None else seq.cumulative_logprob,
-                    None if lp_list is None else lp_list[n_sent:n]))
+                    None if lp_list is None else _hand_over(lp_list, n_sent, n)))
         return stopped, took
 
     @staticmethod
@@ -492,7 +506,7 @@ class OutputProcessor:
             return (text, out[tokens_sent:n], None, None, FINISH_REASON.get(seq.status),
                     req.stop_reason.get(sid))
         return (text, out[tokens_sent:n], seq.cumulative_logprob,
-                req.logprobs[sid][tokens_sent:n], FINISH_REASON.get(seq.status),
+                _hand_over(req.logprobs[sid], tokens_sent, n), FINISH_REASON.get(seq.status),
                 req.stop_reason.get(sid))
 
     def beam_completions(self, req: RequestState) -> list[CompletionOutput]:
@@ -716,7 +730,7 @@ class OutputProcessor:
                     FINISH_REASON.get(seq.status), req.stop_reason.get(sid))
         else:
             comp = (req.seq_index[sid], "", out[sent:n], seq.cumulative_logprob,
-                    req.logprobs[sid][sent:n], FINISH_REASON.get(seq.status),
+                    _hand_over(req.logprobs[sid], sent, n), FINISH_REASON.get(seq.status),
                     req.stop_reason.get(sid))
         return (req.request_id, None, [comp], final, None, req.num_cached_tokens or 0, None,
                 req.first_scheduled_time)

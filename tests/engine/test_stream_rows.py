@@ -134,6 +134,10 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int,
                     assert text.startswith(sent.get(rid, "")), rid
                     if not req.has_stop_strings:
                         assert text == sent.get(rid, ""), rid
+                if req.delta and req.params.logprobs is not None:  # sent entries handed over
+                    for sid, (n_sent, _) in req.sent.items():
+                        assert req.logprobs[sid][:n_sent] == [None] * n_sent, rid
+                        assert None not in req.logprobs[sid][n_sent:], rid
             # The first scheduled time is the clock's: only whether it is set is compared.
             steps.append(sorted(
                 (o.request_id, o.finished, o.num_cached_tokens, o.first_scheduled_time is not None,
