@@ -7,6 +7,8 @@ skipped special tokens; the deltas add up to the whole decode; the block pool is
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -219,7 +221,10 @@ def test_token_texts_match_the_tokenizer(demo_tokenizer):
     from pagedjax.detokenizer import Detokenizer
 
     det = Detokenizer(demo_tokenizer)
+    assert det._texts is not None  # built with the byte table, before a server's gc.freeze
     plain, skipping = det.token_texts()
+    gc.collect()  # ... and never scanned by the collector again
+    assert not gc.is_tracked(plain) and not gc.is_tracked(skipping)
     special = set(demo_tokenizer.all_special_ids)
     held = 0
     for i in range(len(plain)):
