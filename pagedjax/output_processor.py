@@ -622,16 +622,37 @@ class OutputProcessor:
             made.append(running_delta(rid, prompt, ids, index, text,
                                       [tok] if first == n - 1 else out[first:n], cached,
                                       scheduled))
-        for req, seq, state, out, plen, table in stops:
+        # Rows with stop strings. One whose text the stop-string search can skip (as in
+        # `listed_rows`: past `min_tokens`, no stop string's last character in its new text)
+        # makes its output here too, as `make_output` would: the last ``back`` characters,
+        # which may start a stop string, wait. The others take the search and `make_output`.
+        for (req, seq, state, out, plen, table, sent, sid, index, rid, prompt, ids, cached,
+             scheduled, min_tokens, lasts, back) in stops:
             if seq.status._value_ >= first_finished:
                 continue
-            check.append((req, seq, state, state.length))
+            old = state.length
             n = len(out)
             tok = out[-1]
             if state.read_offset != plen + n - 1 or tok >= len(table) or table[tok] is None:
+                check.append((req, seq, state, old))
                 slow.append((req, seq))
                 continue
-            state.release(table[tok], plen + n)
+            text = table[tok]
+            state.release(text, plen + n)
+            if n <= min_tokens:  # the last step's text was not searched
+                check.append((req, seq, state, old))
+                continue
+            for last in lasts:
+                if last in text:
+                    check.append((req, seq, state, old))
+                    break
+            else:
+                first, chars_sent = sent[sid]
+                visible = max(chars_sent, state.length - back)
+                sent[sid] = (n, visible)
+                made.append(running_delta(
+                    rid, prompt, ids, index, state.tail(chars_sent)[:visible - chars_sent],
+                    [tok] if first == n - 1 else out[first:n], cached, scheduled))
         if pipes:
             rids: list[str] = []
             toks: list[int] = []
@@ -690,10 +711,16 @@ class OutputProcessor:
                         if texts is None:
                             texts = self.detokenizer.token_texts() or ([], [])
                         table = texts[req.params.skip_special_tokens]
+                        p = req.params
                         if req.has_stop_strings:
-                            cols.append((_STOPS, (req, seq, req.detok[sid],
-                                                  seq.output_token_ids,
-                                                  len(seq.prompt_token_ids), table)))
+                            cols.append((_STOPS, (
+                                req, seq, req.detok[sid], seq.output_token_ids,
+                                len(seq.prompt_token_ids), table, req.sent, sid,
+                                req.seq_index[sid], req.request_id, req.prompt,
+                                req.prompt_token_ids, req.num_cached_tokens or 0,
+                                req.first_scheduled_time, p.min_tokens,
+                                "".join({stop[-1]: None for stop in p.stops}),
+                                p.longest_stop - 1)))
                         else:
                             cols.append((_PLAIN, (
                                 req, seq, req.detok[sid], seq.output_token_ids,

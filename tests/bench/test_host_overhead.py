@@ -12,7 +12,7 @@ from models.loader import read_config
 
 def test_measure_runs_the_real_engine_over_the_stub(demo_gguf, demo_tokenizer):
     config = read_config(str(demo_gguf))
-    for mix in ("greedy", "mixed", "sampled", "sampled_one_lp"):
+    for mix in ("greedy", "mixed", "sampled", "sampled_one_lp", "sampled_stops"):
         for kind in ("cumulative", "engine_process"):  # the latter: text-free + the pipe's message
             trace: list = []
             row = measure(4, 3, mix, demo_tokenizer, config, output_kind=kind,

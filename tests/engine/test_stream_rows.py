@@ -62,6 +62,9 @@ def _requests(vocab: int, mixed: bool) -> list[tuple[str, list[int], SamplingPar
             # a stop string's last character only where the last step searched.
             kw = dict(temperature=1.0, seed=i, logprobs=1 + i % 2, stop=["ya", "bxbxbxbxbxbx"],
                       min_tokens=8 + i % 10, max_tokens=60, logit_bias=STOP_CHARS)
+        elif mixed == "stream_stops" and i % 4:  # `stream_rows`' rows with stop strings
+            kw = dict(temperature=1.0, seed=i, stop=["ya", "bxbxbxbxbxbx"],
+                      min_tokens=4 + i % 13, max_tokens=60, logit_bias=STOP_CHARS)
         elif mixed in ("listed", "listed_final") and i % 5 == 2:  # a few rows listed
             # (a stop string that never comes: its last 2 characters wait each step)
             kw = [dict(temperature=0.8, seed=i, logprobs=2, stop=["qzx"], max_tokens=60),
@@ -152,13 +155,16 @@ def _run(wide, tokenizer, *, fast: bool, async_scheduling: bool, blocks: int,
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("blocks,mixed", [(200, False), (24, False), (200, True),
                                           (200, "listed"), (24, "listed"),
-                                          (24, "listed_final"), (200, "listed_stops")])
+                                          (24, "listed_final"), (200, "listed_stops"),
+                                          (200, "stream_stops")])
 def test_streamed_rows_output_what_the_general_path_does(wide, demo_tokenizer, async_scheduling,
                                                          blocks, mixed, monkeypatch):
     """24 blocks of 8 tokens hold a few of the 16 sequences: preemption cuts cohorts.
     "listed": logprob rows (one with stop strings) among the streams, listed beside them
     (`LLMEngine._steady_classes`, `OutputProcessor.listed_rows`); "listed_final": the same
-    rows final-only, beside quiet ones."""
+    rows final-only, beside quiet ones; "listed_stops" / "stream_stops": listed / streamed
+    rows whose stop strings come often, at and after `min_tokens` (the search skipped where
+    it cannot find one)."""
     _check_against_general_path(wide, demo_tokenizer, async_scheduling, blocks, mixed,
                                 monkeypatch)
 
