@@ -18,7 +18,7 @@ after start-up as the server does (`--no-gc-freeze`: not), then `SETTLE_STEPS` u
 decode steps are reported (with 200, p99 is the second slowest), for each sampling mix (`greedy`: all greedy;
 `mixed`: half the requests with top-p, penalties and logprobs; `sampled`: every request at
 temperature 0.7 and top-p 0.95, as most chat clients send; `sampled_stops`: the same with a
-stop string each; `sampled_one_lp`: the same, one
+stop string each; `sampled_lp`: with 2 logprobs each; `sampled_one_lp`: the same, one
 of them with 2 logprobs, which used to take every row off the streamed fast path) and
 output kind (`cumulative`: an output per request per step, as a library caller streaming;
 `delta`: an output per request per step holding only what is new, as the HTTP and gRPC
@@ -366,6 +366,9 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                 sp = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.2,
                                     repetition_penalty=1.1, logprobs=2, max_tokens=steps + 200,
                                     ignore_eos=True, stop=["\n\n\n\n"])
+            elif mix == "sampled_lp":  # 2 logprobs on every stream
+                sp = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=steps + 200,
+                                    ignore_eos=True, logprobs=2)
             elif mix == "sampled_stops":  # a chat client's stop string on every stream
                 sp = SamplingParams(temperature=0.7, top_p=0.95, max_tokens=steps + 200,
                                     ignore_eos=True, stop=["\n\nUser:"])

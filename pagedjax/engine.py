@@ -1633,9 +1633,13 @@ class LLMEngine:
         return touched
 
     # A steady step's rows other than its quiet and streamed ones (`_steady_classes`) are
-    # listed and processed one by one while they are at most this share of the step; past
-    # it, the general path is as fast. (Tests set 0 to compare with the general path.)
-    LISTED_MAX_SHARE = 0.5
+    # listed and processed one by one while they are at most this share of the step. Since
+    # `listed_rows` reads columns, it is the faster path at any share: 256 rows, every one
+    # listed, host ms per step with a share of 0.5 (the general path) / 1
+    # (`bench/host_overhead.py`, stop 80): `final_only` with a stop string each 1.09-1.17 /
+    # 0.64-0.71, with 2 logprobs each 0.70-0.72 / 0.51-0.53; `delta` with 2 logprobs
+    # 1.59-1.78 / 1.46-1.54. (Tests set 0 to compare with the general path.)
+    LISTED_MAX_SHARE = 1.0
 
     def _apply_plain(self, fl: _InFlight, out) -> set[str] | None:
         """`_apply_samples` for a step of plain rows (most decode steps): no fork, draft,
@@ -1694,9 +1698,11 @@ class LLMEngine:
         past its first output (`RequestState.pipe_plain`): `stream_rows` outputs them.
         Listed: the rows that are neither (logprobs, text-producing final-only rows with
         stop strings), past their first token, at most `LISTED_MAX_SHARE` of the step: the
-        scheduler lists their tokens (`Scheduler.update_steady`'s ``listed``) and they take
-        `OutputProcessor.process` and `_finish`'s outputs, as on the general path, while the
-        others are applied from the cohort's columns. Before, one such row sent the whole
+        scheduler lists their tokens (`Scheduler.update_steady`'s ``listed``) and
+        `OutputProcessor.listed_rows` applies them from its own columns and makes the
+        running streams' outputs (the others are `_finish`'s), while the others are applied
+        from the cohort's columns. A listed stream makes the step not quiet, so that its
+        outputs are made there even when every other row is quiet. Before, one such row sent the whole
         step down the general path: a request with logprobs among 255 plain streams took the
         256-row `delta` step 0.64 -> 1.26 ms (`bench/host_overhead.py --mixes
         sampled_one_lp`). Neither quiet nor streamed: the general path.
@@ -1728,6 +1734,8 @@ class LLMEngine:
                     listed.append(r)
                     if len(listed) > limit:
                         return False, False, []
+                    if req.streams:  # its outputs are `listed_rows`' (a delta stream's,
+                        quiet = False  # a pipe row's) or `_finish`'s: not a quiet step
                     continue
                 quiet = False
             elif req.streams:
@@ -1742,6 +1750,8 @@ class LLMEngine:
         if piped and streamed:
             quiet = False
         streamed = streamed and not quiet
+        if not (quiet or streamed):  # streams beside text-free rows that are not: general
+            return False, False, []
         if quiet and settled or streamed:
             self._steady_kind = (c.key, quiet, streamed, listed)
         return quiet, streamed, listed

@@ -12,7 +12,7 @@ from models.loader import read_config
 
 def test_measure_runs_the_real_engine_over_the_stub(demo_gguf, demo_tokenizer):
     config = read_config(str(demo_gguf))
-    for mix in ("greedy", "mixed", "sampled", "sampled_one_lp", "sampled_stops"):
+    for mix in ("greedy", "mixed", "sampled", "sampled_one_lp", "sampled_stops", "sampled_lp"):
         for kind in ("cumulative", "engine_process"):  # the latter: text-free + the pipe's message
             trace: list = []
             row = measure(4, 3, mix, demo_tokenizer, config, output_kind=kind,
@@ -106,6 +106,7 @@ def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_t
     import bench.host_overhead as ho
     import pagedjax.core.scheduler as sched_mod
     from bench.host_overhead import _Phases
+    from pagedjax.engine import LLMEngine
 
     # Async scheduling (the CPU default): the pending-token and token-feed stages run too.
     monkeypatch.setitem(ho.ENGINE_ARGS, "async_scheduling", True)
@@ -113,7 +114,15 @@ def test_phases_time_each_stage_of_the_timed_steps_and_restore(demo_gguf, demo_t
     config = read_config(str(demo_gguf))
     ph = _Phases()
     try:
-        # Mixed: plain greedy steps build no sampling metadata, a stage this must see.
+        # Mixed: plain greedy steps build no sampling metadata, a stage this must see. On
+        # the general path (no row listed), as steps of rows `listed_rows` cannot take run:
+        # `process` detokenizes (`listed_rows` and `stream_rows` look the benchmark's
+        # whole-character tokens up in their tables instead).
+        with monkeypatch.context() as m:
+            m.setattr(LLMEngine, "LISTED_MAX_SHARE", 0.0)
+            measure(4, 3, "mixed", demo_tokenizer, config, output_kind="cumulative",
+                    freeze_gc=False, phases=ph)
+        # The listed path's stage (every row listed: cumulative outputs).
         measure(4, 3, "mixed", demo_tokenizer, config, output_kind="cumulative",
                 freeze_gc=False, phases=ph)
         # Greedy delta streams: a steady cohort's rows stream from its columns (`stream

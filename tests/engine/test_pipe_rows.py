@@ -41,11 +41,15 @@ def _params(i: int, rng: np.random.Generator) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=m, prompt_logprobs=1)  # ditto
 
 
-def _steady_params(i: int, rng: np.random.Generator) -> tuple[SamplingParams, str]:
+def _steady_params(i: int, rng: np.random.Generator, logprobs: bool = False
+                   ) -> tuple[SamplingParams, str]:
     """Mostly rows `stream_rows` makes (greedy or sampled, stop ids, min_tokens), among
-    quiet final-only rows; one in six it does not (logprobs: `listed_rows`)."""
+    quiet final-only rows; one in six it does not (logprobs: `listed_rows`). With
+    ``logprobs``, every stream has them: steps of listed rows and quiet ones only."""
     m = int(rng.integers(4, 40))
     kind = i % 6
+    if logprobs and kind:
+        kind = 3
     if kind == 0:
         return SamplingParams(temperature=0.9, seed=i, max_tokens=m), "final_only"
     if kind == 1:
@@ -60,7 +64,7 @@ def _steady_params(i: int, rng: np.random.Generator) -> tuple[SamplingParams, st
 
 
 def _pipe(tiny, rows: bool, *, steady: bool = False, async_scheduling: bool = True,
-          blocks: int = 64) -> tuple[list[list[tuple]], int, int, int]:
+          blocks: int = 64, logprobs: bool = False) -> tuple[list[list[tuple]], int, int, int]:
     config, params = tiny
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=blocks, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
@@ -71,7 +75,8 @@ def _pipe(tiny, rows: bool, *, steady: bool = False, async_scheduling: bool = Tr
     pending = []
     for i in range(24 if steady else 20):
         prompt = [int(t) for t in rng.integers(3, config.vocab_size, int(rng.integers(2, 30)))]
-        sp, kind = _steady_params(i, rng) if steady else (_params(i, rng), "delta_ids")
+        sp, kind = _steady_params(i, rng, logprobs) if steady else (_params(i, rng),
+                                                                     "delta_ids")
         pending.append((f"r{i}", prompt, sp, kind))
     steps, sent, made, prompts, logprob_blocks = [], set(), 0, {}, 0
     streamed = [0]
@@ -167,6 +172,24 @@ def test_steady_pipe_rows_carry_what_the_outputs_would(tiny, async_scheduling, b
             assert len(ids[f"r{i}"]) == sp.max_tokens, i
             checked += 1
     assert checked >= 6
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steady_steps_of_logprob_streams_go_as_blocks(tiny, async_scheduling, monkeypatch):
+    """Every stream with logprobs, beside quiet final-only rows: the whole step is listed
+    (no row for `stream_rows`), and its running rows still cross as `pipe_block`s
+    (`LLMEngine._steady_classes`: a listed stream makes the step not quiet)."""
+    from pagedjax.engine import LLMEngine
+
+    kw = dict(steady=True, async_scheduling=async_scheduling, blocks=200, logprobs=True)
+    objects, _, _, _ = _pipe(tiny, False, **kw)
+    rows, made, _, logprob_blocks = _pipe(tiny, True, **kw)
+    assert rows == objects
+    assert logprob_blocks > 10 and made > 60
+    with monkeypatch.context() as m:
+        m.setattr(LLMEngine, "LISTED_MAX_SHARE", 0.0)
+        general, _, _, _ = _pipe(tiny, False, **kw)
+    assert general == objects
 
 
 def test_pipe_rows_switch_drops_the_cached_cohort_answer(tiny):

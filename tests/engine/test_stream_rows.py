@@ -244,3 +244,36 @@ def test_token_texts_match_the_tokenizer(demo_tokenizer):
         if i in special:
             assert skipping[i] == ""
     assert 0 < held < len(plain) // 10
+
+
+def test_streams_beside_a_text_free_row_take_the_general_path_whole(wide, demo_tokenizer,
+                                                                   monkeypatch):
+    """A text-free delta row (quiet; in one process no step streams it) ahead of a text
+    stream and a listed logprob stream: such a step is neither quiet nor streamed, so it
+    takes the general path whole (`LLMEngine._steady_classes`), each token processed once:
+    the same outputs as with no row ever listed."""
+    config, params = wide
+    streams = (("a", "delta_ids", {}), ("b", "delta", {}), ("c", "delta", {"logprobs": 2}))
+
+    def run(share: float) -> list:
+        with monkeypatch.context() as m:
+            m.setattr(LLMEngine, "LISTED_MAX_SHARE", share)
+            llm = LLM.from_params(config, params, demo_tokenizer, num_gpu_blocks=64,
+                                  block_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+                                  max_model_len=128)
+            engine = llm.engine
+            for i, (rid, kind, kw) in enumerate(streams):
+                engine.add_request(rid, None, SamplingParams(temperature=0, max_tokens=16,
+                                                             ignore_eos=True, **kw),
+                                   prompt_token_ids=[30 + i, 41, 52, 63], output_kind=kind)
+            steps = []
+            while engine.has_unfinished_requests():
+                steps.append(sorted((o.request_id, [(c.text, c.token_ids, c.logprobs)
+                                                    for c in o.outputs])
+                                    for o in engine.step()))
+            return steps
+
+    got = run(1.0)
+    assert got == run(0.0)
+    logprobs = [c[2] for step in got for rid, comps in step if rid == "c" for c in comps]
+    assert sum(len(lp) for lp in logprobs) == 16  # one entry a token
