@@ -461,11 +461,16 @@ def test_delta_outputs_add_up_to_the_cumulative_ones(demo_model, demo_tokenizer)
 
 
 def test_final_only_text_is_decoded_at_the_end_and_equals_the_streamed_text(
-        demo_model, demo_tokenizer):
+        demo_model, demo_tokenizer, monkeypatch):
     """A final-only request without stop strings is detokenized once, when it finishes (or
     its output is made: an abort), not a token at a time: no per-step detokenization runs,
     and its text is what streaming gives, the whole output decoded. Random tokens at
-    temperature 1 split UTF-8 characters across tokens and draw special tokens."""
+    temperature 1 split UTF-8 characters across tokens and draw special tokens. (Per-step
+    detokenization: the detokenizer's calls, or a token's text from the token-text tables
+    released into its state, as `listed_rows` and `stream_rows` do.)"""
+    from pagedjax.detokenizer import DetokState
+
+    release = DetokState.release
     config, params = demo_model
     prompts, max_tokens = _workload(9, 6, config.vocab_size)
     sps = [SamplingParams(temperature=1.0, seed=i, max_tokens=m + 8, ignore_eos=True)
@@ -480,6 +485,8 @@ def test_final_only_text_is_decoded_at_the_end_and_equals_the_streamed_text(
             real = getattr(det, name)
             setattr(det, name, lambda *a, _real=real, _n=name, _calls=calls, **k: (
                 _calls.append(_n), _real(*a, **k))[1])
+        monkeypatch.setattr(DetokState, "release", lambda *a, _calls=calls: (
+            _calls.append("release"), release(*a))[1])
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             eng.add_request(f"r{i}", None, sp, output_kind=kind, prompt_token_ids=p)
         got, steps = {}, 0
