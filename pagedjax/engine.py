@@ -1635,10 +1635,11 @@ class LLMEngine:
     # A steady step's rows other than its quiet and streamed ones (`_steady_classes`) are
     # listed and processed one by one while they are at most this share of the step. Since
     # `listed_rows` reads columns, it is the faster path at any share: 256 rows, every one
-    # listed, host ms per step with a share of 0.5 (the general path) / 1
-    # (`bench/host_overhead.py`, stop 80): `final_only` with a stop string each 1.09-1.17 /
-    # 0.64-0.71, with 2 logprobs each 0.70-0.72 / 0.51-0.53; `delta` with 2 logprobs
-    # 1.59-1.78 / 1.46-1.54. (Tests set 0 to compare with the general path.)
+    # listed, host ms per step with a share of 0.5 (the general path) / 1, in lockstep
+    # (`bench/host_overhead_ab.py`, stop 80, `host_overhead_ab_listed_share_lockstep_xeon_
+    # stop80.json`): `final_only` with a stop string each 1.32 / 0.85, with 2 logprobs each
+    # 0.99 / 0.81; `delta` with 2 logprobs 2.11 / 1.49; the engine process's child 1.66 /
+    # 0.93. (Tests set 0 to compare with the general path.)
     LISTED_MAX_SHARE = 1.0
 
     def _apply_plain(self, fl: _InFlight, out) -> set[str] | None:
