@@ -1751,8 +1751,8 @@ class LLMEngine:
         if piped and streamed:
             quiet = False
         streamed = streamed and not quiet
-        if not (quiet or streamed):  # streams beside text-free rows that are not: general
-            return False, False, []
+        if not (quiet or streamed):  # e.g. streams beside a text-free delta row, which no
+            return False, False, []  # step streams in one process: the general path, whole
         if quiet and settled or streamed:
             self._steady_kind = (c.key, quiet, streamed, listed)
         return quiet, streamed, listed
