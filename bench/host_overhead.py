@@ -429,7 +429,7 @@ def measure(num_seqs: int, steps: int, mix: str, tokenizer, config,
                     msg = pickle.dumps(("step", encode_outputs(outs, sent), engine.get_stats(),
                                         0, True), protocol=pickle.HIGHEST_PROTOCOL)
                 times.append(time.perf_counter() - t0)
-                if messages is not None:
+                if ipc and messages is not None:
                     messages.append(msg)
                 probes.append(_probe_us())
                 _baton_pass(b"d")

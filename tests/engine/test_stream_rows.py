@@ -271,6 +271,7 @@ def test_streams_beside_a_text_free_row_take_the_general_path_whole(wide, demo_t
                 steps.append(sorted((o.request_id, [(c.text, c.token_ids, c.logprobs)
                                                     for c in o.outputs])
                                     for o in engine.step()))
+            assert engine.block_manager.get_num_free_gpu_blocks() == engine.runner.num_gpu_blocks
             return steps
 
     got = run(1.0)
