@@ -340,11 +340,48 @@ class OutputProcessor:
         b_toks: list[int] = []
         b_cums: list[float] = []
         b_ks: list[int] = []
+        top = None  # the step's top-k columns as lists, made once if a row reads them
         for r, (req, seq, state, outs, plen, lp_list, k, lazy, stops, skip, table,
                 stream) in zip(listed, cols):
             if seq.status._value_ >= first_finished:
                 continue  # ended: `process` does it
             if made is not None and stream is not None:
+                if lp_list is not None and not lazy:
+                    # A text stream with logprobs, one token since its last output, whose
+                    # token completes its text (`token_texts`) and whose text the stop-string
+                    # search can skip (as below): its entry, text and output in this one
+                    # pass, the entry handed over as it is made (`_hand_over`'s None left in
+                    # its list). The general loops below took ~2.7 us such a row at 256
+                    # rows (`bench/host_overhead.py --kinds delta --mixes sampled_lp`).
+                    sent, sid = stream[4], stream[5]
+                    n = len(outs)
+                    total = plen + n
+                    tok = outs[-1]
+                    first, chars_sent = sent.get(sid, (0, 0))
+                    # (Without stop strings every output sent all the text released.)
+                    if (first == n - 1 and state.read_offset == total - 1 and tok < len(table)
+                            and (stops is not None or chars_sent == state.length)):
+                        text = table[tok]
+                        if text is not None and (stops is None or n > stops[2] and not any(
+                                [last in text for last in stops[4]])):
+                            if top is None:
+                                top = (out.topk_ids[:, :width].tolist(),
+                                       out.topk_logprobs[:, :width].tolist(),
+                                       out.token_ids.tolist(), out.logprobs.tolist())
+                            entry = top_entry(top[0][r], top[1][r], k)
+                            entry[top[2][r]] = top[3][r]
+                            lp_list.append(None)
+                            state.release(text, total)
+                            if stops is not None:  # a possible stop string's start waits
+                                visible = max(chars_sent, state.length - stops[1])
+                                text = state.tail(chars_sent)[:visible - chars_sent]
+                            else:
+                                visible = state.length
+                            sent[sid] = (n, visible)
+                            made.append(running_delta(
+                                stream[0], stream[1], stream[2], stream[3], text, [tok],
+                                stream[6], stream[7], seq.cumulative_logprob, [entry]))
+                            continue
                 if blocked and stream[8] and lp_list is not None and lazy:
                     sent, sid = stream[4], stream[5]
                     n = len(outs)
@@ -391,9 +428,10 @@ class OutputProcessor:
                 check.append((req, seq, state, state.length, stops, outs))
             items.append((seq.get_token_slice, total, state, skip))
         if entries:
-            tids = out.topk_ids[:, :width].tolist()
-            tlps = out.topk_logprobs[:, :width].tolist()
-            ttok, tlp = out.token_ids.tolist(), out.logprobs.tolist()
+            if top is None:
+                top = (out.topk_ids[:, :width].tolist(), out.topk_logprobs[:, :width].tolist(),
+                       out.token_ids.tolist(), out.logprobs.tolist())
+            tids, tlps, ttok, tlp = top
             for r, lp_list, k in entries:
                 entry = top_entry(tids[r], tlps[r], k)
                 entry[ttok[r]] = tlp[r]
