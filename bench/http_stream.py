@@ -151,9 +151,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--child", action="store_true", help="one server run, as JSON")
     ap.add_argument("--client", type=int, metavar="PORT", help="the clients, against PORT")
-    ap.add_argument("--compare", choices=("loop", "engine-process"), default="loop",
-                    help="uvloop against asyncio, or the engine on the server's thread against "
-                         "the engine in its own process (`--engine-process`), both on uvloop")
+    ap.add_argument("--compare", choices=("loop", "engine-process", "base"), default="loop",
+                    help="uvloop against asyncio, the engine on the server's thread against "
+                         "the engine in its own process (`--engine-process`), both on uvloop, "
+                         "or this tree against the checkout at --base (a `git worktree` of an "
+                         "earlier commit), both on uvloop")
+    ap.add_argument("--base", default=None, metavar="DIR",
+                    help="with --compare base: the other checkout, whose server the same "
+                         "clients drive")
     ap.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/cpu/http_stream.json"))
     args = ap.parse_args()
@@ -163,18 +168,26 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.streams, args.tokens, args.step_ms, args.engine_process)))
         return
-    # (label, PAGEDJAX_UVLOOP, child arguments)
-    variants = ([("uvloop", "1", []), ("asyncio", "0", [])] if args.compare == "loop" else
-                [("engine thread", "1", []), ("engine process", "1", ["--engine-process"])])
+    # (label, PAGEDJAX_UVLOOP, child arguments, checkout)
+    if args.compare == "loop":
+        variants = [("uvloop", "1", [], ROOT), ("asyncio", "0", [], ROOT)]
+    elif args.compare == "engine-process":
+        variants = [("engine thread", "1", [], ROOT),
+                    ("engine process", "1", ["--engine-process"], ROOT)]
+    else:
+        if not args.base:
+            ap.error("--compare base needs --base DIR")
+        variants = [("this tree", "1", [], ROOT), ("base", "1", [], Path(args.base).resolve())]
     runs = []
     for rep in range(args.reps):
-        for label, uv, extra in (variants if rep % 2 == 0 else variants[::-1]):
+        for label, uv, extra, tree in (variants if rep % 2 == 0 else variants[::-1]):
             load = os.getloadavg()[0]
-            proc = subprocess.run([sys.executable, __file__, "--child", "--streams",
-                                   str(args.streams), "--tokens", str(args.tokens), "--step-ms",
-                                   str(args.step_ms), *extra],
+            # (Its own copy of this script: the child imports the server from its checkout.)
+            proc = subprocess.run([sys.executable, str(tree / "bench/http_stream.py"), "--child",
+                                   "--streams", str(args.streams), "--tokens", str(args.tokens),
+                                   "--step-ms", str(args.step_ms), *extra],
                                   env={**os.environ, "PAGEDJAX_UVLOOP": uv},
-                                  check=True, capture_output=True, text=True, cwd=ROOT)
+                                  check=True, capture_output=True, text=True, cwd=tree)
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             runs.append({"rep": rep, "variant": label, "load_avg_1m_before": load, **r})
             core = r.get("engine_process_cpu_ms_per_step")
@@ -187,7 +200,7 @@ def main() -> None:
     keys = ("server_cpu_ms_per_step", "engine_gap_ms_median", "engine_gap_ms_p99",
             "client_wall_s")
     med = {lp: {k: statistics.median(x[k] for x in runs if x["variant"] == lp) for k in keys}
-           for lp, _, _ in variants}
+           for lp, *_ in variants}
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     import httpx
@@ -200,6 +213,9 @@ def main() -> None:
                    + ", alternating",
            "command": "python bench/http_stream.py " + " ".join(sys.argv[1:]),
            "commit": head, "streams": args.streams, "tokens": args.tokens,
+           **({"base_commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=args.base,
+                                             capture_output=True, text=True).stdout.strip()}
+              if args.compare == "base" else {}),
            "step_ms": args.step_ms,
            "machine": {"cpu": platform.processor() or platform.machine(),
                        "cpu_count": os.cpu_count(), "python": platform.python_version()},
