@@ -4,10 +4,16 @@ A hostile-client probe kept hundreds of idle or half-sent connections open: uvic
 `timeout_keep_alive` only runs after a response, so a connection that never finishes its request
 headers, or whose body stops arriving, was held forever. The bounds here, all in `HttpLimits`:
 
-- uvicorn/h11 settings where they exist: `limit_concurrency` (beyond it uvicorn answers 503),
-  `timeout_keep_alive`, `h11_max_incomplete_event_size` (request line + headers);
-- `HeaderTimeoutProtocol`: uvicorn's H11 protocol plus a deadline for the request headers;
+- uvicorn settings where they exist: `limit_concurrency` (beyond it uvicorn answers 503),
+  `timeout_keep_alive`;
+- `HeaderLimitProtocol`: uvicorn's httptools protocol plus a deadline for the request headers
+  and a cap on their size (400);
 - `BodyLimitMiddleware`: plain ASGI, a body inactivity timeout (408) and a size cap (413).
+
+The protocol is httptools' (llhttp, in C), as `vllm serve` runs through uvicorn[standard], not
+h11's (pure Python): with 256 streaming clients the server's CPU a step was ~0.88x with it
+(`bench/http_stream.py --compare base`, docs/v1-core.md), h11 having framed every SSE chunk
+in Python.
 """
 
 from __future__ import annotations
@@ -18,9 +24,9 @@ import dataclasses
 import json
 import socket
 
-import h11
+import httptools
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,47 +48,91 @@ class HttpLimits:
     max_connections: int = 1024
     # uvicorn's default: an idle keep-alive connection is closed 5 s after its last response.
     keep_alive_timeout: float = 5.0
-    # h11's default cap on the request line plus headers (more: 400 and close); stated here so the
-    # bound is visible and tunable. Real clients send well under 2 KiB.
+    # The request line plus headers (more: 400 and close), h11's default cap, kept when the
+    # protocol became httptools' (llhttp has none). Real clients send well under 2 KiB.
     max_header_bytes: int = 16 * 1024
 
-    def protocol(self) -> type[HeaderTimeoutProtocol]:
-        """The H11 protocol class with this header timeout, for `uvicorn.Config(http=...)`."""
-        return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
-                    {"header_timeout": self.header_timeout})
+    def protocol(self) -> type[HeaderLimitProtocol]:
+        """The protocol class with these header bounds, for `uvicorn.Config(http=...)`."""
+        return type("HeaderLimitProtocol", (HeaderLimitProtocol,),
+                    {"header_timeout": self.header_timeout,
+                     "max_header_bytes": self.max_header_bytes})
 
     def config(self, app, **kwargs) -> uvicorn.Config:
         """A `uvicorn.Config` serving `app` (wrapped in `BodyLimitMiddleware`) under these limits."""
         return uvicorn.Config(BodyLimitMiddleware(app, self), http=self.protocol(), ws="none",
                               limit_concurrency=self.max_connections,
                               timeout_keep_alive=self.keep_alive_timeout,  # type: ignore[arg-type]
-                              h11_max_incomplete_event_size=self.max_header_bytes,
                               log_level="warning", lifespan="off", **kwargs)
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's H11 protocol with a deadline for request headers, which uvicorn lacks (its
-    keep-alive timer starts only after a response, and any received byte cancels it).
+class HeaderLimitProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a deadline for request headers and a cap on their size,
+    which uvicorn lacks (its keep-alive timer starts only after a response, and any received
+    byte cancels it; llhttp takes headers of any length).
 
-    Whenever no request is being handled on the connection (just connected, or the last response
-    is complete) and bytes arrive or the connection opens, a timer is armed once; it closes the
-    transport unless a complete request reached the app by then. Armed once per request, not per
-    byte, so trickled headers (slowloris) or a trickled unread body after an early response do
-    not extend it."""
+    Deadline: whenever no request is being handled on the connection (just connected, or the
+    last response is complete) and bytes arrive or the connection opens, a timer is armed once;
+    it closes the transport unless a complete request reached the app by then. Armed once per
+    request, not per byte, so trickled headers (slowloris) or a trickled unread body after an
+    early response do not extend it.
+
+    Size: a head over ``max_header_bytes`` gets a 400 and the connection closes, as h11
+    answered its own cap. A head that completes is measured by the parser's callbacks (its URL
+    and headers); one still incomplete by the bytes received since it began (from the
+    connection's start or the end of the last request's body, so requests pipelined behind a
+    streaming response are capped too)."""
 
     header_timeout: float = 10.0
+    max_header_bytes: int = 16 * 1024
     _header_timer: asyncio.TimerHandle | None = None
+    _head_open = True  # a request's head is being received (or none has begun)
+    _head_bytes = 0  # bytes received while it is
+    _head_len = 0  # its URL and headers so far, as the parser reports them
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self._head_open:
+            self._head_bytes += len(data)
         super().data_received(data)
+        if self.transport.is_closing():  # answered 400 by the parser
+            self._cancel_header_timer()
+            return
+        if self._head_open and self._head_bytes > self.max_header_bytes:
+            self._cancel_header_timer()
+            self.send_400_response(
+                f"Request line and headers exceed {self.max_header_bytes} bytes.")
+            return
         if self._between_requests():
             self._arm_header_timer()
         else:
             self._cancel_header_timer()
+
+    def on_message_begin(self) -> None:
+        self._head_len = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_len += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_len += len(name) + len(value) + 4  # ": " and CRLF
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._head_len > self.max_header_bytes:  # uvicorn answers a parser error with 400
+            raise httptools.HttpParserError(
+                f"request line and headers exceed {self.max_header_bytes} bytes")
+        self._head_open, self._head_bytes = False, 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._head_open, self._head_bytes = True, 0  # what follows is the next request's head
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
@@ -103,8 +153,6 @@ class HeaderTimeoutProtocol(H11Protocol):
     def _header_timeout_expired(self) -> None:
         self._header_timer = None
         if self._between_requests() and not self.transport.is_closing():
-            with contextlib.suppress(h11.LocalProtocolError):  # as uvicorn's keep-alive timeout
-                self.conn.send(h11.ConnectionClosed())
             self.transport.close()
 
 

@@ -133,6 +133,31 @@ def test_keep_alive_connection_half_sending_its_next_request_is_closed(limited):
     assert _open_after([s], HEADER_S + SLACK_S) == 0
 
 
+def test_oversized_request_head_is_400_and_closed(limited):
+    """llhttp takes heads of any length: `HeaderLimitProtocol` caps the request line plus
+    headers at `max_header_bytes`, whether the head arrives whole or never completes, on a new
+    connection or a keep-alive one after a response. A head under the cap is served."""
+    _, srv = limited
+    port, cap = srv.ports["http_port"], LIMITS.max_header_bytes
+    line = b"GET /v1/models HTTP/1.1\r\nHost: t\r\n"
+
+    def refused(s: socket.socket, data: bytes) -> None:
+        s.sendall(data)
+        t0 = time.monotonic()
+        status, headers, _ = _read_response(s)
+        assert status == 400 and headers.get("connection") == "close"
+        assert time.monotonic() - t0 < HEADER_S  # the cap's answer, not the deadline's close
+        assert _open_after([s], SLACK_S) == 0
+
+    s = _connect(port)
+    s.sendall(line + b"X-Pad: " + b"a" * (cap - 200) + b"\r\n\r\n")
+    status, headers, _ = _read_response(s)
+    assert status == 200 and headers.get("connection") != "close"
+    refused(s, line + b"X-Pad: " + b"a" * (cap + 100))  # kept alive, its end never sent
+    refused(_connect(port), line + b"X-Pad: " + b"a" * (cap + 100) + b"\r\n\r\n")  # whole
+    refused(_connect(port), line + b"X-Pad: " + b"a" * (cap + 100))  # new, never ends
+
+
 def test_stalled_body_is_408(limited):
     _, srv = limited
     s = _connect(srv.ports["http_port"])
