@@ -11,9 +11,10 @@ headers, or whose body stops arriving, was held forever. The bounds here, all in
 - `BodyLimitMiddleware`: plain ASGI, a body inactivity timeout (408) and a size cap (413).
 
 The protocol is httptools' (llhttp, in C), as `vllm serve` runs through uvicorn[standard], not
-h11's (pure Python): with 256 streaming clients the server's CPU a step was ~0.88x with it
-(`bench/http_stream.py --compare base`, docs/v1-core.md), h11 having framed every SSE chunk
-in Python.
+h11's (pure Python), which framed every SSE chunk in Python: with 256 streaming clients the
+event loop's thread was busy 0.92x as long for the same chunks (py-spy), the server's CPU a
+step 0.91-1.01x per pair on a noisy host (`bench/http_stream.py --compare base`,
+docs/v1-core.md).
 """
 
 from __future__ import annotations
