@@ -49,6 +49,25 @@ namespace {
 constexpr int kTileQ = 16;          // query tokens per work item
 constexpr float kMask = -1e30f;     // finite, so exp(kMask - m) is exactly 0
 
+// The next block of an item, pulled towards L2 (prefetcht1) row by row while this block's
+// rows are read: K row t during the key pass's row t, V row t during the value pass's.
+// Issued in one burst of 2 x 64 lines before the block (stops 68-72), the prefetches held
+// the core's miss buffers while its own loads waited behind them; spread, the kernel took
+// ~0.7x the time for a 64 x 76 decode step from memory (`bench/native_ab.py --kind
+// attention`, docs/v1-core.md "The attention's prefetches spread over the block").
+struct Ahead {
+  const char* k = nullptr;  // the next block's K and V (null: no next block)
+  const char* v = nullptr;
+  int64_t row_bytes = 0;    // bytes of one token's row in the cache
+};
+
+// Lines of rows [a, b) of the block at `base`.
+inline void pull_rows(const char* base, int64_t row_bytes, int64_t a, int64_t b) {
+  if (!base) return;
+  for (int64_t off = (a * row_bytes) & ~int64_t(63); off < b * row_bytes; off += 64)
+    __builtin_prefetch(base + off, 0, 2);
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t bf16) {
   uint32_t bits = static_cast<uint32_t>(bf16) << 16;
@@ -252,7 +271,8 @@ inline void attend_block_row16(const float* qr, const float* kp, const float* vp
 // chain of 16 dependent FMAs per block was what a decode step's attention waited on).
 template <int DC, int R>
 inline void attend_block_rows16(const float* qr, const float* kp, const float* vp, int64_t t0,
-                                int64_t keys, float* m, float* l, float* acc) {
+                                int64_t keys, float* m, float* l, float* acc,
+                                const Ahead& ah) {
   constexpr int NV = DC / 16;
   for (int64_t tb = t0; tb < keys; tb += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, keys - tb));
@@ -266,6 +286,7 @@ inline void attend_block_rows16(const float* qr, const float* kp, const float* v
 #pragma GCC unroll 16
       for (int t = 0; t < 16; ++t) {
         if (t < n) {
+          if (r == 0) pull_rows(ah.k, ah.row_bytes, tb + t, tb + t + 1);
           const float* kr = kp + (tb + t) * DC;
           __m512 x = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
           for (int j = 1; j < NV; ++j)
@@ -289,6 +310,7 @@ inline void attend_block_rows16(const float* qr, const float* kp, const float* v
       for (int j = 0; j < NV; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * DC + 16 * j), av);
     }
     for (int t = 0; t < n; ++t) {
+      pull_rows(ah.v, ah.row_bytes, tb + t, tb + t + 1);
       const float* vr = vp + (tb + t) * DC;
       __m512 v[NV];
       for (int j = 0; j < NV; ++j) v[j] = _mm512_loadu_ps(vr + 16 * j);
@@ -307,13 +329,13 @@ inline void attend_block_rows16(const float* qr, const float* kp, const float* v
 template <int DC>
 inline bool attend_block_group(int64_t G, const float* qr, const float* kp, const float* vp,
                                int64_t t0, int64_t keys, float softcap, float* m, float* l,
-                               float* acc) {
+                               float* acc, const Ahead& ah) {
   if constexpr (DC > 0 && DC % 16 == 0 && DC <= 128) {
     if (softcap != 0.f) return false;
     switch (G) {
-      case 2: attend_block_rows16<DC, 2>(qr, kp, vp, t0, keys, m, l, acc); return true;
-      case 3: attend_block_rows16<DC, 3>(qr, kp, vp, t0, keys, m, l, acc); return true;
-      case 4: attend_block_rows16<DC, 4>(qr, kp, vp, t0, keys, m, l, acc); return true;
+      case 2: attend_block_rows16<DC, 2>(qr, kp, vp, t0, keys, m, l, acc, ah); return true;
+      case 3: attend_block_rows16<DC, 3>(qr, kp, vp, t0, keys, m, l, acc, ah); return true;
+      case 4: attend_block_rows16<DC, 4>(qr, kp, vp, t0, keys, m, l, acc, ah); return true;
       default: return false;
     }
   }
@@ -379,7 +401,7 @@ inline __m256 exp_nonpos8(__m256 x) {
 // eight keys ran up to 10 % slower on streamed blocks.
 template <int DC, int R>
 inline void attend_block_rows8(const float* qr, const float* kp, const float* vp, int64_t t0,
-                               int64_t keys, float* m, float* l, float* acc) {
+                               int64_t keys, float* m, float* l, float* acc, const Ahead& ah) {
   constexpr int NV = DC / 8;
   constexpr int CH = R <= 3 ? 4 : 2;
   static_assert(NV % CH == 0, "head dim in whole chunks");
@@ -396,6 +418,7 @@ inline void attend_block_rows8(const float* qr, const float* kp, const float* vp
         __m256 part[8];
         for (int t = 0; t < 8; ++t) {
           if (t < ng) {  // keys past n are never read
+            if (r == 0) pull_rows(ah.k, ah.row_bytes, tb + 8 * g + t, tb + 8 * g + t + 1);
             const float* kr = kp + (tb + 8 * g + t) * DC;
             __m256 x = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kr));
             for (int j = 1; j < NV; ++j)
@@ -426,6 +449,7 @@ inline void attend_block_rows8(const float* qr, const float* kp, const float* vp
           a[r][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * DC + 8 * (c + j)), av);
       }
       for (int t = 0; t < n; ++t) {
+        if (c == 0) pull_rows(ah.v, ah.row_bytes, tb + t, tb + t + 1);
         const float* vr = vp + (tb + t) * DC + 8 * c;
         __m256 v[CH];
         for (int j = 0; j < CH; ++j) v[j] = _mm256_loadu_ps(vr + 8 * j);
@@ -445,14 +469,14 @@ inline void attend_block_rows8(const float* qr, const float* kp, const float* vp
 template <int DC>
 inline bool attend_block_group(int64_t G, const float* qr, const float* kp, const float* vp,
                                int64_t t0, int64_t keys, float softcap, float* m, float* l,
-                               float* acc) {
+                               float* acc, const Ahead& ah) {
   if constexpr (DC > 0 && DC % 32 == 0 && DC <= 128) {
     if (softcap != 0.f) return false;
     switch (G) {
-      case 1: attend_block_rows8<DC, 1>(qr, kp, vp, t0, keys, m, l, acc); return true;
-      case 2: attend_block_rows8<DC, 2>(qr, kp, vp, t0, keys, m, l, acc); return true;
-      case 3: attend_block_rows8<DC, 3>(qr, kp, vp, t0, keys, m, l, acc); return true;
-      case 4: attend_block_rows8<DC, 4>(qr, kp, vp, t0, keys, m, l, acc); return true;
+      case 1: attend_block_rows8<DC, 1>(qr, kp, vp, t0, keys, m, l, acc, ah); return true;
+      case 2: attend_block_rows8<DC, 2>(qr, kp, vp, t0, keys, m, l, acc, ah); return true;
+      case 3: attend_block_rows8<DC, 3>(qr, kp, vp, t0, keys, m, l, acc, ah); return true;
+      case 4: attend_block_rows8<DC, 4>(qr, kp, vp, t0, keys, m, l, acc, ah); return true;
       default: return false;
     }
   }
@@ -511,16 +535,45 @@ inline void attend_block_row(const float* qr, const float* kp, const float* vp, 
   }
 }
 
+// The blocks [j0, j1) of its sequence's table that an item reads, and its first query's
+// position.
+struct Span {
+  int64_t pos0, first, last, j0, j1;
+};
+inline Span item_span(const Problem& p, const Item& it) {
+  Span sp;
+  sp.pos0 = int64_t(p.kv_lens[it.seq]) - (p.cu[it.seq + 1] - p.cu[it.seq]) + it.q0;
+  sp.last = sp.pos0 + it.nq - 1;  // the tile sees keys [first, last]
+  sp.first = std::max<int64_t>(sp.pos0 - p.span + 1, 0);
+  sp.j0 = sp.first / p.block_size;
+  sp.j1 = sp.last < 0 ? 0 : std::min<int64_t>(sp.last / p.block_size + 1, p.width);
+  return sp;
+}
+
+// Block j of item `it`'s table as an `Ahead` (its K and V rows in the cache).
+template <typename C>
+inline Ahead block_ahead(const Problem& p, const Item& it, int64_t j, const C* k_cache,
+                         const C* v_cache) {
+  const int64_t D = p.head_dim, bs = p.block_size;
+  const int64_t bid = std::clamp<int64_t>(p.tables[int64_t(it.seq) * p.width + j], 0,
+                                          p.num_blocks - 1);
+  const int64_t at = ((p.layer * p.num_kv_heads + it.head) * p.num_blocks + bid) * bs * D;
+  return Ahead{reinterpret_cast<const char*>(k_cache + at),
+               reinterpret_cast<const char*>(v_cache + at), int64_t(sizeof(C)) * D};
+}
+
 // One work item: the tile's queries against its sequence's context, block by block.
-// T: queries and output (fp32 / bf16); C: the cache's storage (T, int8 or FP8).
+// T: queries and output (fp32 / bf16); C: the cache's storage (T, int8 or FP8). `next`: the
+// item this thread runs after it (null: none), whose first block is pulled during this
+// item's last (an item's first block otherwise waits on memory: one in five of a 76-token
+// decode's).
 template <typename T, typename C, int DC>
-void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, const C* v_cache,
-              T* out, std::vector<float>& scratch) {
+void run_item(const Problem& p, const Item& it, const Item* next, const T* q, const C* k_cache,
+              const C* v_cache, T* out, std::vector<float>& scratch) {
   const int64_t D = DC ? DC : p.head_dim, G = p.num_q_heads / p.num_kv_heads, bs = p.block_size;
   const int64_t rows = it.nq * G;
-  const int32_t kv_len = p.kv_lens[it.seq];
-  const int32_t q_len = p.cu[it.seq + 1] - p.cu[it.seq];
-  const int64_t pos0 = int64_t(kv_len) - q_len + it.q0;  // position of the tile's first query
+  const Span sp = item_span(p, it);
+  const int64_t pos0 = sp.pos0;  // position of the tile's first query
   // Only the accumulators start at zero: the queries, widened blocks and scores are written
   // before they are read. (Zeroing the whole scratch per item, ~10 KiB, was ~56 MB of
   // stores per 64-row decode step of the demo model, though `bench/native_ab.py` measured
@@ -546,13 +599,10 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
         dst[d] = to_float(src[d]) * p.scale * (k_scale ? k_scale[d] : 1.f);
     }
   std::fill(m, m + rows, kMask);
-  const int64_t last = pos0 + it.nq - 1;  // the tile sees keys [first, last]
-  const int64_t first = std::max<int64_t>(pos0 - p.span + 1, 0);
-  const int64_t nblocks = last < 0 ? 0 : std::min<int64_t>(last / bs + 1, p.width);
+  const int64_t last = sp.last, nblocks = sp.j1;
   const int32_t* table = p.tables + int64_t(it.seq) * p.width;
   const int64_t head_base = (p.layer * p.num_kv_heads + it.head) * p.num_blocks;
-  const int64_t block_bytes = bs * D * int64_t(sizeof(C));
-  for (int64_t j = first / bs; j < nblocks; ++j) {
+  for (int64_t j = sp.j0; j < nblocks; ++j) {
     const int64_t bid = std::clamp<int64_t>(table[j], 0, p.num_blocks - 1);
     const C* kt = k_cache + (head_base + bid) * bs * D;
     const C* vt = v_cache + (head_base + bid) * bs * D;
@@ -562,15 +612,21 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
     // buffers; L2 took 1.12-1.20x off the kernel's time, decode 64 x 76 to 16 x 1000, on the
     // Zen 4 host (`bench/native_ab.py --kind attention`, interleaved, outputs bit-identical).
     // Two blocks ahead gained nothing more; prefetchnta nothing at all.
+    // A decode item's block goes through attend_block_group, which spreads the next
+    // block's prefetches over its rows (`Ahead`); otherwise they go in one burst here.
+    Ahead ah;
     if (j + 1 < nblocks) {
-      const int64_t nb = std::clamp<int64_t>(table[j + 1], 0, p.num_blocks - 1);
-      const char* nk = reinterpret_cast<const char*>(k_cache + (head_base + nb) * bs * D);
-      const char* nv = reinterpret_cast<const char*>(v_cache + (head_base + nb) * bs * D);
-      for (int64_t off = 0; off < block_bytes; off += 64) {
-        __builtin_prefetch(nk + off, 0, 2);
-        __builtin_prefetch(nv + off, 0, 2);
-      }
+      ah = block_ahead(p, it, j + 1, k_cache, v_cache);
+    } else if (next) {
+      const Span ns = item_span(p, *next);
+      if (ns.j0 < ns.j1) ah = block_ahead(p, *next, ns.j0, k_cache, v_cache);
     }
+    auto burst = [&] {
+      pull_rows(ah.k, ah.row_bytes, 0, bs);
+      pull_rows(ah.v, ah.row_bytes, 0, bs);
+      ah = Ahead{};
+    };
+    if (it.nq > 1) burst();
     const float* kp;
     const float* vp;
     if constexpr (std::is_same_v<C, float>) {
@@ -578,7 +634,7 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
       vp = vt;
     } else {
       const int64_t keys = std::min<int64_t>(bs, last + 1 - j * bs);
-      const int64_t from = std::max<int64_t>(first - j * bs, 0) * D;
+      const int64_t from = std::max<int64_t>(sp.first - j * bs, 0) * D;
       if (p.data_slots > 0) {  // per-token factors, widened in with each row's values
         for (int64_t t = from / D; t < keys; ++t) {
           const float fk = token_factor(p, k_cache, it.head, bid, t);
@@ -596,12 +652,22 @@ void run_item(const Problem& p, const Item& it, const T* q, const C* k_cache, co
     for (int64_t i = 0; i < it.nq; ++i) {
       const int64_t keys = std::min<int64_t>(bs, pos0 + i + 1 - j * bs);  // causal, by length
       const int64_t t0 = std::max<int64_t>(pos0 + i - p.span + 1 - j * bs, 0);  // window
-      if (keys <= t0) continue;
+      if (keys <= t0) {
+        burst();
+        continue;
+      }
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
       if (attend_block_group<DC>(G, qf + i * G * D, kp, vp, t0, keys, p.softcap, m + i * G,
-                                 l + i * G, acc + i * G * D))
+                                 l + i * G, acc + i * G * D, ah)) {
+        // rows the group did not read: before a window, past the last key
+        for (const char* base : {ah.k, ah.v}) {
+          pull_rows(base, ah.row_bytes, 0, t0);
+          pull_rows(base, ah.row_bytes, keys, bs);
+        }
         continue;
+      }
 #endif
+      burst();
       for (int64_t g = 0; g < G; ++g) {
         const int64_t r = i * G + g;
         attend_block_row<DC>(qf + r * D, kp, vp, D, t0, keys, p.softcap, s, m[r], l[r],
@@ -632,13 +698,18 @@ void work(const std::shared_ptr<Shared>& sh, const Problem& p, const T* q, const
           const C* v, T* out) {
   std::vector<float> scratch;
   const int64_t n = static_cast<int64_t>(sh->items.size());
-  for (int64_t i = sh->next.fetch_add(1); i < n; i = sh->next.fetch_add(1)) {
+  // Each thread claims its next item before running the current one, so that it can pull
+  // the next one's first block during the current one's last.
+  for (int64_t i = sh->next.fetch_add(1); i < n;) {
+    const int64_t j = sh->next.fetch_add(1);
+    const Item* nx = j < n ? &sh->items[j] : nullptr;
     if (p.head_dim == 64)
-      run_item<T, C, 64>(p, sh->items[i], q, k, v, out, scratch);
+      run_item<T, C, 64>(p, sh->items[i], nx, q, k, v, out, scratch);
     else if (p.head_dim == 128)
-      run_item<T, C, 128>(p, sh->items[i], q, k, v, out, scratch);
+      run_item<T, C, 128>(p, sh->items[i], nx, q, k, v, out, scratch);
     else
-      run_item<T, C, 0>(p, sh->items[i], q, k, v, out, scratch);
+      run_item<T, C, 0>(p, sh->items[i], nx, q, k, v, out, scratch);
+    i = j;
   }
 }
 
