@@ -51,10 +51,14 @@ constexpr float kMask = -1e30f;     // finite, so exp(kMask - m) is exactly 0
 
 // The next block of an item, pulled towards L2 (prefetcht1) row by row while this block's
 // rows are read: K row t during the key pass's row t, V row t during the value pass's.
-// Issued in one burst of 2 x 64 lines before the block (stops 68-72), the prefetches held
-// the core's miss buffers while its own loads waited behind them; spread, the kernel took
-// ~0.7x the time for a 64 x 76 decode step from memory (`bench/native_ab.py --kind
-// attention`, docs/v1-core.md "The attention's prefetches spread over the block").
+// Before (stops 68-72) they went in one burst of 2 x 64 lines ahead of the block, where the
+// core's own loads queued behind them, and an item's first block was never pulled. Spread,
+// and with each thread's next item's first block pulled during its current item's last
+// (`run_item`'s `next`), a 64 x 76 decode step's 30 layers from memory ran 1.27-1.36x as
+// fast on the Zen 4 host, 256 x 44 1.30-1.42x, 16 x 1000 1.24-1.27x, the AVX2 build
+// 1.35-1.37x, with the blocks in cache 1.01x (`bench/native_ab.py --kind attention`;
+// spreading alone: 1.07-1.09x). Into L1 (prefetcht0): 0.61-0.66x; the next block's V rows
+// pulled with its K rows during the key pass: 0.91x.
 struct Ahead {
   const char* k = nullptr;  // the next block's K and V (null: no next block)
   const char* v = nullptr;
@@ -606,14 +610,12 @@ void run_item(const Problem& p, const Item& it, const Item* next, const T* q, co
     const int64_t bid = std::clamp<int64_t>(table[j], 0, p.num_blocks - 1);
     const C* kt = k_cache + (head_base + bid) * bs * D;
     const C* vt = v_cache + (head_base + bid) * bs * D;
-    // Blocks are scattered: fetch the next one while this one runs, towards L2 (prefetcht1).
-    // Into L1 (prefetcht0, before stop 72) a block's 128 lines in one burst competed with
-    // the running block and the item's queries and accumulators for L1's 32 KiB and its fill
-    // buffers; L2 took 1.12-1.20x off the kernel's time, decode 64 x 76 to 16 x 1000, on the
-    // Zen 4 host (`bench/native_ab.py --kind attention`, interleaved, outputs bit-identical).
-    // Two blocks ahead gained nothing more; prefetchnta nothing at all.
-    // A decode item's block goes through attend_block_group, which spreads the next
-    // block's prefetches over its rows (`Ahead`); otherwise they go in one burst here.
+    // Blocks are scattered: pull the next one (after the last, the thread's next item's
+    // first) towards L2 while this one runs (`Ahead`). A decode item's block goes through
+    // attend_block_group, which spreads the pulls over its rows; a query tile's, or the
+    // per-row loops', get them in one burst here. (L2, not L1: 1.12-1.20x at stop 72, the
+    // bursts then competing for L1 and its fill buffers; two blocks ahead gained nothing,
+    // prefetchnta nothing.)
     Ahead ah;
     if (j + 1 < nblocks) {
       ah = block_ahead(p, it, j + 1, k_cache, v_cache);
