@@ -554,16 +554,23 @@ inline Span item_span(const Problem& p, const Item& it) {
   return sp;
 }
 
+// The pool block that entry j of item `it`'s table names (clamped into the pool, so a bad
+// table cannot read out of bounds), and where that block starts in a cache, in elements.
+inline int64_t block_id(const Problem& p, const Item& it, int64_t j) {
+  return std::clamp<int64_t>(p.tables[int64_t(it.seq) * p.width + j], 0, p.num_blocks - 1);
+}
+inline int64_t block_start(const Problem& p, const Item& it, int64_t bid) {
+  return ((p.layer * p.num_kv_heads + it.head) * p.num_blocks + bid) * p.block_size *
+         p.head_dim;
+}
+
 // Block j of item `it`'s table as an `Ahead` (its K and V rows in the cache).
 template <typename C>
 inline Ahead block_ahead(const Problem& p, const Item& it, int64_t j, const C* k_cache,
                          const C* v_cache) {
-  const int64_t D = p.head_dim, bs = p.block_size;
-  const int64_t bid = std::clamp<int64_t>(p.tables[int64_t(it.seq) * p.width + j], 0,
-                                          p.num_blocks - 1);
-  const int64_t at = ((p.layer * p.num_kv_heads + it.head) * p.num_blocks + bid) * bs * D;
+  const int64_t at = block_start(p, it, block_id(p, it, j));
   return Ahead{reinterpret_cast<const char*>(k_cache + at),
-               reinterpret_cast<const char*>(v_cache + at), int64_t(sizeof(C)) * D};
+               reinterpret_cast<const char*>(v_cache + at), int64_t(sizeof(C)) * p.head_dim};
 }
 
 // One work item: the tile's queries against its sequence's context, block by block.
@@ -604,12 +611,10 @@ void run_item(const Problem& p, const Item& it, const Item* next, const T* q, co
     }
   std::fill(m, m + rows, kMask);
   const int64_t last = sp.last, nblocks = sp.j1;
-  const int32_t* table = p.tables + int64_t(it.seq) * p.width;
-  const int64_t head_base = (p.layer * p.num_kv_heads + it.head) * p.num_blocks;
   for (int64_t j = sp.j0; j < nblocks; ++j) {
-    const int64_t bid = std::clamp<int64_t>(table[j], 0, p.num_blocks - 1);
-    const C* kt = k_cache + (head_base + bid) * bs * D;
-    const C* vt = v_cache + (head_base + bid) * bs * D;
+    const int64_t bid = block_id(p, it, j);
+    const C* kt = k_cache + block_start(p, it, bid);
+    const C* vt = v_cache + block_start(p, it, bid);
     // Blocks are scattered: pull the next one (after the last, the thread's next item's
     // first) towards L2 while this one runs (`Ahead`). A decode item's block goes through
     // attend_block_group, which spreads the pulls over its rows; a query tile's, or the
