@@ -148,7 +148,7 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
     if name in ("pagedjax", "pagedjax-sync", "pagedjax-async", "pagedjax-heap-off",
                 "pagedjax-sampler-full", "pagedjax-xla-greedy", "pagedjax-wait-helpers",
                 "pagedjax-take-over", "pagedjax-full-head", "pagedjax-screened-head",
-                "pagedjax-all-rows",
+                "pagedjax-all-rows", "pagedjax-xla-norm",
                 "pagedjax-tcmalloc", "pagedjax-xla-sampler"):
         cmd = [sys.executable, str(ROOT / "bench/peers/pagedjax_worker.py"), "--threads", str(threads)]
         if name == "pagedjax-heap-off":  # freed heap returned to the OS (worker/host_heap.py)
@@ -169,6 +169,8 @@ def worker_cmd(name: str, threads: int, hf_dir: Path, engine_args: list[str]) ->
             cmd = ["env", "PAGEDJAX_SCREENED_HEAD=1", *cmd]
         if name == "pagedjax-all-rows":  # matmuls over a step's padding rows too
             cmd = ["env", "PAGEDJAX_LIVE_ROWS=0", *cmd]
+        if name == "pagedjax-xla-norm":  # XLA's residual add + RMSNorm, not the native one
+            cmd = ["env", "PAGEDJAX_FUSED_NORM=0", *cmd]
         if name == "pagedjax-tcmalloc":  # tcmalloc preloaded, as vLLM's CPU engine runs
             cmd = ["env", f"LD_PRELOAD={tcmalloc_path()}", *cmd]
         # "pagedjax-sync" / "-async": asynchronous scheduling forced off / on, to measure what

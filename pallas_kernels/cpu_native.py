@@ -49,14 +49,17 @@ ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
 GREEDY_TARGET = "pagedjax_greedy_rows_cpu"
 LM_HEAD_GREEDY_TARGET = "pagedjax_lm_head_greedy_cpu"
 SAMPLE_TARGET = "pagedjax_sample_rows_cpu"
+ADD_RMS_NORM_TARGET = "pagedjax_add_rms_norm_cpu"
+RMS_NORM_TARGET = "pagedjax_rms_norm_cpu"
 # One library: the attention kernel (and its FP8 byte scatter), the packed-weight matmul,
 # the float32 panel matmul, the KV cache's zero fill on huge pages, greedy sampling, greedy
-# tokens from hidden states through a screened LM head, and sampled tokens.
+# tokens from hidden states through a screened LM head, sampled tokens, and the residual add
+# with RMSNorm.
 SOURCES = tuple(Path(__file__).with_name("csrc") / name
                 for name in ("paged_attention_cpu.cc", "packed_matmul_cpu.cc",
                              "dense_matmul_cpu.cc", "zeros_huge_pages_cpu.cc",
                              "greedy_rows_cpu.cc", "lm_head_greedy_cpu.cc",
-                             "sample_rows_cpu.cc", "cpu_isa.cc"))
+                             "sample_rows_cpu.cc", "add_rms_norm_cpu.cc", "cpu_isa.cc"))
 HEADERS = (Path(__file__).with_name("csrc") / "row_math.h",)
 SOURCE = SOURCES[0]
 # Reassociation lets GCC vectorise the dot products and sums. Not -ffast-math: linking a
@@ -140,6 +143,10 @@ def _register() -> bool:
         LM_HEAD_GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxLmHeadGreedyCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         SAMPLE_TARGET, jax.ffi.pycapsule(lib.PagedjaxSampleRowsCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        ADD_RMS_NORM_TARGET, jax.ffi.pycapsule(lib.PagedjaxAddRmsNormCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        RMS_NORM_TARGET, jax.ffi.pycapsule(lib.PagedjaxRmsNormCpu), platform="cpu")
     return True
 
 
@@ -276,6 +283,51 @@ def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int,
     live = jnp.asarray(live_rows, jnp.int32).reshape(())
     return jax.ffi.ffi_call(DENSE_LIVE_TARGET, out)(x.reshape(-1, k), panels,
                                                     live).reshape(*lead, n)
+
+
+# Where the native norm pays (the demo model, 2-core Zen 4, `bench/offline_throughput.py
+# --engines pagedjax-xla-norm,pagedjax`): at 64 rows its one call saved the thunks' dispatch,
+# 1.015-1.034x a run of 64 x 128; at 256 rows a norm is bound by moving its ~2.4 MB of rows,
+# XLA's four thunks did that as fast, and the native call ran 0.96-0.98x (docs/v1-core.md,
+# stop 83). Row counts are static in a compiled step, so the choice costs nothing at run time.
+NATIVE_NORM_MAX_ROWS = 128
+
+
+def add_rms_norm_cpu(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
+                     eps: float) -> tuple[jax.Array, jax.Array]:
+    """``(x + delta, rms_norm(x + delta) * weight)`` over the last axis in one native call
+    (`csrc/add_rms_norm_cpu.cc` says why: XLA:CPU makes four thunks of a norm), the CPU's
+    `models.decoder.DecoderLM.norm_fn`. ``delta`` None: no add, the first output is ``x``.
+    float32 steps of up to `NATIVE_NORM_MAX_ROWS` rows only; other dtypes and larger steps
+    take the jnp reference (`pallas_kernels.add_rms_norm`), which XLA fuses as before."""
+    from pallas_kernels.add_rms_norm import add_rms_norm_ref
+
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"add_rms_norm_cpu: weight shape {weight.shape} does not match the "
+                         f"hidden size {x.shape[-1]}")
+    if delta is not None and delta.shape != x.shape:
+        raise ValueError(f"add_rms_norm_cpu: delta shape {delta.shape} != x shape {x.shape}")
+    if (x.dtype != jnp.float32 or (delta is not None and delta.dtype != jnp.float32)
+            or math.prod(x.shape[:-1]) > NATIVE_NORM_MAX_ROWS):
+        return add_rms_norm_ref(x, delta, weight, eps)
+    return add_rms_norm_native(x, delta, weight, eps)
+
+
+def add_rms_norm_native(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
+                        eps: float) -> tuple[jax.Array, jax.Array]:
+    """`add_rms_norm_cpu`'s native call at any row count (float32; shapes checked there)."""
+    if not _register():
+        raise NativeBuildError("native CPU kernels are not available")
+    lead, hidden = x.shape[:-1], x.shape[-1]
+    flat = x.reshape(-1, hidden)
+    w = weight.astype(jnp.float32)
+    out = jax.ShapeDtypeStruct(flat.shape, jnp.float32)
+    if delta is None:
+        h = jax.ffi.ffi_call(RMS_NORM_TARGET, out)(flat, w, eps=np.float32(eps))
+        return x, h.reshape(*lead, hidden)
+    r, h = jax.ffi.ffi_call(ADD_RMS_NORM_TARGET, (out, out))(
+        flat, delta.reshape(-1, hidden), w, eps=np.float32(eps))
+    return r.reshape(*lead, hidden), h.reshape(*lead, hidden)
 
 
 # `models.decoder.DecoderLM` passes a step's real token count to matmuls that take it.

@@ -124,18 +124,24 @@ def screened_head_setting() -> bool:
 
 def fused_norm_fn(attention_backend: str | None, tp: int, platform: str):
     """The model's residual add + RMSNorm (`DecoderLM.norm_fn`): the Pallas kernel
-    (`pallas_kernels.add_rms_norm`) on one GPU with Pallas attention, None (XLA's add and
-    norm) elsewhere. Why only there: on a GPU a norm at batch 1 is three small launches, two
-    with the kernel (the deviceless H100 8B step: 582 -> 518 launches); on CPU XLA fuses the
-    norm into its neighbours and a Pallas kernel would be interpreted; under tensor
-    parallelism the partitioner cannot split a custom call (the hidden states are replicated
-    there, so it would run whole on every device: unmeasured, so not chosen).
-    ``$PAGEDJAX_FUSED_NORM``: ``1`` on anywhere (interpreted off a GPU: the tests), ``0``
-    off, ``auto`` (default) the rule above."""
+    (`pallas_kernels.add_rms_norm`) on one GPU with Pallas attention, the native kernel
+    (`pallas_kernels.cpu_native.add_rms_norm_cpu`) on one CPU device when the library builds,
+    None (XLA's add and norm) elsewhere. Why: on a GPU a norm at batch 1 is three small
+    launches, two with the kernel (the deviceless H100 8B step: 582 -> 518 launches); on CPU
+    XLA makes four thunks of each norm, ~38 us at 64 rows where one native call takes a few
+    (60 norms a step on the demo model; docs/v1-core.md, stop 83). Under tensor parallelism
+    the partitioner cannot split a custom call (the hidden states are replicated there, so it
+    would run whole on every device: unmeasured, so not chosen).
+    ``$PAGEDJAX_FUSED_NORM``: ``1`` the Pallas kernel anywhere (interpreted off a GPU: the
+    tests), ``0`` off, ``auto`` (default) the rule above."""
     choice = (os.environ.get(ENV_FUSED_NORM) or "auto").lower()
     if choice not in ("0", "1", "auto"):
         raise ValueError(f"{ENV_FUSED_NORM}={choice!r}; expected 0, 1 or auto")
     backend = (attention_backend or os.environ.get(ENV_BACKEND) or "pallas").lower()
+    if choice == "auto" and tp == 1 and platform == "cpu":
+        from pallas_kernels import cpu_native
+
+        return cpu_native.add_rms_norm_cpu if cpu_native.available() else None
     on = choice == "1" or (choice == "auto" and tp == 1 and platform in ("gpu", "cuda", "rocm")
                            and backend == "pallas")
     if not on:

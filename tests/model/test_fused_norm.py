@@ -1,7 +1,8 @@
-"""`DecoderLM.norm_fn`: the fused residual add + RMSNorm (`pallas_kernels.add_rms_norm`) gives
-the model's logits and cache, under the layer scan and unrolled, with logits rows picked and
-not, for a Llama and for a Gemma-2-style layer (sandwich norms, the 1 + w weights); and the
-runner picks it where it says it does."""
+"""`DecoderLM.norm_fn`: the fused residual add + RMSNorm (the Pallas kernel
+`pallas_kernels.add_rms_norm`, interpreted here, and the native CPU one
+`cpu_native.add_rms_norm_cpu`) gives the model's logits and cache, under the layer scan and
+unrolled, with logits rows picked and not, for a Llama and for a Gemma-2-style layer (sandwich
+norms, the 1 + w weights); and the runner picks each where it says it does."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from models.config import ModelConfig
 from models.decoder import ContiguousAttention, ContiguousMeta, DecoderLM, unstack_layers
 from models.weights import assemble_params
 from pagedjax.worker.model_runner import ENV_FUSED_NORM, fused_norm_fn
+from pallas_kernels import cpu_native
 from pallas_kernels.add_rms_norm import add_rms_norm
 from tests.model.helpers import TINY_HF_CONFIG, random_hf_tensors
 
@@ -37,10 +39,14 @@ def _forward(cfg, params, norm_fn, scan, pick):
                                          logits_indices=rows))(p)
 
 
+@pytest.mark.parametrize("kernel", ["pallas", "native_cpu"])
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("scan", [True, False], ids=["scan", "unrolled"])
 @pytest.mark.parametrize("pick", [True, False], ids=["rows", "all"])
-def test_fused_norm_keeps_logits_and_cache(family, scan, pick):
+def test_fused_norm_keeps_logits_and_cache(kernel, family, scan, pick):
+    if kernel == "native_cpu" and not cpu_native.available():
+        pytest.skip("native CPU kernels need a C++ compiler")
+    norm = add_rms_norm if kernel == "pallas" else cpu_native.add_rms_norm_cpu
     cfg = ModelConfig.from_hf(TINY_HF_CONFIG if family == "llama" else GEMMA2)
     if family == "gemma2":
         assert cfg.sandwich_norm and cfg.final_softcap
@@ -49,7 +55,7 @@ def test_fused_norm_keeps_logits_and_cache(family, scan, pick):
 
     def counted(*a):
         calls.append(a[1] is None)
-        return add_rms_norm(*a)
+        return norm(*a)
 
     want, (wk, wv) = _forward(cfg, params, None, scan, pick)
     got, (gk, gv) = _forward(cfg, params, counted, scan, pick)
@@ -65,12 +71,14 @@ def test_fused_norm_keeps_logits_and_cache(family, scan, pick):
     np.testing.assert_allclose(np.asarray(gv), np.asarray(wv), rtol=2e-5, atol=2e-5)
 
 
-def test_runner_picks_the_fused_norm_on_one_gpu_with_pallas(monkeypatch):
+def test_runner_picks_the_fused_norm_on_one_gpu_with_pallas_and_one_cpu(monkeypatch):
     monkeypatch.delenv(ENV_FUSED_NORM, raising=False)
     monkeypatch.delenv("PAGEDJAX_ATTENTION_BACKEND", raising=False)
     assert fused_norm_fn(None, 1, "gpu") is add_rms_norm
     assert fused_norm_fn("pallas", 1, "cuda") is add_rms_norm
-    assert fused_norm_fn(None, 1, "cpu") is None
+    native = cpu_native.add_rms_norm_cpu if cpu_native.available() else None
+    assert fused_norm_fn(None, 1, "cpu") is native
+    assert fused_norm_fn(None, 2, "cpu") is None
     assert fused_norm_fn(None, 2, "gpu") is None
     assert fused_norm_fn("xla", 1, "gpu") is None
     monkeypatch.setenv("PAGEDJAX_ATTENTION_BACKEND", "xla")
@@ -80,6 +88,7 @@ def test_runner_picks_the_fused_norm_on_one_gpu_with_pallas(monkeypatch):
     monkeypatch.setenv(ENV_FUSED_NORM, "0")
     monkeypatch.delenv("PAGEDJAX_ATTENTION_BACKEND")
     assert fused_norm_fn(None, 1, "gpu") is None
+    assert fused_norm_fn(None, 1, "cpu") is None
     monkeypatch.setenv(ENV_FUSED_NORM, "yes")
     with pytest.raises(ValueError, match=ENV_FUSED_NORM):
         fused_norm_fn(None, 1, "gpu")
