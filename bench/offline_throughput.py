@@ -30,7 +30,10 @@ batches through `sample`'s batch-wide XLA branches instead of the native per-row
 `pagedjax-wait-helpers` and `pagedjax-take-over` are pagedjax with `PAGEDJAX_MATMUL_TAKE_OVER`
 0 and 1 (the native matmul's caller waits for a preempted helper, the default, or takes its
 work items over; with `--busy-core`). Engine `pagedjax-all-rows` is pagedjax with
-`PAGEDJAX_LIVE_ROWS=0` (the layer matmuls multiply a step's padding rows too).
+`PAGEDJAX_LIVE_ROWS=0` (the layer matmuls multiply a step's padding rows too), and
+`pagedjax-xla-norm` with `PAGEDJAX_FUSED_NORM=0` (XLA's residual add + RMSNorm, not the native
+call). Two processes of the same code differ by up to ~8 % on the 2-core VMs; for changes
+smaller than that, `bench/inprocess_ab.py` compares variants in one process.
 An engine named
 `pagedjax+KEY=VALUE[+KEY=VALUE...]` is pagedjax with those
 `EngineConfig` overrides on top of `--engine-arg`'s, e.g. `pagedjax+max_num_seqs=64` (the
