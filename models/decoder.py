@@ -306,8 +306,9 @@ class DecoderLM(nn.Module):
                 matmul = functools.partial(matmul, live_rows=live)
             # The tables once for all layers: without the barrier XLA fuses their cos/sin
             # into every layer's rotary fusions (four per layer, each recomputing them: 3.5 ms
-            # of a 64-row CPU decode step; docs/v1-core.md, stop 83). PAGEDJAX_ROPE_ONCE=0:
-            # as before (`bench/inprocess_ab.py`).
+            # of a 64-row CPU decode step; docs/v1-core.md, stop 83). On a GPU the tables are
+            # then one small fusion a step. PAGEDJAX_ROPE_ONCE=0: as before, for comparisons
+            # (`bench/inprocess_ab.py`).
             if os.environ.get("PAGEDJAX_ROPE_ONCE", "1") != "0":
                 rope = jax.lax.optimization_barrier(rope)
             for i in range(c.num_layers):

@@ -128,8 +128,9 @@ def fused_norm_fn(attention_backend: str | None, tp: int, platform: str):
     (`pallas_kernels.cpu_native.add_rms_norm_cpu`) on one CPU device when the library builds,
     None (XLA's add and norm) elsewhere. Why: on a GPU a norm at batch 1 is three small
     launches, two with the kernel (the deviceless H100 8B step: 582 -> 518 launches); on CPU
-    XLA makes four thunks of each norm, ~38 us at 64 rows where one native call takes a few
-    (60 norms a step on the demo model; docs/v1-core.md, stop 83). Under tensor parallelism
+    XLA makes four thunks of each norm, ~38 us at 64 rows against ~25 for one native call
+    (60 norms a step on the demo model; the native call up to 128 rows, XLA's past that:
+    docs/v1-core.md, stop 83). Under tensor parallelism
     the partitioner cannot split a custom call (the hidden states are replicated there, so it
     would run whole on every device: unmeasured, so not chosen).
     ``$PAGEDJAX_FUSED_NORM``: ``1`` the Pallas kernel anywhere (interpreted off a GPU: the

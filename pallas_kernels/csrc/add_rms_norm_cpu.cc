@@ -3,11 +3,13 @@
 // inv(r) = 1 / sqrt(mean(r * r) + eps). Without delta, r = x and only h is written.
 //
 // Why native code: between two native matmuls XLA:CPU compiles a norm to four thunks (the
-// add, the sum of squares as a YNNPACK reduction, the rsqrt, the scale). At 64 rows of 576
-// they took ~38 us together where the arithmetic takes a few: each thunk pays the executor's
-// dispatch and first reads rows that the other core has just written (`bench/host_*` cannot
-// see it; the step's jax.profiler trace does, docs/v1-core.md, stop 83). One call here makes
-// one pass per row for the sum and one for the outputs, the row in L1 between them.
+// add, the sum of squares as a YNNPACK reduction, the rsqrt, the scale), each paying the
+// executor's dispatch. At 64 rows of 576 they took ~38 us together in a decode step's
+// jax.profiler trace, this call ~25 (docs/v1-core.md, stop 83); most of either is reading
+// rows the other core has just written (the matmul before splits its columns between the
+// cores). Here one pass per row makes the sum and one the outputs, the row in L1 between
+// them. At 256 rows XLA's fusions moved the rows as fast, so the model calls this up to
+// `cpu_native.NATIVE_NORM_MAX_ROWS` rows only.
 //
 // Numerics follow `models.decoder.rms_norm` on the rounded sum: r rounded to float, the sum of
 // squares in float over 16 lanes in a fixed order (so AVX-512, AVX2 and portable builds give
