@@ -5,9 +5,9 @@
 // Why native code: between two native matmuls XLA:CPU compiles a norm to four thunks (the
 // add, the sum of squares as a YNNPACK reduction, the rsqrt, the scale), each paying the
 // executor's dispatch. At 64 rows of 576 they took ~38 us together in a decode step's
-// jax.profiler trace, this call ~25 (docs/v1-core.md, stop 83); most of either is reading
-// rows the other core has just written (the matmul before splits its columns between the
-// cores). Here one pass per row makes the sum and one the outputs, the row in L1 between
+// jax.profiler trace, this call ~25 (docs/v1-core.md, stop 83); most of either is probably
+// reading rows the other core has just written (the matmul before splits its columns
+// between the cores). Here one pass per row makes the sum and one the outputs, the row in L1 between
 // them. At 256 rows XLA's fusions moved the rows as fast, so the model calls this up to
 // `cpu_native.NATIVE_NORM_MAX_ROWS` rows only.
 //
