@@ -467,8 +467,9 @@ def performance(rec: Recorder, budget: Budget, dry_run: bool, backend: str) -> N
     def other_norm() -> None:
         """Decode steps with the residual add + RMSNorm the default did not pick
         (``PAGEDJAX_FUSED_NORM``, read when the runner is built): XLA's where the default is
-        the Pallas kernel (one GPU, since stop 66: fewer launches at batch 1, docs/gpu.md),
-        the kernel elsewhere. Points: batch 1 (what it is for) and the first (64)."""
+        a fused one (the Pallas kernel on one GPU, since stop 66: fewer launches at batch 1,
+        docs/gpu.md; the native call on one CPU device, since stop 83), the Pallas kernel
+        elsewhere. Points: batch 1 (what it is for) and the first (64)."""
         from pagedjax.worker.model_runner import ENV_FUSED_NORM
 
         perf["fused_norm"] = eng.runner.model.norm_fn is not None
