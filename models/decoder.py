@@ -306,10 +306,12 @@ class DecoderLM(nn.Module):
                 matmul = functools.partial(matmul, live_rows=live)
             # The tables once for all layers: without the barrier XLA fuses their cos/sin
             # into every layer's rotary fusions (four per layer, each recomputing them: 3.5 ms
-            # of a 64-row CPU decode step; docs/v1-core.md, stop 83). On a GPU the tables are
-            # then one small fusion a step. PAGEDJAX_ROPE_ONCE=0: as before, for comparisons
+            # of a 64-row CPU decode step; docs/v1-core.md, stop 83). Only with the native CPU
+            # matmul, where it was measured: GPU steps (and their committed AOT reports) keep
+            # XLA's fusion choices. PAGEDJAX_ROPE_ONCE=0: as before, for comparisons
             # (`bench/inprocess_ab.py`).
-            if os.environ.get("PAGEDJAX_ROPE_ONCE", "1") != "0":
+            if (getattr(self.packed_matmul, "takes_live_rows", False)
+                    and os.environ.get("PAGEDJAX_ROPE_ONCE", "1") != "0"):
                 rope = jax.lax.optimization_barrier(rope)
             for i in range(c.num_layers):
                 layer = DecoderLayer(c, self.attn_fn, self.dtype, fused=True,
