@@ -5,11 +5,13 @@
 // nothing read from memory; GFLOP/s = 2 x lanes x FMAs.
 //
 //   g++ -O2 -march=native -std=c++17 -pthread bench/fma_peak.cc -o /tmp/fma_peak
-//   /tmp/fma_peak THREADS SECONDS [bf16]   (e.g. 1 2, then 2 2)
+//   /tmp/fma_peak THREADS SECONDS [bf16|int8]   (e.g. 1 2, then 2 2)
 //
 // With `bf16` (an AVX512-BF16 host): the same chains of `vdpbf16ps`, two bfloat16 products
 // per lane and instruction (GFLOP/s = 2 x 32 x instructions), the instruction the screened
-// LM head runs on (`pallas_kernels/csrc/lm_head_greedy_cpu.cc`).
+// LM head runs on (`pallas_kernels/csrc/lm_head_greedy_cpu.cc`). With `int8` (AVX512-VNNI):
+// chains of `vpdpbusd`, four u8 x s8 products per lane and instruction (GOP/s = 2 x 64 x
+// instructions), to see whether an 8-bit screen would outrun the bfloat16 one.
 
 #include <immintrin.h>
 
@@ -48,8 +50,9 @@ inline float lane_sum(Vec v) {
 }
 #endif
 
-template <bool kBf16>
+template <int kMode>  // 0 fp32 FMA, 1 vdpbf16ps, 2 vpdpbusd
 float run(int64_t iters, float seed) {
+  constexpr bool kBf16 = kMode == 1;
   Vec acc[kAcc];
   for (int i = 0; i < kAcc; ++i) acc[i] = splat(seed + i);
   const Vec m = splat(0.999999f), a = splat(1e-7f);
@@ -57,6 +60,20 @@ float run(int64_t iters, float seed) {
   // bfloat16 pairs (1, 1) and (1e-7, 1e-7): each instruction adds ~2e-7 per lane.
   const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);
   const __m512bh y = (__m512bh)_mm512_set1_epi32(0x33d633d6);
+#endif
+#if defined(__AVX512VNNI__)
+  if constexpr (kMode == 2) {
+    __m512i ai[kAcc];
+    for (int i = 0; i < kAcc; ++i) ai[i] = _mm512_set1_epi32(int(seed) + i);
+    const __m512i u = _mm512_set1_epi32(0x01010101), v = _mm512_set1_epi32(0x01ff01ff);
+    for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+      for (int i = 0; i < kAcc; ++i) ai[i] = _mm512_dpbusd_epi32(ai[i], u, v);
+    }
+    __m512i t = ai[0];
+    for (int i = 1; i < kAcc; ++i) t = _mm512_add_epi32(t, ai[i]);
+    return float(_mm512_reduce_add_epi32(t));
+  }
 #endif
   for (int64_t it = 0; it < iters; ++it) {
 #pragma GCC unroll 12
@@ -79,13 +96,20 @@ float run(int64_t iters, float seed) {
 
 int main(int argc, char** argv) {
   const bool bf16 = argc == 4 && std::string(argv[3]) == "bf16";
-  if (argc != 3 && !bf16) {
-    std::fprintf(stderr, "usage: %s THREADS SECONDS [bf16]\n", argv[0]);
+  const bool int8 = argc == 4 && std::string(argv[3]) == "int8";
+  if (argc != 3 && !bf16 && !int8) {
+    std::fprintf(stderr, "usage: %s THREADS SECONDS [bf16|int8]\n", argv[0]);
     return 2;
   }
 #if !defined(__AVX512BF16__)
   if (bf16) {
     std::fprintf(stderr, "this build has no AVX512-BF16\n");
+    return 2;
+  }
+#endif
+#if !defined(__AVX512VNNI__)
+  if (int8) {
+    std::fprintf(stderr, "this build has no AVX512-VNNI\n");
     return 2;
   }
 #endif
@@ -100,7 +124,7 @@ int main(int argc, char** argv) {
   for (int t = 0; t < threads; ++t)
     pool.emplace_back([&, t] {
       while (!stop.load(std::memory_order_relaxed)) {
-        sink[t] += bf16 ? run<true>(chunk, 1.f + t) : run<false>(chunk, 1.f + t);
+        sink[t] += int8 ? run<2>(chunk, 1.f + t) : bf16 ? run<1>(chunk, 1.f + t) : run<0>(chunk, 1.f + t);
         fmas[t] += chunk * kAcc;
       }
     });
@@ -115,8 +139,9 @@ int main(int argc, char** argv) {
     total += fmas[t];
     s += sink[t];
   }
-  const double flop = (bf16 ? 2.0 * 32 : 2.0 * kLanes) * total / el / 1e9;
-  std::printf("threads %d  %.1f GFLOP/s %s (%.1f per thread)  [checksum %g]\n", threads, flop,
-              bf16 ? "bf16 dot (vdpbf16ps)" : "fp32", flop / threads, s);
+  const double flop = (int8 ? 2.0 * 64 : bf16 ? 2.0 * 32 : 2.0 * kLanes) * total / el / 1e9;
+  std::printf("threads %d  %.1f G%s/s %s (%.1f per thread)  [checksum %g]\n", threads, flop,
+              int8 ? "OP" : "FLOP", int8 ? "int8 dot (vpdpbusd)" : bf16 ? "bf16 dot (vdpbf16ps)" : "fp32",
+              flop / threads, s);
   return 0;
 }

@@ -8,11 +8,12 @@ CPU runner: `sample_greedy_hidden`'s input) and times, interleaved, per batch of
 - `full`: the float32 LM head (`dense_matmul_cpu` over the head's panels) and the native
   one-pass greedy sampler over its ``[M, V]`` logits (`greedy_rows_cpu`): the path greedy
   rows took before;
-- `screened`: `lm_head_greedy_cpu`, bfloat16 scores with a proven bound and the candidates'
-  float32 logits (`pallas_kernels/csrc/lm_head_greedy_cpu.cc`).
+- `screened`: `lm_head_greedy_cpu` with the bfloat16 screen: scores with a proven bound and
+  the candidates' float32 logits (`pallas_kernels/csrc/lm_head_greedy_cpu.cc`);
+- `int8` (AVX512-VNNI hosts): the same with the 8-bit screen.
 
 Tokens must be identical (the run fails otherwise). Also counts, in float64 numpy, how many
-columns per row pass the screen (the columns recomputed in float32). Writes
+columns per row pass each screen (the columns recomputed in float32). Writes
 bench/results/cpu/lm_head_greedy.json (with the load average at the start and versions) and
 a .png beside it.
 """
@@ -82,6 +83,36 @@ def passing_columns(x, screen, vocab: int):
     return (s + b >= t).sum(axis=1)
 
 
+def passing_columns_int8(x, screen, vocab: int):
+    """Columns per row whose 8-bit screen interval reaches the row's threshold (float64 numpy,
+    the kernel's rule: the 16 largest |x_k| in float32, the rest in steps)."""
+    import numpy as np
+
+    codes = screen["int8"]
+    p, kq = codes.shape[:2]
+    k = x.shape[1]
+    q = codes.transpose(0, 1, 3, 2).reshape(p, 4 * kq, 64)[:, :k]
+    q = q.transpose(1, 0, 2).reshape(k, -1)[:, :vocab].astype(np.float64)
+    step, err = (screen["qcols"][i, :vocab].astype(np.float64) for i in range(2))
+    panels = np.asarray(screen["_panels"])
+    w = panels.transpose(1, 0, 2).reshape(k, -1)[:, :vocab].astype(np.float64)
+    u = 2.0 ** -24
+    gk = k * u / (1 - k * u)
+    out = []
+    for xr in x.astype(np.float64):
+        o = np.argsort(-np.abs(xr), kind="stable")[:16]
+        rest = np.setdiff1d(np.arange(k), o)
+        t = float(np.float32(np.abs(xr[rest]).max()) / np.float32(127))
+        xt = np.zeros(k)
+        xt[rest] = np.clip(np.rint(xr[rest] / t), -127, 127) * t
+        s = (xt @ q) * step + xr[o] @ w[o]
+        ex = np.linalg.norm(xr[rest] - xt[rest])
+        b = (1.02 * (ex + (gk + 1024 * u) * np.linalg.norm(xr)) * screen["norms"]
+             + 1.02 * np.linalg.norm(xt) * err + 1e-12)
+        out.append(int(np.sum(s + b >= np.max(s - b))))
+    return np.asarray(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,8,64,256")
@@ -99,39 +130,57 @@ def main() -> None:
     sizes = [int(r) for r in args.rows.split(",")]
     hidden, runner = record_hidden(max(sizes), 24)
     vocab = runner.model_config.vocab_size
-    panels, screen = runner.head_panels, runner.head_screen
+    panels = runner.head_panels
+    host_panels = np.asarray(panels)
+    kinds = ["bf16"] + (["int8"] if "avx512vnni" in cpu_native.compiled_isa() else [])
+    screens = {kind: jax.device_put(cpu_native.lm_head_screen(host_panels, vocab, kind))
+               for kind in kinds}
     full = jax.jit(lambda x, p: cpu_native.greedy_rows_cpu(
         cpu_native.dense_matmul_cpu(x, p, vocab))[0])
     fast = jax.jit(lambda x, s, p: cpu_native.lm_head_greedy_cpu(x, s, p))
+    names = {"bf16": "screened", "int8": "int8"}
     rng = np.random.default_rng(0)
     out = {"what": "ms per call, median of interleaved calls (bench/lm_head_greedy.py)",
            "command": "python " + " ".join(["bench/lm_head_greedy.py", *sys.argv[1:]]),
            "machine": {"cpu": platform.processor() or platform.machine(),
-                       "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load0},
+                       "cpu_count": os.cpu_count(), "load_avg_1m_at_start": load0,
+                       "isa": sorted(cpu_native.compiled_isa())},
            "versions": {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
                         "python": platform.python_version()},
            "hidden_rows_recorded": int(len(hidden)), "rows": {}}
-    host_screen = {k: np.asarray(v) for k, v in screen.items()}
+    host = {kind: {k: np.asarray(v) for k, v in sc.items()} for kind, sc in screens.items()}
+    if "int8" in host:
+        host["int8"]["_panels"] = host_panels
     for m in sizes:
         x = jax.device_put(hidden[rng.choice(len(hidden), m, replace=len(hidden) < m)],
                            jax.devices("cpu")[0])
-        a, b = np.asarray(full(x, panels)), np.asarray(fast(x, screen, panels))
-        if not (a == b).all():
-            sys.exit(f"rows {m}: tokens differ between the full and the screened head")
-        ts = {"full": [], "screened": []}
+        a = np.asarray(full(x, panels))
+        for kind in kinds:
+            if not (a == np.asarray(fast(x, screens[kind], panels))).all():
+                sys.exit(f"rows {m}: tokens differ between the full and the {kind} screened head")
+        calls = [("full", full, (x, panels))] + [
+            (names[kind], fast, (x, screens[kind], panels)) for kind in kinds]
+        ts = {name: [] for name, _, _ in calls}
         for _ in range(args.iters):
-            for name, f, fargs in (("full", full, (x, panels)), ("screened", fast, (x, screen, panels))):
+            for name, f, fargs in calls:
                 t0 = time.perf_counter()
                 jax.block_until_ready(f(*fargs))
                 ts[name].append(1e3 * (time.perf_counter() - t0))
-        cand = passing_columns(np.asarray(x), host_screen, vocab)
         row = {k: statistics.median(v) for k, v in ts.items()}
         row["speedup"] = row["full"] / row["screened"]
+        cand = passing_columns(np.asarray(x), host["bf16"], vocab)
         row["candidates_per_row"] = {"mean": float(cand.mean()), "max": int(cand.max())}
+        line = (f"rows {m}: full {row['full']:.2f} ms, bf16 screen {row['screened']:.2f} ms "
+                f"({row['speedup']:.2f}x, recomputed per row: mean {cand.mean():.1f}, max "
+                f"{cand.max()})")
+        if "int8" in kinds:
+            c8 = passing_columns_int8(np.asarray(x), host["int8"], vocab)
+            row["int8_speedup"] = row["full"] / row["int8"]
+            row["int8_candidates_per_row"] = {"mean": float(c8.mean()), "max": int(c8.max())}
+            line += (f", 8-bit screen {row['int8']:.2f} ms ({row['int8_speedup']:.2f}x, "
+                     f"recomputed per row: mean {c8.mean():.1f}, max {c8.max()})")
         out["rows"][str(m)] = row
-        print(f"rows {m}: full {row['full']:.2f} ms, screened {row['screened']:.2f} ms "
-              f"({row['speedup']:.2f}x); columns recomputed per row: mean {cand.mean():.1f}, "
-              f"max {cand.max()}")
+        print(line)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     plot(out, Path(args.out).with_suffix(".png"))
@@ -147,10 +196,14 @@ def plot(res: dict, path: Path) -> None:
     rows = sorted(res["rows"], key=int)
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for i, (name, label) in enumerate((("full", "float32 head + greedy sampler"),
-                                       ("screened", "bfloat16 screen + float32 candidates"))):
-        ax.bar([j + (i - 0.5) * 0.4 for j in x], [res["rows"][r][name] for r in rows], 0.4,
-               label=label)
+    series = [("full", "float32 head + greedy sampler"),
+              ("screened", "bfloat16 screen + float32 candidates"),
+              ("int8", "8-bit screen + float32 candidates")]
+    series = [(n, label) for n, label in series if n in res["rows"][rows[0]]]
+    width = 0.8 / len(series)
+    for i, (name, label) in enumerate(series):
+        ax.bar([j + (i - (len(series) - 1) / 2) * width for j in x],
+               [res["rows"][r][name] for r in rows], width, label=label)
     ax.set_xticks(list(x), [f"{r} row" + ("s" if r != "1" else "") for r in rows])
     ax.set_ylabel("ms per call (median)")
     ax.set_yscale("log")

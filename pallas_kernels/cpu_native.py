@@ -48,6 +48,7 @@ DENSE_LIVE_TARGET = "pagedjax_dense_matmul_live_cpu"
 ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
 GREEDY_TARGET = "pagedjax_greedy_rows_cpu"
 LM_HEAD_GREEDY_TARGET = "pagedjax_lm_head_greedy_cpu"
+LM_HEAD_GREEDY_INT8_TARGET = "pagedjax_lm_head_greedy_int8_cpu"
 SAMPLE_TARGET = "pagedjax_sample_rows_cpu"
 ADD_RMS_NORM_TARGET = "pagedjax_add_rms_norm_cpu"
 RMS_NORM_TARGET = "pagedjax_rms_norm_cpu"
@@ -142,6 +143,9 @@ def _register() -> bool:
     jax.ffi.register_ffi_target(
         LM_HEAD_GREEDY_TARGET, jax.ffi.pycapsule(lib.PagedjaxLmHeadGreedyCpu), platform="cpu")
     jax.ffi.register_ffi_target(
+        LM_HEAD_GREEDY_INT8_TARGET, jax.ffi.pycapsule(lib.PagedjaxLmHeadGreedyInt8Cpu),
+        platform="cpu")
+    jax.ffi.register_ffi_target(
         SAMPLE_TARGET, jax.ffi.pycapsule(lib.PagedjaxSampleRowsCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         ADD_RMS_NORM_TARGET, jax.ffi.pycapsule(lib.PagedjaxAddRmsNormCpu), platform="cpu")
@@ -150,7 +154,7 @@ def _register() -> bool:
     return True
 
 
-ISA_BITS = {"avx512f": 1, "avx512bf16": 2, "avx2_fma": 4}
+ISA_BITS = {"avx512f": 1, "avx512bf16": 2, "avx2_fma": 4, "avx512vnni": 8}
 
 
 @functools.cache
@@ -417,56 +421,126 @@ def sample_rows_cpu(logits: jax.Array, temperature: jax.Array, top_k: jax.Array,
                 lists["bitmask"], greedy_eps=np.float32(greedy_eps))
 
 
-def lm_head_screen(panels, n: int) -> dict | None:
+def lm_head_screen_kind() -> str:
+    """Which screen `lm_head_screen` builds here: ``int8`` on an AVX512-VNNI host without AMX
+    (`vpdpbusd`: twice `vdpbf16ps`' work per instruction from half its bytes; AMX's bfloat16
+    tiles outrun both), else ``bf16``. ``PAGEDJAX_LM_HEAD_INT8=0`` keeps ``bf16`` (A/B runs)."""
+    if os.environ.get("PAGEDJAX_LM_HEAD_INT8", "1") == "0":
+        return "bf16"
+    return "int8" if "avx512vnni" in compiled_isa() and not lm_head_amx() else "bf16"
+
+
+def lm_head_screen(panels, n: int, kind: str = "auto") -> dict | None:
     """What `lm_head_greedy_cpu` reads besides the float32 panels ``[P, K, 64]`` of an LM head
-    of ``n`` columns: the panels in bfloat16 pairs ``[P, ceil(K / 2), 64, 2]`` (uint16; k even
-    then k odd, as `vdpbf16ps` takes them) and each column's L2 norm in float64, rounded up to
-    float32. None when a weight or norm is not finite (or rounds to an infinite bfloat16): the
-    bound behind the screen would not hold, so such a head is not screened. Half the head's
-    bytes again in memory (57 MB for the demo model)."""
+    of ``n`` columns: each column's L2 norm in float64, rounded up to float32 (``norms``), and
+    the head in the screen's precision (``kind``: ``auto`` is `lm_head_screen_kind`):
+
+    - ``bf16``: the panels in bfloat16 pairs ``[P, ceil(K / 2), 64, 2]`` (uint16; k even then k
+      odd, as `vdpbf16ps` takes them); half the head's bytes again in memory (57 MB for the
+      demo model);
+    - ``int8``: each column as steps ``q`` in [-127, 127] of ``s_j = max |w_j| / 127``, in panels
+      ``[P, ceil(K / 4), 64, 4]`` (four k per lane, as `vpdpbusd` takes them), with ``qcols``
+      ``[2, P * 64]`` (``s_j``; ``||w_j - s_j q_j||`` in float64 rounded up) and ``qbias``
+      ``[P * 64]`` (``-128 sum_k q_kj``, int32); a quarter of the head's bytes (28 MB).
+
+    None when a weight or norm is not finite (or rounds to an infinite bfloat16): the bound
+    behind the screen would not hold, so such a head is not screened. An ``int8`` screen also
+    wants column norms up to 1e15 (so a bound's ``||x|| ||w_j||`` stays finite for every
+    screened row) and K up to 32768 (int32 sums); else ``auto`` builds ``bf16``."""
     import ml_dtypes
 
     w = np.asarray(panels)
     if w.dtype != np.float32 or w.ndim != 3 or w.shape[2] != 64:
         raise TypeError(f"lm_head_screen: float32 panels [P, K, 64], got {w.dtype} {w.shape}")
+    if kind not in ("auto", "bf16", "int8"):
+        raise ValueError(f"lm_head_screen: kind is auto, bf16 or int8, got {kind!r}")
+    if not np.isfinite(w).all():
+        return None
     p, k, _ = w.shape
-    kp2 = (k + 1) // 2
-    pairs = np.zeros((p, kp2, 64, 2), np.uint16)
     norms = np.zeros(p * 64, np.float64)
     step = 64  # panels at a time: bounded temporaries
     for b in range(0, p, step):
+        blk = w[b:b + step].astype(np.float64)
+        norms[b * 64:(b + len(blk)) * 64] = np.sqrt(np.einsum("pkc,pkc->pc", blk, blk)).ravel()
+    up = _round_up_f32(norms[:n])
+    if not np.isfinite(up).all():
+        return None
+    if kind == "auto":
+        kind = lm_head_screen_kind()
+        if kind == "int8" and (up.max(initial=0.0) > 1e15 or k > 32768):
+            kind = "bf16"
+    if kind == "int8":
+        return {"int8": _int8_panels(w, step), "norms": up, **_int8_columns(w, step)}
+    kp2 = (k + 1) // 2
+    pairs = np.zeros((p, kp2, 64, 2), np.uint16)
+    for b in range(0, p, step):
         blk = w[b:b + step]
-        if not np.isfinite(blk).all():
-            return None
-        norms[b * 64:(b + len(blk)) * 64] = np.sqrt(
-            np.einsum("pkc,pkc->pc", blk.astype(np.float64), blk.astype(np.float64))).ravel()
         bf = blk.astype(ml_dtypes.bfloat16)
         if not np.isfinite(bf.astype(np.float32)).all():
             return None
         if k % 2:
             bf = np.concatenate([bf, np.zeros((len(blk), 1, 64), bf.dtype)], axis=1)
         pairs[b:b + step] = bf.view(np.uint16).reshape(len(blk), kp2, 2, 64).transpose(0, 1, 3, 2)
-    norms = norms[:n]
-    up = norms.astype(np.float32)
-    up = np.where(up.astype(np.float64) < norms, np.nextafter(up, np.float32(np.inf)), up)
-    if not np.isfinite(up).all():
-        return None
-    return {"bf16": pairs, "norms": up.astype(np.float32)}
+    return {"bf16": pairs, "norms": up}
+
+
+def _round_up_f32(v: np.ndarray) -> np.ndarray:
+    """float64 values as the nearest float32 at or above each."""
+    f = v.astype(np.float32)
+    return np.where(f.astype(np.float64) < v, np.nextafter(f, np.float32(np.inf)), f)
+
+
+def _int8_steps(blk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Panels ``[p, K, 64]`` as (the columns' steps ``[p, 64]`` float32, codes int8)."""
+    s = np.abs(blk).max(axis=1) / np.float32(127)
+    safe = np.where(s > 0, s, np.float32(1))[:, None, :]
+    q = np.clip(np.rint(blk / safe), -127, 127).astype(np.int8)
+    return s.astype(np.float32), q
+
+
+def _int8_panels(w: np.ndarray, step: int) -> np.ndarray:
+    p, k, _ = w.shape
+    kq = (k + 3) // 4
+    out = np.zeros((p, kq, 64, 4), np.int8)
+    for b in range(0, p, step):
+        q = _int8_steps(w[b:b + step])[1]
+        q = np.concatenate([q, np.zeros((len(q), 4 * kq - k, 64), np.int8)], axis=1)
+        out[b:b + step] = q.reshape(len(q), kq, 4, 64).transpose(0, 1, 3, 2)
+    return out
+
+
+def _int8_columns(w: np.ndarray, step: int) -> dict:
+    p = w.shape[0]
+    cols = np.zeros((2, p * 64), np.float64)
+    bias = np.zeros(p * 64, np.int32)
+    for b in range(0, p, step):
+        blk = w[b:b + step]
+        s, q = _int8_steps(blk)
+        err = blk.astype(np.float64) - s.astype(np.float64)[:, None, :] * q
+        sl = slice(b * 64, (b + len(blk)) * 64)
+        cols[0, sl] = s.ravel()
+        cols[1, sl] = np.sqrt(np.einsum("pkc,pkc->pc", err, err)).ravel()
+        bias[sl] = (-128 * q.astype(np.int32).sum(axis=1)).ravel()
+    return {"qcols": np.stack([cols[0].astype(np.float32), _round_up_f32(cols[1])]),
+            "qbias": bias}
 
 
 def lm_head_greedy_cpu(x: jax.Array, screen: dict, panels: jax.Array) -> jax.Array:
     """Per row of float32 hidden states ``x [M, K]``: the first argmax (int32) of the logits
     ``x @ w`` that `dense_matmul_cpu` gives for the LM head's float32 ``panels``, without
-    computing them all: screened in bfloat16 with a proven bound, candidates recomputed in
-    float32 (`csrc/lm_head_greedy_cpu.cc` says how). ``screen``: `lm_head_screen`'s."""
+    computing them all: screened in bfloat16 or 8 bits with a proven bound, candidates
+    recomputed in float32 (`csrc/lm_head_greedy_cpu.cc` says how). ``screen``:
+    `lm_head_screen`'s, either kind."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     if x.dtype != jnp.float32 or x.ndim != 2:
         raise TypeError(f"lm_head_greedy_cpu: float32 [M, K] hidden states, got {x.dtype} "
                         f"{x.shape}")
-    call = jax.ffi.ffi_call(LM_HEAD_GREEDY_TARGET,
-                            jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
-    return call(x, screen["bf16"], screen["norms"], panels)
+    out = jax.ShapeDtypeStruct((x.shape[0],), jnp.int32)
+    if "int8" in screen:
+        return jax.ffi.ffi_call(LM_HEAD_GREEDY_INT8_TARGET, out)(
+            x, screen["int8"], screen["norms"], screen["qcols"], screen["qbias"], panels)
+    return jax.ffi.ffi_call(LM_HEAD_GREEDY_TARGET, out)(x, screen["bf16"], screen["norms"], panels)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype, device: jax.Device | None = None

@@ -25,6 +25,26 @@
 // maximum nor tied with it; the first argmax of the exact r over the remaining columns is the
 // row's. A row that is not finite (or too large to bound) is computed in full.
 //
+// The 8-bit screen (`LmHeadGreedyInt8`, AVX512-VNNI hosts without AMX). `vpdpbusd` does four
+// u8 x s8 products per lane and instruction, twice `vdpbf16ps`' work (bench/fma_peak.cc
+// `int8`: 176-196 against 95-97 G/s on one thread of the Zen 4 host), from half its bytes.
+// Each column j is held as steps q_kj in [-127, 127] of s_j = max_k |w_kj| / 127; each row x
+// keeps its 16 largest |x_k| (the set O) in float32 and the rest as steps of
+// t = max_{k not in O} |x_k| / 127. Hidden states have a few large dimensions (on the demo
+// model max |x| / rms is 4-20): one shared step for them all left a median of 374 columns a
+// row to recompute, the 16 taken out 4 (docs/v1-core.md "The LM head screened in 8 bits").
+//   s_j = (t s_j) * sum_k qx_k q_kj  +  sum_{k in O} x_k w_kj     (int32 exact, then float32)
+// With x~ = t qx (zero on O), ex = x - x~ off O, w~_j = s_j q_j, ew_j = w_j - w~_j (norms
+// in float64, rounded up; ||ex||, ||x~|| per row, ||ew_j|| per column):
+//   |sum_{k not in O} (x w - x~ w~)| = |ex . w_j + x~ . ew_j| <= ||ex|| ||w_j|| + ||x~|| ||ew_j||
+// The float32 arithmetic (two roundings of the scale, sixteen FMAs, the bound's own
+// evaluation and the logit's chain gamma_K) stays below (gamma_K + 1024 u) ||x|| ||w_j||,
+// since ||x~|| <= 2 ||x|| and ||w~_j|| <= 2 ||w_j||. So
+//   b_j = alpha ||w_j|| + beta ||ew_j|| + A,  alpha = 1.02 (||ex|| + (gamma_K + 1024 u) ||x||),
+//   beta = 1.02 ||x~||,
+// and the same rule picks the candidates. The u8 side is qx + 128; the -128 sum_k q_kj
+// this adds to every sum is where each column's accumulators start (`qbias`).
+//
 // Work: items of panels over XLA's intra-op pool, the calling thread too. Each thread keeps
 // its own running T per row and the columns that passed it so far, filters them by its final
 // T, computes their float32 logits, and publishes; the caller merges by the global T.
@@ -74,6 +94,17 @@ struct Head {
   const uint8_t* full;     // [M]: 1 = not screened
   const float* xf;         // [M, 2 Kp2]: x rounded to bfloat16, as floats (AVX2 only)
   bool amx;                // screened by AMX tiles; `xb` then has rows up to a multiple of 16
+  // The 8-bit screen (`LmHeadGreedyInt8`); wq null in the bfloat16 one.
+  const int8_t* wq = nullptr;     // [panels, Kq, 64, 4]: the steps q_kj, four k per lane
+  int64_t Kq = 0;
+  const float* qscale = nullptr;  // [panels * 64]: s_j
+  const float* qerr = nullptr;    // [panels * 64]: ||ew_j||, rounded up
+  const int32_t* qbias = nullptr;  // [panels * 64]: -128 sum_k q_kj
+  const uint32_t* xq = nullptr;   // [M, Kq]: qx + 128 as bytes (zero steps on O and past K)
+  const float* xstep = nullptr;   // [M]: t
+  const float* beta = nullptr;    // [M]: beta (`scale` holds alpha)
+  const int32_t* outl = nullptr;  // [M, nout]: O, ascending
+  int64_t nout = 0;
 };
 
 // The float32 logit of (row m, column j): the panel matmul's chain, k = 0 .. K-1 in order,
@@ -168,10 +199,14 @@ struct PanelBounds {
     for (int i = 0; i < 4; ++i) {
       valid[i] = lane_mask(nc, i);
       nrm[i] = _mm512_maskz_loadu_ps(valid[i], h.norms + b * kCols + 16 * i);
+      err[i] = h.qerr ? _mm512_maskz_loadu_ps(valid[i], h.qerr + b * kCols + 16 * i)
+                      : _mm512_setzero_ps();
+      qs[i] = h.qscale ? _mm512_maskz_loadu_ps(valid[i], h.qscale + b * kCols + 16 * i)
+                       : _mm512_setzero_ps();
     }
   }
   __mmask16 valid[4];
-  __m512 nrm[4];
+  __m512 nrm[4], err[4], qs[4];  // ||w_j||; the 8-bit screen's ||ew_j|| and s_j (else zeros)
 };
 
 // Row m's scores c[0..3] on panel b: bounds, T and the columns that pass it, 16 lanes at a
@@ -181,9 +216,10 @@ inline void offer_row(const Head& h, int64_t b, int64_t m, const __m512* c, cons
   if (h.full[m]) return;
   const __m512 slack = _mm512_set1_ps(float(kAbsSlack));
   const __m512 sc = _mm512_set1_ps(h.scale[m]);
+  const __m512 be = _mm512_set1_ps(h.beta ? h.beta[m] : 0.f);  // bfloat16: 0 * 0 + A = A
   __m512 hi[4], top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int i = 0; i < 4; ++i) {
-    const __m512 bnd = _mm512_fmadd_ps(sc, pb.nrm[i], slack);
+    const __m512 bnd = _mm512_fmadd_ps(sc, pb.nrm[i], _mm512_fmadd_ps(be, pb.err[i], slack));
     top = _mm512_mask_max_ps(top, pb.valid[i], top, _mm512_sub_ps(c[i], bnd));
     hi[i] = _mm512_add_ps(c[i], bnd);
   }
@@ -228,6 +264,71 @@ void screen_block(const Head& h, int64_t b, int64_t m0, Local& loc) {
   const PanelBounds pb(h, b);
   for (int q = 0; q < MR; ++q) offer_row(h, b, m0 + q, c[q], pb, loc);
 }
+
+#if defined(__AVX512VNNI__)
+#define PAGEDJAX_SCREEN_INT8 1
+// Rows [m0, m0 + MR) of panel b in 8 bits: 24 int32 accumulators starting at the columns'
+// -128 sum q, one `vpdpbusd` per 4 k and 16 columns; then per row the float32 scale and the
+// row's own 16 large dimensions from the float32 panel (its lines stay in cache: the rows of
+// a batch share most of them).
+template <int MR>
+void screen_block_int8(const Head& h, int64_t b, int64_t m0, const PanelBounds& pb,
+                       Local& loc) {
+  const int8_t* w = h.wq + b * h.Kq * kCols * 4;
+  __m512i c[MR][4];
+  for (int i = 0; i < 4; ++i) {
+    const __m512i start = _mm512_loadu_si512(h.qbias + b * kCols + 16 * i);
+    for (int q = 0; q < MR; ++q) c[q][i] = start;
+  }
+  for (int64_t kq = 0; kq < h.Kq; ++kq) {
+    const int8_t* wk = w + kq * kCols * 4;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 4), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 4 + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 4 + 128), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 4 + 192), _MM_HINT_T0);
+    const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64),
+                  w2 = _mm512_loadu_si512(wk + 128), w3 = _mm512_loadu_si512(wk + 192);
+    for (int q = 0; q < MR; ++q) {
+      const __m512i a = _mm512_set1_epi32(int32_t(h.xq[(m0 + q) * h.Kq + kq]));
+      c[q][0] = _mm512_dpbusd_epi32(c[q][0], a, w0);
+      c[q][1] = _mm512_dpbusd_epi32(c[q][1], a, w1);
+      c[q][2] = _mm512_dpbusd_epi32(c[q][2], a, w2);
+      c[q][3] = _mm512_dpbusd_epi32(c[q][3], a, w3);
+    }
+  }
+  const float* wf = h.w + b * h.K * kCols;
+  for (int q = 0; q < MR; ++q) {
+    const int64_t m = m0 + q;
+    if (h.full[m]) continue;
+    const __m512 t = _mm512_set1_ps(h.xstep[m]);
+    __m512 f[4];  // exact below 2^24 (K <= 1040), one rounding past it (in the bound)
+    for (int i = 0; i < 4; ++i)
+      f[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(c[q][i]), _mm512_mul_ps(t, pb.qs[i]));
+    const float* xm = h.x + m * h.K;
+    const int32_t* o = h.outl + m * h.nout;
+    for (int64_t j = 0; j < h.nout; ++j) {
+      const __m512 xv = _mm512_set1_ps(xm[o[j]]);
+      const float* wk = wf + int64_t(o[j]) * kCols;
+      for (int i = 0; i < 4; ++i) f[i] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wk + 16 * i), f[i]);
+    }
+    offer_row(h, b, m, f, pb, loc);
+  }
+}
+
+void screen_panel_int8(const Head& h, int64_t b, Local& loc) {
+  const PanelBounds pb(h, b);
+  for (int64_t m = 0; m < h.M; m += kBlockRows) {
+    switch (std::min(kBlockRows, h.M - m)) {
+      case 6: screen_block_int8<6>(h, b, m, pb, loc); break;
+      case 5: screen_block_int8<5>(h, b, m, pb, loc); break;
+      case 4: screen_block_int8<4>(h, b, m, pb, loc); break;
+      case 3: screen_block_int8<3>(h, b, m, pb, loc); break;
+      case 2: screen_block_int8<2>(h, b, m, pb, loc); break;
+      default: screen_block_int8<1>(h, b, m, pb, loc); break;
+    }
+  }
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // AMX (Intel Sapphire Rapids and later): `tdpbf16ps` multiplies the same bfloat16 pairs as
@@ -299,6 +400,9 @@ void screen_panel_amx(const Head& h, int64_t b, Local& loc) {
 #endif
 
 void screen_panel(const Head& h, int64_t b, Local& loc) {
+#if defined(PAGEDJAX_SCREEN_INT8)
+  if (h.wq) return screen_panel_int8(h, b, loc);
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (h.amx) return screen_panel_amx(h, b, loc);
 #endif
@@ -464,6 +568,42 @@ int32_t full_row(const Head& h, int64_t m) {
   return arg;
 }
 
+// Screens every panel over the pool, then picks each row's token from the candidates
+// (rows marked `full` are computed in full).
+void screen_and_merge(ffi::ThreadPool& pool, const Head& h, int32_t* out) {
+  const int64_t M = h.M;
+  const int64_t items = (h.panels + kPanelsPerItem - 1) / kPanelsPerItem;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()) - 1, items - 1);
+  auto sh = std::make_shared<Shared>(helpers + 1);
+  for (int64_t i = 0; i < helpers; ++i)
+    pool.Schedule([sh, h, items, i] { work(*sh, h, items, i + 1); });
+  work(*sh, h, items, 0);
+  while (sh->published.load(std::memory_order_acquire) < items) std::this_thread::yield();
+
+  for (int64_t m = 0; m < M; ++m) {
+    if (h.full[m]) {
+      out[m] = full_row(h, m);
+      continue;
+    }
+    float T = -std::numeric_limits<float>::infinity();
+    for (const auto& s : sh->slots)
+      if (s) T = std::max(T, s->T[m]);
+    int32_t arg = -1;
+    float top = 0.f;
+    for (const auto& s : sh->slots) {
+      if (!s) continue;
+      for (const Cand& c : s->cand[m]) {
+        if (c.hi < T) continue;
+        if (arg < 0 || c.exact > top || (c.exact == top && c.col < arg)) {
+          arg = c.col;
+          top = c.exact;
+        }
+      }
+    }
+    out[m] = arg < 0 ? full_row(h, m) : arg;  // no candidate cannot happen; stay exact anyway
+  }
+}
+
 uint16_t to_bf16(float f) {  // round to nearest even (finite inputs)
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -549,41 +689,114 @@ ffi::Error LmHeadGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 #endif
   const Head h{M, K, Kp2, N, panels, xs, xb, wb.typed_data(), norms.typed_data(),
                w.typed_data(), scale.data(), full.data(), xf.data(), amx};
-
-  const int64_t items = (panels + kPanelsPerItem - 1) / kPanelsPerItem;
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()) - 1, items - 1);
-  auto sh = std::make_shared<Shared>(helpers + 1);
-  for (int64_t i = 0; i < helpers; ++i)
-    pool.Schedule([sh, h, items, i] { work(*sh, h, items, i + 1); });
-  work(*sh, h, items, 0);
-  while (sh->published.load(std::memory_order_acquire) < items) std::this_thread::yield();
-
-  for (int64_t m = 0; m < M; ++m) {
-    if (full[m]) {
-      out[m] = full_row(h, m);
-      continue;
-    }
-    float T = -std::numeric_limits<float>::infinity();
-    for (const auto& s : sh->slots)
-      if (s) T = std::max(T, s->T[m]);
-    int32_t arg = -1;
-    float top = 0.f;
-    for (const auto& s : sh->slots) {
-      if (!s) continue;
-      for (const Cand& c : s->cand[m]) {
-        if (c.hi < T) continue;
-        if (arg < 0 || c.exact > top || (c.exact == top && c.col < arg)) {
-          arg = c.col;
-          top = c.exact;
-        }
-      }
-    }
-    out[m] = arg < 0 ? full_row(h, m) : arg;  // no candidate cannot happen; stay exact anyway
-  }
+  screen_and_merge(pool, h, out);
   return ffi::Error::Success();
 }
 
+constexpr int64_t kOutliers = 16;  // a row's dimensions taken in float32 (the set O)
+constexpr int64_t kInt8MaxK = 32768;  // int32 sums: K * 255 * 127 < 2^31
+
+// The 8-bit screen (the header's "8-bit screen"): x's steps, O, and the bound's alpha, beta.
+ffi::Error LmHeadGreedyInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> wq, ffi::Buffer<ffi::F32> norms,
+                            ffi::Buffer<ffi::F32> qcols, ffi::Buffer<ffi::S32> qbias,
+                            ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::S32>> tok) {
+#if !defined(PAGEDJAX_SCREEN_INT8)
+  return ffi::Error::InvalidArgument("lm_head_greedy_cpu: this build has no AVX512-VNNI");
+#else
+  auto xd = x.dimensions(), qd = wq.dimensions(), nd = norms.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || tok->dimensions().size() != 1 || tok->dimensions()[0] != xd[0])
+    return ffi::Error::InvalidArgument("expected hidden x [M, K] and tokens [M]");
+  const int64_t M = xd[0], K = xd[1], Kq = (K + 3) / 4;
+  if (K > kInt8MaxK) return ffi::Error::InvalidArgument("8-bit screen: K over 32768");
+  if (nd.size() != 1 || nd[0] < 1)
+    return ffi::Error::InvalidArgument("expected column norms [N]");
+  const int64_t N = nd[0], panels = (N + kCols - 1) / kCols;
+  if (wd.size() != 3 || wd[0] != panels || wd[1] != K || wd[2] != kCols)
+    return ffi::Error::InvalidArgument("expected float32 panels [ceil(N / 64), K, 64]");
+  if (qd.size() != 4 || qd[0] != panels || qd[1] != Kq || qd[2] != kCols || qd[3] != 4)
+    return ffi::Error::InvalidArgument("expected 8-bit panels [ceil(N / 64), ceil(K / 4), 64, 4]");
+  auto cd = qcols.dimensions(), bd = qbias.dimensions();
+  if (cd.size() != 2 || cd[0] != 2 || cd[1] != panels * kCols || bd.size() != 1 ||
+      bd[0] != panels * kCols)
+    return ffi::Error::InvalidArgument("expected column steps and errors [2, P * 64], sums [P * 64]");
+  if (M == 0) return ffi::Error::Success();
+
+  const double u = std::ldexp(1.0, -24);
+  const double gk = double(K) * u / (1.0 - double(K) * u);
+  const int64_t nout = std::min(kOutliers, K);
+  std::vector<uint32_t> xq(M * Kq, 0x80808080u);  // a zero step is the byte 128
+  std::vector<float> alpha(M), beta(M), step(M, 0.f);
+  std::vector<int32_t> outl(M * nout);
+  std::vector<uint8_t> full(M, 0);
+  std::vector<int32_t> idx(K);
+  std::vector<uint8_t> in_o(K);
+  const float* xs = x.typed_data();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = xs + m * K;
+    double ss = 0;
+    for (int64_t k = 0; k < K; ++k) ss += double(xm[k]) * xm[k];
+    const double nx = std::sqrt(ss);
+    if (!std::isfinite(nx) || nx > kMaxNorm) {
+      full[m] = 1;
+      continue;
+    }
+    for (int64_t k = 0; k < K; ++k) idx[k] = int32_t(k);
+    std::nth_element(idx.begin(), idx.begin() + (nout - 1), idx.end(), [xm](int32_t a, int32_t b) {
+      return std::fabs(xm[a]) > std::fabs(xm[b]) || (std::fabs(xm[a]) == std::fabs(xm[b]) && a < b);
+    });
+    std::sort(idx.begin(), idx.begin() + nout);  // ascending: the panel's lines in order
+    std::fill(in_o.begin(), in_o.end(), 0);
+    for (int64_t j = 0; j < nout; ++j) {
+      outl[m * nout + j] = idx[j];
+      in_o[idx[j]] = 1;
+    }
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k)
+      if (!in_o[k]) amax = std::max(amax, std::fabs(xm[k]));
+    // A tiny rest keeps no steps (ex is then all of it): no subnormal step to flush.
+    const float t = amax >= 1e-20f ? amax / 127.f : 0.f;
+    double ex2 = 0, xt2 = 0;
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(xq.data() + m * Kq);
+    for (int64_t k = 0; k < K; ++k) {
+      if (in_o[k]) continue;
+      const int q = t > 0.f ? int(std::clamp(std::nearbyint(xm[k] / t), -127.f, 127.f)) : 0;
+      const double xt = double(t) * q;
+      ex2 += (double(xm[k]) - xt) * (double(xm[k]) - xt);
+      xt2 += xt * xt;
+      bytes[k] = uint8_t(q + 128);
+    }
+    step[m] = t;
+    alpha[m] = float(1.02 * (std::sqrt(ex2) + (gk + 1024 * u) * nx));
+    beta[m] = float(1.02 * std::sqrt(xt2));
+  }
+  Head h{M, K, 0, N, panels, xs, nullptr, nullptr, norms.typed_data(), w.typed_data(),
+         alpha.data(), full.data(), nullptr, false};
+  h.wq = wq.typed_data();
+  h.Kq = Kq;
+  h.qscale = qcols.typed_data();
+  h.qerr = qcols.typed_data() + panels * kCols;
+  h.qbias = qbias.typed_data();
+  h.xq = xq.data();
+  h.xstep = step.data();
+  h.beta = beta.data();
+  h.outl = outl.data();
+  h.nout = nout;
+  screen_and_merge(pool, h, tok->typed_data());
+  return ffi::Error::Success();
+#endif
+}
+
 }  // namespace
+
+// 1 when this build has the 8-bit screen (AVX512-VNNI).
+extern "C" int PagedjaxLmHeadInt8() {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // 1 when this build screens with AMX tiles and the process may use them (tests, benches).
 extern "C" int PagedjaxLmHeadAmx() {
@@ -600,5 +813,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLmHeadGreedyCpu, LmHeadGreedy,
                                   .Arg<ffi::Buffer<ffi::F32>>()   // hidden x [M, K]
                                   .Arg<ffi::Buffer<ffi::U16>>()   // bf16 panels [P, K/2, 64, 2]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // column norms [N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // float32 panels [P, K, 64]
+                                  .Ret<ffi::Buffer<ffi::S32>>());  // first argmax [M]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxLmHeadGreedyInt8Cpu, LmHeadGreedyInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // hidden x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // 8-bit panels [P, K/4, 64, 4]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // column norms [N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // steps, error norms [2, P*64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // -128 sum q [P * 64]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // float32 panels [P, K, 64]
                                   .Ret<ffi::Buffer<ffi::S32>>());  // first argmax [M]

@@ -39,9 +39,10 @@ def _requests(vocab: int, logprobs=None) -> list[tuple[list[int], SamplingParams
 
 
 def _generate(config, params, reqs, monkeypatch, screened: bool, async_scheduling=True,
-              swap=None):
+              swap=None, kind=None):
     """Outputs, `sample_greedy_hidden` calls, preemptions; ``swap``: params to swap in after
-    a first generate (the outputs are then those of the second)."""
+    a first generate (the outputs are then those of the second); ``kind``: the screen's
+    (`lm_head_screen_kind`, via PAGEDJAX_LM_HEAD_INT8; None: the host's default)."""
     calls = []
     real = engine_mod.sample_greedy_hidden
 
@@ -51,12 +52,16 @@ def _generate(config, params, reqs, monkeypatch, screened: bool, async_schedulin
 
     monkeypatch.setattr(engine_mod, "sample_greedy_hidden", counting)
     monkeypatch.setenv("PAGEDJAX_SCREENED_HEAD", "1" if screened else "0")
+    if kind is not None:
+        monkeypatch.setenv("PAGEDJAX_LM_HEAD_INT8", "1" if kind == "int8" else "0")
     # 10 blocks of 8 for 8 sequences of 20 to 59 tokens: preemption is certain. The head is
     # left to the runner with unrolled layers (the suite's default is the scan).
     llm = LLM.from_params(config, params, NoTokenizer(), num_gpu_blocks=10, block_size=8,
                           max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128,
                           async_scheduling=async_scheduling, layer_loop="unrolled")
     assert llm.engine.runner.head_outside is screened
+    if screened:
+        assert (kind or cpu_native.lm_head_screen_kind()) in llm.engine.runner.head_screen
     prompts = [{"prompt_token_ids": p} for p, _ in reqs]
     params_list = [sp for _, sp in reqs]
     outs = llm.generate(prompts, params_list)
@@ -75,11 +80,20 @@ def _tokens(outs):
     return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
 
 
+def _has_int8() -> bool:
+    """The engine screens in 8 bits here (AVX512-VNNI; AMX hosts keep bfloat16 tiles)."""
+    return (cpu_native.available() and "avx512vnni" in cpu_native.compiled_isa()
+            and not cpu_native.lm_head_amx())
+
+
+@pytest.mark.parametrize("kind", ["bf16", pytest.param("int8", marks=pytest.mark.skipif(
+    not _has_int8(), reason="the engine screens in 8 bits on AVX512-VNNI hosts without AMX"))])
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_screened_tokens_equal_the_float32_heads(tiny, monkeypatch, async_scheduling):
+def test_screened_tokens_equal_the_float32_heads(tiny, monkeypatch, async_scheduling, kind):
     config, params = tiny
     reqs = _requests(config.vocab_size)
-    fast, n_fast, pre = _generate(config, params, reqs, monkeypatch, True, async_scheduling)
+    fast, n_fast, pre = _generate(config, params, reqs, monkeypatch, True, async_scheduling,
+                                  kind=kind)
     full, n_full, _ = _generate(config, params, reqs, monkeypatch, False, async_scheduling)
     assert n_fast > 0 and n_full == 0 and pre > 0  # the screen ran, under preemption
     assert _tokens(fast) == _tokens(full)

@@ -178,7 +178,7 @@ def test_every_screen_path_gives_the_float32_argmax(heads, m, k, n):
     if m > 3:  # this row's best columns are the tied pairs
         x[3] = w[:, 7] + w[:, 11] * 1e-3
     panels = np.asarray(to_dense_panels(jnp.asarray(w)))
-    screen = cpu_native.lm_head_screen(panels, n)
+    screen = cpu_native.lm_head_screen(panels, n, "bf16")
     logits = np.asarray(jax.jit(cpu_native.dense_matmul_cpu, static_argnums=2)(
         jnp.asarray(x), jnp.asarray(panels), n))
     want = _first_argmax(logits)
