@@ -49,6 +49,7 @@ from models.qlinear import (
     dequantize_columns,
     is_dense_panels,
     is_packed,
+    takes_silu_mul,
 )
 
 KVCache = tuple[jax.Array, jax.Array]
@@ -177,18 +178,35 @@ class DecoderLayer(nn.Module):
         if c.num_experts:
             out = self._moe(h)
         else:
-            if self.fused:
-                gate_up = dense(2 * c.intermediate_size, "gate_up_proj")(h)
-                gate, up = split_fused(gate_up, (c.intermediate_size,) * 2, self.fused_shards)
+            if self.fused and self._silu_epilogue():
+                act = Linear(2 * c.intermediate_size, dtype=self.dtype, param_dtype=self.dtype,
+                             packed_matmul=self.packed_matmul, silu_mul=True,
+                             name="gate_up_proj")(h)
             else:
-                gate = dense(c.intermediate_size, "gate_proj")(h)
-                up = dense(c.intermediate_size, "up_proj")(h)
-            out = dense(c.hidden_size, "down_proj")(activation(c.hidden_act, gate) * up)
+                if self.fused:
+                    gate_up = dense(2 * c.intermediate_size, "gate_up_proj")(h)
+                    gate, up = split_fused(gate_up, (c.intermediate_size,) * 2,
+                                           self.fused_shards)
+                else:
+                    gate = dense(c.intermediate_size, "gate_proj")(h)
+                    up = dense(c.intermediate_size, "up_proj")(h)
+                act = activation(c.hidden_act, gate) * up
+            out = dense(c.hidden_size, "down_proj")(act)
         if c.sandwich_norm:
             out = rms_norm(out, norm("post_mlp_norm"), c.rms_norm_eps)
         if self.norm_fn is not None:
             return ((x, out), kv_cache), None
         return (x + out, kv_cache), None
+
+    def _silu_epilogue(self) -> bool:
+        """silu(gate) * up inside the gate_up matmul (`models.qlinear.Linear.silu_mul`): a silu
+        MLP, one shard, a kernel with the epilogue (the native CPU matmul over float32 panels;
+        a 64-row demo-model step lost XLA's 55 us silu * up thunk per layer) and whole panels
+        per half. PAGEDJAX_SILU_EPILOGUE=0: the separate activation, for comparisons."""
+        c = self.config
+        return (c.hidden_act == "silu" and self.fused_shards == 1
+                and takes_silu_mul(self.packed_matmul) and c.intermediate_size % 64 == 0
+                and os.environ.get("PAGEDJAX_SILU_EPILOGUE", "1") != "0")
 
     def _window_and_rope(self, layer, rope):
         """This layer's sliding window and cos/sin tables: constants when unrolled, looked up

@@ -146,21 +146,44 @@ def dequantize_columns(p: dict, cols: jax.Array, k: int, dtype=jnp.float32) -> j
     return jnp.swapaxes(dequantize(sub, k, dtype), -1, -2)
 
 
+def takes_silu_mul(matmul: Any) -> bool:
+    """Whether a ``packed_matmul`` (or a `functools.partial` of one) has the silu * up epilogue."""
+    return bool(getattr(getattr(matmul, "func", matmul), "silu_mul", False))
+
+
 class Linear(nn.Module):
     """`nn.Dense` that also reads a packed weight (see the module docstring).
 
     ``packed_matmul(x, p, n)``: a kernel that multiplies by packed leaves ``p`` directly (the
     native CPU one, `pallas_kernels.cpu_native.packed_matmul_cpu`, whose weights are in 64-column
-    panels: `panelize`); None: XLA dequantizes the weight and runs the dot."""
+    panels: `panelize`); None: XLA dequantizes the weight and runs the dot.
+
+    ``silu_mul``: the weight is an MLP's fused gate and up projection and the result is
+    ``silu(gate) * up`` (``features / 2`` wide); float32 panels take it in the native matmul's
+    epilogue when the kernel offers one (`pallas_kernels.cpu_native.dense_matmul_cpu`), every
+    other weight computes the product and then the activation."""
 
     features: int
     use_bias: bool = False
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
     packed_matmul: Any = None
+    silu_mul: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        if (self.silu_mul and not self.use_bias and self.has_variable("params", "panels")
+                and takes_silu_mul(self.packed_matmul)):
+            return self.packed_matmul(x.astype(jnp.float32),
+                                      {"panels": self.get_variable("params", "panels")},
+                                      self.features, silu_mul=True).astype(self.dtype)
+        y = self._product(x)
+        if self.silu_mul:
+            half = self.features // 2
+            y = nn.silu(y[..., :half]) * y[..., half:]
+        return y
+
+    def _product(self, x: jax.Array) -> jax.Array:
         if self.has_variable("params", "panels"):  # float32 panels: the native CPU matmul
             y = self.packed_matmul(x.astype(jnp.float32),
                                    {"panels": self.get_variable("params", "panels")},

@@ -45,6 +45,7 @@ WRITE_TARGET = "pagedjax_write_kv_bytes_cpu"
 PACKED_TARGET = "pagedjax_packed_matmul_cpu"
 DENSE_TARGET = "pagedjax_dense_matmul_cpu"
 DENSE_LIVE_TARGET = "pagedjax_dense_matmul_live_cpu"
+DENSE_SILU_MUL_TARGET = "pagedjax_dense_matmul_silu_mul_cpu"
 ZEROS_TARGET = "pagedjax_zeros_huge_pages_cpu"
 GREEDY_TARGET = "pagedjax_greedy_rows_cpu"
 LM_HEAD_GREEDY_TARGET = "pagedjax_lm_head_greedy_cpu"
@@ -136,6 +137,9 @@ def _register() -> bool:
         DENSE_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulCpu), platform="cpu")
     jax.ffi.register_ffi_target(
         DENSE_LIVE_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulLiveCpu), platform="cpu")
+    jax.ffi.register_ffi_target(
+        DENSE_SILU_MUL_TARGET, jax.ffi.pycapsule(lib.PagedjaxDenseMatmulSiluMulCpu),
+        platform="cpu")
     jax.ffi.register_ffi_target(
         ZEROS_TARGET, jax.ffi.pycapsule(lib.PagedjaxZerosHugePagesCpu), platform="cpu")
     jax.ffi.register_ffi_target(
@@ -240,15 +244,20 @@ def write_kv_bytes_cpu(k: jax.Array, v: jax.Array, k_cache: jax.Array, v_cache: 
 
 
 def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None,
-                      live_rows: jax.Array | None = None) -> jax.Array:
+                      live_rows: jax.Array | None = None, silu_mul: bool = False) -> jax.Array:
     """``x [..., K] @ w`` for a packed weight ``p`` (`models.qlinear`: ``codes``, ``scale``,
     optional ``offset``; canonical ``[rows, N]`` or 64-column panels ``[N / 64, rows, 64]``,
     whose true width ``n`` must be given), widening the weight row by row in registers
     (`csrc/packed_matmul_cpu.cc`) instead of materialising it. fp32 or bf16 ``x``. A float32
     weight in panels (``{"panels"}``, `models.qlinear.to_dense_panels`) goes to
-    `dense_matmul_cpu`, with ``live_rows`` (see there; packed codes multiply every row)."""
+    `dense_matmul_cpu`, with ``live_rows`` and ``silu_mul`` (see there; packed codes multiply
+    every row, and their ``silu_mul`` is XLA's silu of the first half times the second)."""
     if "panels" in p:
-        return dense_matmul_cpu(x, p["panels"], n, live_rows)
+        return dense_matmul_cpu(x, p["panels"], n, live_rows, silu_mul)
+    if silu_mul:
+        y = packed_matmul_cpu(x, p, n)
+        half = y.shape[-1] // 2
+        return jax.nn.silu(y[..., :half]) * y[..., half:]
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -266,7 +275,7 @@ def packed_matmul_cpu(x: jax.Array, p: dict, n: int | None = None,
 
 
 def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int,
-                     live_rows: jax.Array | None = None) -> jax.Array:
+                     live_rows: jax.Array | None = None, silu_mul: bool = False) -> jax.Array:
     """``x [..., K] @ w`` for a float32 weight ``w [K, n]`` held as 64-column panels
     ``[ceil(n / 64), K, 64]`` (`models.qlinear.to_dense_panels`; `csrc/dense_matmul_cpu.cc`
     says why: up to six rows cost one pass over the weight, where XLA's GEMM packs it per
@@ -275,12 +284,26 @@ def dense_matmul_cpu(x: jax.Array, panels: jax.Array, n: int,
     ``live_rows`` (an int32 scalar, traced): only the first that many rows of ``x`` (flattened
     to ``[M, K]``) are multiplied and the rest of the result is zeros, so a step padded to its
     token bucket pays for its real tokens only (`models.decoder.DecoderLM` passes
-    ``cu_q_lens[num_seqs]``)."""
+    ``cu_q_lens[num_seqs]``).
+
+    ``silu_mul``: ``w`` is an MLP's fused gate and up weight ``[K, n]`` (gate the first
+    ``n / 2`` columns; ``n`` a multiple of 128, so each half is whole panels) and the result
+    ``silu(x @ gate) * (x @ up)`` ``[..., n / 2]``, in one call: the product is combined while
+    it is in cache (`csrc/dense_matmul_cpu.cc` says why and how silu is computed)."""
     if not _register():
         raise NativeBuildError("native CPU kernels are not available")
     if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
         raise TypeError(f"dense_matmul_cpu: float32 only, got x {x.dtype}, w {panels.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
+    if silu_mul:
+        if n % 128 or panels.shape[0] != n // 64:
+            raise ValueError(f"dense_matmul_cpu: silu_mul wants n a multiple of 128 and n / 64 "
+                             f"panels, got n={n}, panels {panels.shape}")
+        out = jax.ShapeDtypeStruct((math.prod(lead), n // 2), x.dtype)
+        live = jnp.asarray(math.prod(lead) if live_rows is None else live_rows,
+                           jnp.int32).reshape(())
+        return jax.ffi.ffi_call(DENSE_SILU_MUL_TARGET, out)(
+            x.reshape(-1, k), panels, live).reshape(*lead, n // 2)
     out = jax.ShapeDtypeStruct((math.prod(lead), n), x.dtype)
     if live_rows is None:
         return jax.ffi.ffi_call(DENSE_TARGET, out)(x.reshape(-1, k), panels).reshape(*lead, n)
@@ -336,6 +359,7 @@ def add_rms_norm_native(x: jax.Array, delta: jax.Array | None, weight: jax.Array
 
 # `models.decoder.DecoderLM` passes a step's real token count to matmuls that take it.
 packed_matmul_cpu.takes_live_rows = True
+packed_matmul_cpu.silu_mul = True  # takes ``silu_mul`` (`models.qlinear.Linear`)
 
 
 def _logits_rows(name: str, logits: jax.Array) -> int:

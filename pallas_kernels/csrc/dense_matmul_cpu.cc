@@ -35,11 +35,20 @@
 // its row: results do not depend on the number of rows (a row scores the same in a decode
 // step as in a verification step) and differ from a float dot only by reassociation.
 
+// The MLP's gate and up projections as one call with the activation in its epilogue
+// (`DenseMatmulSiluMul`, `dense_matmul_cpu(..., silu_mul=True)`): y = silu(x @ W_gate) *
+// (x @ W_up) for the fused gate_up weight, whose first half of panels is the gate's and second
+// the up's. An item computes gate panel b's register block into a stack buffer, then up panel
+// b's into y, and combines them there while both are in L1: the [M, 2I] product is never
+// written and XLA's separate silu * up thunk (55 us a 64-row layer on the demo model, 1.65 ms a
+// step; docs/v1-core.md) is gone. silu is computed the same way in every build (`silu_mul`).
+
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <cstdint>
@@ -61,12 +70,91 @@ constexpr int64_t kAhead = 32;   // rows per work item: 8 blocks over a panel he
 struct Dense {
   int64_t M, K, N, panels;
   const float* x;  // [M, K]
-  const float* w;  // [ceil(N / 64), K, 64]
+  const float* w;  // [ceil(N / 64), K, 64]; gated: [2 panels, K, 64], gate then up
   float* y;        // output (m, n) at y[(m - row0) * ldy + n - col0]: [M, N], or a helper's
   int64_t ldy, row0 = 0, col0 = 0;  // scratch for one work item (`Shared`)
+  bool gated = false;  // y = silu(x @ gate) * (x @ up) (`DenseMatmulSiluMul`)
   int64_t cols(int64_t b) const { return std::min(kCols, N - b * kCols); }
   float* out(int64_t m, int64_t n) const { return y + (m - row0) * ldy + (n - col0); }
 };
+
+// silu(g) * u, the same bits in every build (the scalar and vector forms below are one
+// sequence of correctly rounded operations): e = exp(-g) by n = rint(-g / ln 2),
+// r = -g - n ln 2 (two FMAs, ln 2 in two parts) and a degree-7 Taylor polynomial in r
+// (|r| <= 0.347: truncation below 6e-9, under half an ulp), scaled by 2^n; then
+// g * (1 / (1 + e)) * u. -g is clamped to [-87, 88] so 2^n stays a normal float, and past 88
+// the sigmoid is 0 (silu's limit: a gate of -1e30 gives -0, not -1e30 * e^-88; -inf gives
+// NaN, as XLA's does); NaN in g stays NaN. Within a few ulps of float64 (`tests/kernels/test_dense_matmul.py`); XLA's own
+// silu rounds differently, so outputs differ from the unfused graph by ulps.
+constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f,
+                kLn2Lo = 1.42860682030941723e-6f;
+constexpr float kTaylor[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720,
+                              1.f / 5040};
+
+inline float silu_mul_one(float g, float u) {
+  const float neg = -g;
+  const float x = std::min(neg > -87.f ? neg : -87.f, 88.f);  // NaN -> -87, as maxps does
+  const float n = __builtin_rintf(x * kLog2e);
+  float r = std::fma(-n, kLn2Hi, x);
+  r = std::fma(-n, kLn2Lo, r);
+  float q = kTaylor[7];
+  for (int i = 6; i >= 0; --i) q = std::fma(q, r, kTaylor[i]);
+  uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  const float e = q * scale;
+  const float sig = neg > 88.f ? 0.f : 1.f / (1.f + e);
+  return (g * sig) * u;
+}
+
+// y[i] = silu(g[i]) * y[i] for i < n.
+void silu_mul(const float* g, float* y, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 lo = _mm512_set1_ps(-87.f), hi = _mm512_set1_ps(88.f);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+    // min(max(-g, lo), hi) with NaN kept: a NaN lane is fixed below by g * ...
+    const __m512 x = _mm512_min_ps(_mm512_max_ps(neg, lo), hi);
+    const __m512 nv = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(nv, _mm512_set1_ps(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(nv, _mm512_set1_ps(kLn2Lo), r);
+    __m512 q = _mm512_set1_ps(kTaylor[7]);
+    for (int t = 6; t >= 0; --t) q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(kTaylor[t]));
+    const __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(nv), _mm512_set1_epi32(127)), 23);
+    const __m512 e = _mm512_mul_ps(q, _mm512_castsi512_ps(bits));
+    const __m512 sig = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(neg, hi, _CMP_LE_OQ) |
+                                               _mm512_cmp_ps_mask(neg, neg, _CMP_UNORD_Q),
+                                           _mm512_set1_ps(1.f),
+                                           _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    _mm512_storeu_ps(y + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(y + i)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), gv);
+    const __m256 x = _mm256_min_ps(_mm256_max_ps(neg, lo), hi);
+    const __m256 nv = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(nv, _mm256_set1_ps(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(nv, _mm256_set1_ps(kLn2Lo), r);
+    __m256 q = _mm256_set1_ps(kTaylor[7]);
+    for (int t = 6; t >= 0; --t) q = _mm256_fmadd_ps(q, r, _mm256_set1_ps(kTaylor[t]));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(nv), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(q, _mm256_castsi256_ps(bits));
+    const __m256 sig = _mm256_andnot_ps(  // 0 where -g > 88 (NaN compares false: kept)
+        _mm256_cmp_ps(neg, hi, _CMP_GT_OQ),
+        _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(y + i)));
+  }
+#endif
+  for (; i < n; ++i) y[i] = silu_mul_one(g[i], y[i]);
+}
 
 #if defined(__AVX512F__)
 inline __mmask16 lane_mask(int64_t nc, int i) {
@@ -272,6 +360,20 @@ void group(const Dense& p, int64_t b, int64_t g) {
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Rows [m0, m1) of panel b, at most one register block (either path's `block`).
+void one_block(const Dense& p, int64_t b, int64_t m0, int64_t m1, const char* ahead,
+               int64_t n) {
+  switch (m1 - m0) {
+    case 6: block<6>(p, b, m0, ahead, n); break;
+    case 5: block<5>(p, b, m0, ahead, n); break;
+    case 4: block<4>(p, b, m0, ahead, n); break;
+    case 3: block<3>(p, b, m0, ahead, n); break;
+    case 2: block<2>(p, b, m0, ahead, n); break;
+    case 1: block<1>(p, b, m0, ahead, n); break;
+    default: break;
+  }
+}
+
 // Rows [m0, m1) of panel b in register blocks of up to 6 rows (either path's `block`), the
 // lines of panel `nb`, which this thread takes next (out of range: none), spread over them.
 void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
@@ -284,15 +386,7 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
   for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
     const char* ahead = next != nullptr && j * per < lines ? next + 64 * j * per : nullptr;
     const int64_t n = std::max<int64_t>(0, std::min(per, lines - j * per));
-    switch (std::min(kBlockRows, m1 - m)) {
-      case 6: block<6>(p, b, m, ahead, n); break;
-      case 5: block<5>(p, b, m, ahead, n); break;
-      case 4: block<4>(p, b, m, ahead, n); break;
-      case 3: block<3>(p, b, m, ahead, n); break;
-      case 2: block<2>(p, b, m, ahead, n); break;
-      case 1: block<1>(p, b, m, ahead, n); break;
-      default: break;
-    }
+    one_block(p, b, m, std::min(m1, m + kBlockRows), ahead, n);
   }
 }
 #else
@@ -312,7 +406,64 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t /*nb*/) {
 void group(const Dense& p, int64_t b, int64_t g) {
   for (int64_t i = 0; i < g; ++i) rows(p, b + i, 0, p.M, -1);
 }
+
+void one_block(const Dense& p, int64_t b, int64_t m0, int64_t m1, const char*, int64_t) {
+  rows(p, b, m0, m1, -1);
+}
 #endif
+
+// The gated call's pieces: gate panel b into a buffer (`gate_part`), up panel b into y
+// (`up_part`: its panels follow the gate's, and land on output column b * 64 + c).
+Dense gate_part(const Dense& p, float* buf, int64_t ld, int64_t row0, int64_t b) {
+  Dense q = p;
+  q.gated = false;
+  q.y = buf;
+  q.ldy = ld;
+  q.row0 = row0;
+  q.col0 = b * kCols;
+  return q;
+}
+
+Dense up_part(const Dense& p) {
+  Dense q = p;
+  q.gated = false;
+  q.N = 2 * p.N;  // up panel b + panels has as many columns as gate panel b (N % 64 == 0)
+  q.col0 = p.col0 + p.panels * kCols;
+  return q;
+}
+
+// Gated rows [m0, m1) of output panel b: per register block, the gate's into a buffer, the
+// up's into y, then y = silu(gate) * y. The lines of the thread's next gate and up panels
+// (`nb`) are pulled into L2 over the blocks, as `rows` does for one panel.
+void gated_rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
+  alignas(64) float buf[kBlockRows * kCols];
+  const Dense up = up_part(p);
+  const int64_t blocks = (m1 - m0 + kBlockRows - 1) / kBlockRows;
+  const int64_t lines = p.K * kCols * int64_t(sizeof(float)) / 64;
+  const int64_t per = (lines + blocks - 1) / blocks;
+  const bool ahead = blocks > 1 && nb >= 0 && nb < p.panels;
+  const char* next_gate = ahead ? reinterpret_cast<const char*>(p.w + nb * p.K * kCols) : nullptr;
+  const char* next_up =
+      ahead ? reinterpret_cast<const char*>(p.w + (nb + p.panels) * p.K * kCols) : nullptr;
+  const int64_t nc = p.cols(b);
+  for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
+    const int64_t e = std::min(m1, m + kBlockRows);
+    const bool some = ahead && j * per < lines;
+    const int64_t n = some ? std::min(per, lines - j * per) : 0;
+    one_block(gate_part(p, buf, kCols, m, b), b, m, e, some ? next_gate + 64 * j * per : nullptr, n);
+    one_block(up, b + p.panels, m, e, some ? next_up + 64 * j * per : nullptr, n);
+    for (int64_t r = m; r < e; ++r) silu_mul(buf + (r - m) * kCols, p.out(r, b * kCols), nc);
+  }
+}
+
+// Gated, all rows (M <= kGroupMaxRows) of output panels [b, b + g).
+void gated_group(const Dense& p, int64_t b, int64_t g) {
+  alignas(64) float buf[kGroupMaxRows * 4 * kCols];  // g <= 4 (`group_size`)
+  group(gate_part(p, buf, g * kCols, 0, b), b, g);
+  group(up_part(p), b + p.panels, g);
+  const int64_t nc = std::min(g * kCols, p.N - b * kCols);
+  for (int64_t m = 0; m < p.M; ++m) silu_mul(buf + m * g * kCols, p.out(m, b * kCols), nc);
+}
 
 // Work sharing that tolerates a stalled helper. On a shared machine the OS preempts a pool
 // thread for a whole time slice (milliseconds) while it holds a work item; if the caller
@@ -439,9 +590,9 @@ void compute(const Dense& p, const Items& it, int64_t i, int64_t next) {
   int64_t b, nb, m0, m1;
   it.span(i, b, nb, m0, m1);
   if (it.g)
-    group(p, b, nb);
+    p.gated ? gated_group(p, b, nb) : group(p, b, nb);
   else if (m0 < m1)
-    rows(p, b, m0, m1, next);
+    p.gated ? gated_rows(p, b, m0, m1, next) : rows(p, b, m0, m1, next);
 }
 
 // A helper's item: direct, straight into y; taking over, into scratch from the copy of x and
@@ -554,20 +705,27 @@ void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int
 
 // y = x @ w over x's first `live` rows; rows from `live` on are zeros (the padding of a
 // bucketed step: `DenseMatmulLive`).
+// Gated (`DenseMatmulSiluMul`): w holds 2 N / 64 panels, gate then up, and y = silu(gate) * up.
 ffi::Error run_dense(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::F32>& w,
-                     ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t live) {
+                     ffi::Result<ffi::Buffer<ffi::F32>>& y, int64_t live, bool gated = false) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("expected x [M, K] and y [M, N]");
-  if (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || wd[0] * kCols < yd[1] ||
-      (wd[0] - 1) * kCols >= yd[1])
+  if (gated && (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || yd[1] % kCols != 0 ||
+                wd[0] != 2 * yd[1] / kCols))
+    return ffi::Error::InvalidArgument(
+        "expected gate and up panels [2 N / 64, K, 64] for y [M, N], N a multiple of 64");
+  if (!gated && (wd.size() != 3 || wd[1] != xd[1] || wd[2] != kCols || wd[0] * kCols < yd[1] ||
+                 (wd[0] - 1) * kCols >= yd[1]))
     return ffi::Error::InvalidArgument("expected w in panels [ceil(N / 64), K, 64]");
   live = std::clamp<int64_t>(live, 0, xd[0]);
   if (live < xd[0])
     std::memset(y->typed_data() + live * yd[1], 0, (xd[0] - live) * yd[1] * sizeof(float));
-  Dense p{live, xd[1], yd[1], wd[0], x.typed_data(), w.typed_data(), y->typed_data(), yd[1]};
+  Dense p{live, xd[1], yd[1], gated ? wd[0] / 2 : wd[0], x.typed_data(), w.typed_data(),
+          y->typed_data(), yd[1]};
+  p.gated = gated;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  const int64_t panels = wd[0], chunks = (p.M + kChunkRows - 1) / kChunkRows;
+  const int64_t panels = p.panels, chunks = (p.M + kChunkRows - 1) / kChunkRows;
   // The calling thread works too: one helper fewer than the pool's threads (one per core).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t g = group_size(p.M, panels, threads);
@@ -596,7 +754,24 @@ ffi::Error DenseMatmulLive(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return run_dense(pool, x, w, y, live.typed_data()[0]);
 }
 
+// y = silu(x @ gate) * (x @ up) over the first `live[0]` rows (the rest zeros), w the fused
+// gate_up weight's panels (the header's note on the MLP).
+ffi::Error DenseMatmulSiluMul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                              ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> live,
+                              ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  if (live.element_count() != 1) return ffi::Error::InvalidArgument("live rows: one int32");
+  return run_dense(pool, x, w, y, live.typed_data()[0], true);
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDenseMatmulSiluMulCpu, DenseMatmulSiluMul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate, up panels [2N/64, K, 64]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // live rows []
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [M, N]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedjaxDenseMatmulCpu, DenseMatmul,
                               ffi::Ffi::Bind()
