@@ -532,11 +532,33 @@ void screen_panel(const Head& h, int64_t b, Local& loc) {
 // the call returned (it then finds no item left and publishes nothing) touches no dead frame;
 // it reads the buffers only after claiming an item, which the caller waits for.
 struct Shared {
-  explicit Shared(int64_t threads) : slots(threads) {}
+  Shared(int64_t threads, int64_t rows) : slots(threads), T(new std::atomic<float>[rows]) {
+    for (int64_t m = 0; m < rows; ++m) T[m].store(-std::numeric_limits<float>::infinity());
+  }
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> published{0};  // items whose thread has published
+  std::atomic<int64_t> screened{0};   // items screened (their T shared)
   std::vector<std::unique_ptr<Local>> slots;
+  // Per row the highest T a thread has shared. Each T is s_k - b_k of a column k screened by
+  // someone, so r_k >= T and any of them is a valid threshold for every thread: a thread
+  // that takes the other's higher T keeps, and computes in float32, only the columns that
+  // could still beat it. Without this each thread filtered by the T of its own panels, and
+  // with the 8-bit screen's wider bounds its float32 recomputation (a gather per k from a
+  // column 256 bytes a line) took 14 % of the call at 64 rows. Relaxed: a stale or lost
+  // update only leaves a lower, still valid, T.
+  std::unique_ptr<std::atomic<float>[]> T;
 };
+
+// This thread's T and the shared one, each raised to the higher.
+void share_T(Shared& sh, Local& loc, int64_t M) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float g = sh.T[m].load(std::memory_order_relaxed), t = loc.T[m];
+    if (t > g)
+      sh.T[m].store(t, std::memory_order_relaxed);
+    else if (g > t)
+      loc.T[m] = g;
+  }
+}
 
 void work(Shared& sh, const Head& h, int64_t items, int64_t id) {
   std::unique_ptr<Local> loc;
@@ -550,8 +572,15 @@ void work(Shared& sh, const Head& h, int64_t items, int64_t id) {
     const int64_t b1 = std::min(h.panels, (i + 1) * kPanelsPerItem);
     for (int64_t b = i * kPanelsPerItem; b < b1; ++b) screen_panel(h, b, *loc);
     ++loc->items;
+    share_T(sh, *loc, h.M);
+    sh.screened.fetch_add(1, std::memory_order_acq_rel);
   }
   if (!loc) return;
+  // Every item is claimed; once all are screened the shared T is the rows' final one, and
+  // only the columns that can still win globally are recomputed. (Claimed items belong to
+  // running threads, which the caller waits for below in any case.)
+  while (sh.screened.load(std::memory_order_acquire) < items) std::this_thread::yield();
+  share_T(sh, *loc, h.M);
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   if (h.amx) _tile_release();  // so the thread's later context switches save no tile state
 #endif
@@ -590,7 +619,7 @@ void screen_and_merge(ffi::ThreadPool& pool, const Head& h, int32_t* out) {
   const int64_t M = h.M;
   const int64_t items = (h.panels + kPanelsPerItem - 1) / kPanelsPerItem;
   const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()) - 1, items - 1);
-  auto sh = std::make_shared<Shared>(helpers + 1);
+  auto sh = std::make_shared<Shared>(helpers + 1, M);
   for (int64_t i = 0; i < helpers; ++i)
     pool.Schedule([sh, h, items, i] { work(*sh, h, items, i + 1); });
   work(*sh, h, items, 0);
