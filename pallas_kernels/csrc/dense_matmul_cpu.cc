@@ -84,8 +84,9 @@ struct Dense {
 // (|r| <= 0.347: truncation below 6e-9, under half an ulp), scaled by 2^n; then
 // g * (1 / (1 + e)) * u. -g is clamped to [-87, 88] so 2^n stays a normal float, and past 88
 // the sigmoid is 0 (silu's limit: a gate of -1e30 gives -0, not -1e30 * e^-88; -inf gives
-// NaN, as XLA's does); NaN in g stays NaN. Within a few ulps of float64 (`tests/kernels/test_dense_matmul.py`); XLA's own
-// silu rounds differently, so outputs differ from the unfused graph by ulps.
+// NaN, as XLA's does); NaN in g stays NaN. Within a few ulps of float64
+// (`tests/kernels/test_dense_silu_mul.py`); XLA's own silu rounds differently, so outputs
+// differ from the unfused graph by ulps.
 constexpr float kLog2e = 1.44269504088896341f, kLn2Hi = 0.693145751953125f,
                 kLn2Lo = 1.42860682030941723e-6f;
 constexpr float kTaylor[8] = {1.f, 1.f, 1.f / 2, 1.f / 6, 1.f / 24, 1.f / 120, 1.f / 720,
