@@ -122,7 +122,7 @@ def lm_head_workload(rows: int):
     rng = np.random.default_rng(0)
     h, vocab = 576, 49152
     w = rng.standard_normal((vocab // 64, h, 64), dtype=np.float32) * 0.05
-    screen = lm_head_screen(w, vocab)
+    screen = lm_head_screen(w, vocab, "bf16")  # the bfloat16 target's builds are compared
     bf16, norms, panels = (jax.device_put(a) for a in (screen["bf16"], screen["norms"], w))
     # Rows leaning on one column each (6 times it, on unit noise), so that as with a trained
     # model's hidden states one logit stands out (by ~3 of the others' spread) and few columns
