@@ -83,7 +83,7 @@ def passing_columns(x, screen, vocab: int):
     return (s + b >= t).sum(axis=1)
 
 
-def passing_columns_int8(x, screen, vocab: int):
+def passing_columns_int8(x, screen, panels, vocab: int):
     """Columns per row whose 8-bit screen interval reaches the row's threshold (float64 numpy,
     the kernel's rule: the 16 largest |x_k| in float32, the rest in steps)."""
     import numpy as np
@@ -94,8 +94,7 @@ def passing_columns_int8(x, screen, vocab: int):
     q = codes.transpose(0, 1, 3, 2).reshape(p, 4 * kq, 64)[:, :k]
     q = q.transpose(1, 0, 2).reshape(k, -1)[:, :vocab].astype(np.float64)
     step, err = (screen["qcols"][i, :vocab].astype(np.float64) for i in range(2))
-    panels = np.asarray(screen["_panels"])
-    w = panels.transpose(1, 0, 2).reshape(k, -1)[:, :vocab].astype(np.float64)
+    w = np.asarray(panels).transpose(1, 0, 2).reshape(k, -1)[:, :vocab].astype(np.float64)
     u = 2.0 ** -24
     gk = k * u / (1 - k * u)
     out = []
@@ -149,8 +148,6 @@ def main() -> None:
                         "python": platform.python_version()},
            "hidden_rows_recorded": int(len(hidden)), "rows": {}}
     host = {kind: {k: np.asarray(v) for k, v in sc.items()} for kind, sc in screens.items()}
-    if "int8" in host:
-        host["int8"]["_panels"] = host_panels
     for m in sizes:
         x = jax.device_put(hidden[rng.choice(len(hidden), m, replace=len(hidden) < m)],
                            jax.devices("cpu")[0])
@@ -174,7 +171,7 @@ def main() -> None:
                 f"({row['speedup']:.2f}x, recomputed per row: mean {cand.mean():.1f}, max "
                 f"{cand.max()})")
         if "int8" in kinds:
-            c8 = passing_columns_int8(np.asarray(x), host["int8"], vocab)
+            c8 = passing_columns_int8(np.asarray(x), host["int8"], host_panels, vocab)
             row["int8_speedup"] = row["full"] / row["int8"]
             row["int8_candidates_per_row"] = {"mean": float(c8.mean()), "max": int(c8.max())}
             line += (f", 8-bit screen {row['int8']:.2f} ms ({row['int8_speedup']:.2f}x, "

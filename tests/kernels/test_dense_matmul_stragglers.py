@@ -4,8 +4,8 @@ each work item (PAGEDJAX_MATMUL_HELPER_STALL_US, the stand-in for a thread the O
 calls return in a fraction of that, the caller taking over the helpers' items, and every
 result, including those of calls made while earlier calls' helpers are still asleep, matches
 float64 numpy and, bit for bit, the same product computed with no stall; so does the default
-direct mode, which waits. Runs in subprocesses: the kernel reads its settings once per
-process."""
+direct mode, which waits; and so does the gate/up matmul with its silu * up epilogue. Runs in
+subprocesses: the kernel reads its settings once per process."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ STALL_US = 40_000
 # partial last panel.
 SHAPES = [(1, 576, 960), (2, 300, 640), (3, 128, 64 * 9 + 5), (6, 576, 1536), (64, 576, 960),
           (130, 200, 64 * 7)]
+# The gated matmul's (rows, depth, gate + up width): grouped panels and row chunks.
+GATED_SHAPES = [(1, 576, 3072), (3, 128, 512), (64, 576, 1024), (130, 200, 256)]
 
 SCRIPT = textwrap.dedent("""
     import hashlib, json, sys, time
@@ -54,6 +56,28 @@ SCRIPT = textwrap.dedent("""
             out.append({"ms": ms, "sum": float(y.astype(np.float64).sum()),
                         "hash": hashlib.sha256(y.tobytes()).hexdigest(),
                         "err": float(np.abs(y.astype(np.float64) - want).max()), "tol": float(tol)})
+    # The gated call (silu(gate) * up in the epilogue): helpers' items through scratch too.
+    gated = jax.jit(lambda x, w, n: cpu_native.dense_matmul_cpu(x, w, n, None, True),
+                    static_argnums=2)
+    for rep in range(3):
+        for i, (m, k, n) in enumerate(json.loads(sys.argv[2])):
+            rng = np.random.default_rng(1000 + 100 * rep + i)
+            x = rng.standard_normal((m, k)).astype(np.float32)
+            w = (rng.standard_normal((k, n)) * 0.1).astype(np.float32)
+            panels = to_dense_panels(jnp.asarray(w))
+            xj = jnp.asarray(x)
+            jax.block_until_ready(gated(xj, panels, n))
+            t = time.perf_counter()
+            y = np.asarray(jax.block_until_ready(gated(xj, panels, n)))
+            ms = 1e3 * (time.perf_counter() - t)
+            full = x.astype(np.float64) @ w.astype(np.float64)
+            g, u = full[:, :n // 2], full[:, n // 2:]
+            want = g / (1 + np.exp(-g)) * u
+            tol = (8 * np.sqrt(k) * np.finfo(np.float32).eps * np.abs(x).max() * np.abs(w).max()
+                   * (1 + np.abs(u).max()) + 1e-6 * np.abs(want).max())
+            out.append({"ms": ms, "sum": float(y.astype(np.float64).sum()),
+                        "hash": hashlib.sha256(y.tobytes()).hexdigest(),
+                        "err": float(np.abs(y.astype(np.float64) - want).max()), "tol": float(tol)})
     print(json.dumps(out))
 """)
 
@@ -64,7 +88,8 @@ def _run(stall_us: int, take_over: str | None = None) -> list[dict]:
     env.pop("PAGEDJAX_MATMUL_TAKE_OVER", None)
     if take_over is not None:
         env["PAGEDJAX_MATMUL_TAKE_OVER"] = take_over
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(SHAPES)], env=env, cwd=REPO,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(SHAPES),
+                           json.dumps(GATED_SHAPES)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -77,7 +102,7 @@ def test_taking_over_does_not_wait_for_stalled_helpers():
     quiet = _run(0)
     runs = {mode: _run(STALL_US, mode) for mode in ("1", None)}
     for mode, stalled in runs.items():
-        assert len(stalled) == len(quiet) == 3 * len(SHAPES), mode
+        assert len(stalled) == len(quiet) == 3 * (len(SHAPES) + len(GATED_SHAPES)), mode
         for q, s in zip(quiet, stalled, strict=True):
             assert s["err"] <= s["tol"] and q["err"] <= q["tol"]
             # Whoever computed an item, in either mode, the bits are the same.
