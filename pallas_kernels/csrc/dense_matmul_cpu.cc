@@ -64,6 +64,27 @@ namespace {
 constexpr int64_t kCols = 64;        // output columns per panel
 constexpr int64_t kBlockRows = 6;    // rows sharing one pass over a panel (register block)
 constexpr int64_t kChunkRows = 64;  // a 64-row step is one item per panel
+// Rows per chunk of an M-row step: its ceil(M / 64) chunks start on register-block
+// boundaries, so only the step's last block is short. With 64-row chunks every chunk of a
+// 256-row step ended in a 4-row block, which read the panel from L2 for two thirds of a
+// 6-row block's work: those blocks took ~8 % of a 256-row decode step's matmul samples for
+// 6 % of its rows (perf, the demo model; docs/v1-core.md).
+inline int64_t chunk_rows(int64_t M) {
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
+  const int64_t per = (M + chunks - 1) / chunks;
+  return (per + kBlockRows - 1) / kBlockRows * kBlockRows;
+}
+constexpr int64_t kMaxChunkRows = kChunkRows + kBlockRows - 1;  // chunk_rows' largest
+
+// The end of the register block that starts at row m of rows [m, m1): 6 rows, except that
+// the last 7-9 rows are two blocks of 3-5 (one of 1-3 rows would read the panel from L2 for
+// almost nothing each time).
+inline int64_t block_end(int64_t m, int64_t m1) {
+  const int64_t left = m1 - m;
+  if (left > kBlockRows && left < kBlockRows + 4) return m + (left + 1) / 2;
+  return std::min(m1, m + kBlockRows);
+}
+
 constexpr int64_t kGroupMaxRows = 3;  // steps of up to this many rows read panels in groups
 constexpr int64_t kAhead = 32;   // rows per work item: 8 blocks over a panel held in L2
 
@@ -384,10 +405,12 @@ void rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
   const char* next = blocks > 1 && nb >= 0 && nb < p.panels
                          ? reinterpret_cast<const char*>(p.w + nb * p.K * kCols)
                          : nullptr;
-  for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
+  for (int64_t m = m0, j = 0; m < m1; ++j) {
     const char* ahead = next != nullptr && j * per < lines ? next + 64 * j * per : nullptr;
     const int64_t n = std::max<int64_t>(0, std::min(per, lines - j * per));
-    one_block(p, b, m, std::min(m1, m + kBlockRows), ahead, n);
+    const int64_t e = block_end(m, m1);
+    one_block(p, b, m, e, ahead, n);
+    m = e;
   }
 }
 #else
@@ -447,8 +470,8 @@ void gated_rows(const Dense& p, int64_t b, int64_t m0, int64_t m1, int64_t nb) {
   const char* next_up =
       ahead ? reinterpret_cast<const char*>(p.w + (nb + p.panels) * p.K * kCols) : nullptr;
   const int64_t nc = p.cols(b);
-  for (int64_t m = m0, j = 0; m < m1; m += kBlockRows, ++j) {
-    const int64_t e = std::min(m1, m + kBlockRows);
+  for (int64_t m = m0, j = 0, e = 0; m < m1; m = e, ++j) {
+    e = block_end(m, m1);
     const bool some = ahead && j * per < lines;
     const int64_t n = some ? std::min(per, lines - j * per) : 0;
     one_block(gate_part(p, buf, kCols, m, b), b, m, e, some ? next_gate + 64 * j * per : nullptr, n);
@@ -543,17 +566,17 @@ int64_t group_size(int64_t m, int64_t panels, int64_t threads) {
 // panel while the other waits (~40 us a call at 64 rows in a standalone copy).
 struct Split {
   Split(const Dense& p, int64_t chunks, int64_t threads)
-      : M(p.M), chunks(chunks), threads(threads) {
+      : M(p.M), chunks(chunks), threads(threads), rows(chunk_rows(p.M)) {
     const int64_t all = p.panels * chunks;
     whole = all - all % threads;
     items = whole + (all % threads) * threads;
   }
-  int64_t M, chunks, threads, whole, items;
+  int64_t M, chunks, threads, rows, whole, items;  // rows: per chunk (`chunk_rows`)
   // The (panel, chunk) pair behind item i.
   int64_t unit(int64_t i) const { return i < whole ? i : whole + (i - whole) / threads; }
   int64_t panel(int64_t i) const { return unit(i) / chunks; }
   void rows_of(int64_t i, int64_t& m0, int64_t& m1) const {
-    const int64_t c0 = (unit(i) % chunks) * kChunkRows, c1 = std::min(M, c0 + kChunkRows);
+    const int64_t c0 = (unit(i) % chunks) * rows, c1 = std::min(M, c0 + rows);
     if (i < whole) {
       m0 = c0;
       m1 = c1;
@@ -646,7 +669,7 @@ void work(const std::shared_ptr<Shared>& sh, const Dense& p, int64_t chunks, int
           int64_t g, int64_t id) {
   const Split sp(p, chunks, threads);
   const Items it{sp, g, p.panels};
-  float scratch[kChunkRows * kCols];  // a helper's item: <= 64 rows x 64, or <= 6 x 64 x 1-3 rows
+  float scratch[kMaxChunkRows * kCols];  // a helper's item: a chunk x 64, or <= 6 x 64 x 1-3 rows
   int64_t own_items = 0;  // the caller's, and the time they took
   const auto t0 = std::chrono::steady_clock::now();
   auto run = [&](int64_t i, int64_t next) {

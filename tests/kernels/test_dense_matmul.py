@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(),
 _mm = jax.jit(cpu_native.dense_matmul_cpu, static_argnums=2)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 48, 49, 100, 130, 257])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 48, 49, 65, 100, 130, 256, 257])
 @pytest.mark.parametrize("k,n", [(576, 960), (100, 1), (37, 63), (64, 65), (1536, 200),
                                  (50, 64 * 9 + 5), (33, 64 * 7)])
 def test_matches_float64(m, k, n):
@@ -38,7 +38,7 @@ def test_matches_float64(m, k, n):
 
 def test_rows_do_not_depend_on_the_batch():
     """A row's result is bit-identical alone, with one or two others (panels read in groups),
-    in a 6-row block, in a partial block, in a later 64-row work item and in an item cut
+    in a 6-row block, in a partial block, in a later work item of up to 69 rows and in an item cut
     between threads (the batch's items do not divide evenly: 5 panels x 3 chunks at 130
     rows): a sequence scores the same in a decode step and in a speculative verification
     step."""
@@ -48,6 +48,10 @@ def test_rows_do_not_depend_on_the_batch():
     whole = np.asarray(_mm(x, w, 300))
     np.testing.assert_array_equal(np.asarray(_mm(x[:130], w, 300)), whole[:130])
     np.testing.assert_array_equal(np.asarray(_mm(x[:64], w, 300)), whole[:64])
+    # chunks on register-block boundaries (65 rows: 36 + 29; 200: 54 x 3 + 38) and the last
+    # 7-9 rows of a chunk as two blocks (9 rows: 5 + 4)
+    for rows in (9, 65, 199):
+        np.testing.assert_array_equal(np.asarray(_mm(x[:rows], w, 300)), whole[:rows])
     for r in (0, 5, 6, 47, 48, 60, 64, 67, 130, 197):
         for rows in (1, 2, 3):
             np.testing.assert_array_equal(np.asarray(_mm(x[r:r + rows], w, 300)),
