@@ -85,7 +85,8 @@ def passing_columns(x, screen, vocab: int):
 
 def passing_columns_int8(x, screen, panels, vocab: int):
     """Columns per row whose 8-bit screen interval reaches the row's threshold (float64 numpy,
-    the kernel's rule: the 16 largest |x_k| in float32, the rest in steps)."""
+    the kernel's rule: per 6-row block the 24 dimensions with the largest |x_k| / ||x|| in
+    float32, the rest in steps)."""
     import numpy as np
 
     codes = screen["int8"]
@@ -97,9 +98,13 @@ def passing_columns_int8(x, screen, panels, vocab: int):
     w = np.asarray(panels).transpose(1, 0, 2).reshape(k, -1)[:, :vocab].astype(np.float64)
     u = 2.0 ** -24
     gk = k * u / (1 - k * u)
-    out = []
-    for xr in x.astype(np.float64):
-        o = np.argsort(-np.abs(xr), kind="stable")[:16]
+    out, blocks = [], []
+    for b0 in range(0, len(x), 6):
+        xb = x[b0:b0 + 6].astype(np.float64)
+        nrm = np.linalg.norm(xb, axis=1, keepdims=True)
+        score = (np.abs(xb) / np.where(nrm > 0, nrm, 1)).max(axis=0)
+        blocks += [np.sort(np.argsort(-score, kind="stable")[:24])] * len(xb)
+    for xr, o in zip(x.astype(np.float64), blocks):
         rest = np.setdiff1d(np.arange(k), o)
         t = float(np.float32(np.abs(xr[rest]).max()) / np.float32(127))
         xt = np.zeros(k)

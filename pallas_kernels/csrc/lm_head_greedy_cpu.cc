@@ -29,15 +29,18 @@
 // u8 x s8 products per lane and instruction, twice `vdpbf16ps`' work (bench/fma_peak.cc
 // `int8`: 446 against 223 G/s on one thread of the Zen 4 host), from half its bytes.
 // Each column j is held as steps q_kj in [-127, 127] of s_j = max_k |w_kj| / 127; each row x
-// keeps its 16 largest |x_k| (the set O) in float32 and the rest as steps of
+// keeps a set O of 24 dimensions in float32 and the rest as steps of
 // t = max_{k not in O} |x_k| / 127. Hidden states have a few large dimensions (on the demo
 // model max |x| / rms is 4-20): one shared step for them all left a median of 374 columns a
-// row to recompute, the 16 taken out 4 (docs/v1-core.md "The LM head screened in 8 bits").
+// row to recompute, each row's 16 largest |x_k| taken out 4 (docs/v1-core.md "The LM head
+// screened in 8 bits"). The rows of a 6-row register block share their O (the 24 largest
+// |x_k| / ||x|| over the block's rows), so the block reads each of those float32 weight lines
+// once, for all its rows: a mean of ~7 columns a row to recompute on the demo model.
 //   s_j = (t s_j) * sum_k qx_k q_kj  +  sum_{k in O} x_k w_kj     (int32 exact, then float32)
 // With x~ = t qx (zero on O), ex = x - x~ off O, w~_j = s_j q_j, ew_j = w_j - w~_j (norms
 // in float64, rounded up; ||ex||, ||x~|| per row, ||ew_j|| per column):
 //   |sum_{k not in O} (x w - x~ w~)| = |ex . w_j + x~ . ew_j| <= ||ex|| ||w_j|| + ||x~|| ||ew_j||
-// The float32 arithmetic (two roundings of the scale, sixteen FMAs, the bound's own
+// The float32 arithmetic (two roundings of the scale, 24 FMAs, the bound's own
 // evaluation and the logit's chain gamma_K) stays below (gamma_K + 1024 u) ||x|| ||w_j||,
 // since ||x~|| <= 2 ||x|| and ||w~_j|| <= 2 ||w_j||. So
 //   b_j = alpha ||w_j|| + beta ||ew_j|| + A,  alpha = 1.02 (||ex|| + (gamma_K + 1024 u) ||x||),
@@ -104,7 +107,7 @@ struct Head {
   const uint32_t* xq = nullptr;   // [M, Kq]: qx + 128 as bytes (zero steps on O and past K)
   const float* xstep = nullptr;   // [M]: t
   const float* beta = nullptr;    // [M]: beta (`scale` holds alpha)
-  const int32_t* outl = nullptr;  // [M, nout]: O, ascending
+  const int32_t* outl = nullptr;  // [ceil(M / 6), nout]: each 6-row block's O, ascending
   int64_t nout = 0;
   const std::vector<int32_t>* dims = nullptr;  // every row's O together, ascending
 };
@@ -270,15 +273,22 @@ void screen_block(const Head& h, int64_t b, int64_t m0, Local& loc) {
 #if defined(__AVX512VNNI__)
 #define PAGEDJAX_SCREEN_INT8 1
 // Rows [m0, m0 + MR) of panel b in 8 bits: 24 int32 accumulators, one `vpdpbusd` per 4 k and
-// 16 columns; then per row the columns' -128 sum q, the float32 scale and the row's own 16
-// large dimensions from the float32 panel (its lines stay in cache: the rows of a batch share
-// most of them).
+// 16 columns (`int8_sums`); then per row the columns' -128 sum q and the float32 scale, and
+// the block's large dimensions O from the float32 panel (`screen_block_int8`).
+//
+// The int32 sums of rows [m0, m0 + MR) over panel b, into `sums`. A function of its own: with
+// the epilogue in the same body, GCC (12) copied the accumulators between registers, or
+// between registers and the stack, every k (13.9 against 7.5-7.9 ms at 64 rows with the sums
+// read in a loop over rows; 46 against 30 ms at 256 rows with the epilogue's 24 float32
+// accumulators).
 template <int MR>
-void screen_block_int8(const Head& h, int64_t b, int64_t m0, const PanelBounds& pb,
-                       Local& loc) {
+__attribute__((noinline)) void int8_sums(const Head& h, int64_t b, int64_t m0,
+                                         int32_t (*sums)[kCols]) {
   const int8_t* w = h.wq + b * h.Kq * kCols * 4;
   __m512i c[MR][4];
+#pragma GCC unroll 6
   for (int q = 0; q < MR; ++q)
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) c[q][i] = _mm512_setzero_si512();
   for (int64_t kq = 0; kq < h.Kq; ++kq) {
     const int8_t* wk = w + kq * kCols * 4;
@@ -288,6 +298,7 @@ void screen_block_int8(const Head& h, int64_t b, int64_t m0, const PanelBounds& 
     _mm_prefetch(reinterpret_cast<const char*>(wk + 16 * kCols * 4 + 192), _MM_HINT_T0);
     const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 64),
                   w2 = _mm512_loadu_si512(wk + 128), w3 = _mm512_loadu_si512(wk + 192);
+#pragma GCC unroll 6
     for (int q = 0; q < MR; ++q) {
       const __m512i a = _mm512_set1_epi32(int32_t(h.xq[(m0 + q) * h.Kq + kq]));
       c[q][0] = _mm512_dpbusd_epi32(c[q][0], a, w0);
@@ -296,33 +307,45 @@ void screen_block_int8(const Head& h, int64_t b, int64_t m0, const PanelBounds& 
       c[q][3] = _mm512_dpbusd_epi32(c[q][3], a, w3);
     }
   }
-  // The sums leave the registers here: with the epilogue reading c[q] in its loop over rows,
-  // GCC (12) copied the accumulators between registers and the stack every k, and the screen
-  // ran slower than the bfloat16 one (13.9 against 10.6 ms at 64 rows; 7.5-7.9 this way).
-  alignas(64) int32_t sums[MR][kCols];
+#pragma GCC unroll 6
   for (int q = 0; q < MR; ++q)
+#pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) _mm512_store_si512(sums[q] + 16 * i, c[q][i]);
-  const float* wf = h.w + b * h.K * kCols;
-  __m512i start[4];
-  for (int i = 0; i < 4; ++i) start[i] = _mm512_loadu_si512(h.qbias + b * kCols + 16 * i);
-  for (int q = 0; q < MR; ++q) {
-    const int64_t m = m0 + q;
-    if (h.full[m]) continue;
-    const __m512 t = _mm512_set1_ps(h.xstep[m]);
-    __m512 f[4];  // exact below 2^24 (K <= 1040), one rounding past it (in the bound)
-    for (int i = 0; i < 4; ++i)
-      f[i] = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(sums[q] + 16 * i), start[i])),
-          _mm512_mul_ps(t, pb.qs[i]));
-    const float* xm = h.x + m * h.K;
-    const int32_t* o = h.outl + m * h.nout;
-    for (int64_t j = 0; j < h.nout; ++j) {
-      const __m512 xv = _mm512_set1_ps(xm[o[j]]);
-      const float* wk = wf + int64_t(o[j]) * kCols;
-      for (int i = 0; i < 4; ++i) f[i] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wk + 16 * i), f[i]);
-    }
-    offer_row(h, b, m, f, pb, loc);
+}
+
+template <int MR>
+void screen_block_int8(const Head& h, int64_t b, int64_t m0, const PanelBounds& pb,
+                       Local& loc) {
+  alignas(64) int32_t sums[MR][kCols];
+  int8_sums<MR>(h, b, m0, sums);
+  __m512 f[MR][4];  // exact below 2^24 (K <= 1040), one rounding past it (in the bound)
+  for (int i = 0; i < 4; ++i) {
+    const __m512i start = _mm512_loadu_si512(h.qbias + b * kCols + 16 * i);
+    for (int q = 0; q < MR; ++q)
+      f[q][i] = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_load_si512(sums[q] + 16 * i), start)),
+          _mm512_mul_ps(_mm512_set1_ps(h.xstep[m0 + q]), pb.qs[i]));
   }
+  // The block's O from the float32 panel: each line of weights read once for all MR rows,
+  // 4 MR independent chains. Each row's own 16 dimensions (one chain of 16 FMAs per 16
+  // columns, from lines read per row) took a quarter of the screen's time at 256 rows; shared,
+  // 24 of them took ~8 % less time a call at 64 and 256 rows (real hidden rows of the demo
+  // model, interleaved runs), though a row recomputes ~7 columns instead of ~6.
+  const float* wf = h.w + b * h.K * kCols;
+  const int32_t* o = h.outl + (m0 / kBlockRows) * h.nout;
+  for (int64_t j = 0; j < h.nout; ++j) {
+    const float* wk = wf + int64_t(o[j]) * kCols;
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16),
+                 w2 = _mm512_loadu_ps(wk + 32), w3 = _mm512_loadu_ps(wk + 48);
+    for (int q = 0; q < MR; ++q) {
+      const __m512 xv = _mm512_set1_ps(h.x[(m0 + q) * h.K + o[j]]);
+      f[q][0] = _mm512_fmadd_ps(xv, w0, f[q][0]);
+      f[q][1] = _mm512_fmadd_ps(xv, w1, f[q][1]);
+      f[q][2] = _mm512_fmadd_ps(xv, w2, f[q][2]);
+      f[q][3] = _mm512_fmadd_ps(xv, w3, f[q][3]);
+    }
+  }
+  for (int q = 0; q < MR; ++q) offer_row(h, b, m0 + q, f[q], pb, loc);  // skips full rows
 }
 
 void screen_panel_int8(const Head& h, int64_t b, Local& loc) {
@@ -739,7 +762,9 @@ ffi::Error LmHeadGreedy(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   return ffi::Error::Success();
 }
 
-constexpr int64_t kOutliers = 16;  // a row's dimensions taken in float32 (the set O)
+constexpr int64_t kOutliers = 24;  // a block's dimensions taken in float32 (the set O):
+// 16 left ~10 columns a row to recompute (each reads K scattered float32 lines), 32 ~6
+// for a third more FMAs; 24 measured fastest
 constexpr int64_t kInt8MaxK = 32768;  // int32 sums: K * 255 * 127 < 2^31
 
 // The 8-bit screen (the header's "8-bit screen"): x's steps, O, and the bound's alpha, beta.
@@ -771,50 +796,64 @@ ffi::Error LmHeadGreedyInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const double u = std::ldexp(1.0, -24);
   const double gk = double(K) * u / (1.0 - double(K) * u);
   const int64_t nout = std::min(kOutliers, K);
+  const int64_t blocks = (M + kBlockRows - 1) / kBlockRows;
   std::vector<uint32_t> xq(M * Kq, 0x80808080u);  // a zero step is the byte 128
   std::vector<float> alpha(M), beta(M), step(M, 0.f);
-  std::vector<int32_t> outl(M * nout);
+  std::vector<int32_t> outl(blocks * nout);
   std::vector<uint8_t> full(M, 0);
   std::vector<int32_t> idx(K);
-  std::vector<uint8_t> in_o(K);
+  std::vector<uint8_t> in_o(K), any_o(K, 0);
+  std::vector<double> nx(kBlockRows), score(K);
   const float* xs = x.typed_data();
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = xs + m * K;
-    double ss = 0;
-    for (int64_t k = 0; k < K; ++k) ss += double(xm[k]) * xm[k];
-    const double nx = std::sqrt(ss);
-    if (!std::isfinite(nx) || nx > kMaxNorm) {
-      full[m] = 1;
-      continue;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const int64_t m0 = blk * kBlockRows, m1 = std::min(M, m0 + kBlockRows);
+    // O: the dimensions largest relative to their row's norm in any row of the block.
+    std::fill(score.begin(), score.end(), 0.0);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xm = xs + m * K;
+      double ss = 0;
+      for (int64_t k = 0; k < K; ++k) ss += double(xm[k]) * xm[k];
+      nx[m - m0] = std::sqrt(ss);
+      if (!std::isfinite(nx[m - m0]) || nx[m - m0] > kMaxNorm) {
+        full[m] = 1;
+        continue;
+      }
+      if (nx[m - m0] > 0)
+        for (int64_t k = 0; k < K; ++k)
+          score[k] = std::max(score[k], std::fabs(double(xm[k])) / nx[m - m0]);
     }
     for (int64_t k = 0; k < K; ++k) idx[k] = int32_t(k);
-    std::nth_element(idx.begin(), idx.begin() + (nout - 1), idx.end(), [xm](int32_t a, int32_t b) {
-      return std::fabs(xm[a]) > std::fabs(xm[b]) || (std::fabs(xm[a]) == std::fabs(xm[b]) && a < b);
+    std::nth_element(idx.begin(), idx.begin() + (nout - 1), idx.end(), [&score](int32_t a, int32_t b) {
+      return score[a] > score[b] || (score[a] == score[b] && a < b);
     });
     std::sort(idx.begin(), idx.begin() + nout);  // ascending: the panel's lines in order
     std::fill(in_o.begin(), in_o.end(), 0);
     for (int64_t j = 0; j < nout; ++j) {
-      outl[m * nout + j] = idx[j];
-      in_o[idx[j]] = 1;
+      outl[blk * nout + j] = idx[j];
+      in_o[idx[j]] = any_o[idx[j]] = 1;
     }
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k)
-      if (!in_o[k]) amax = std::max(amax, std::fabs(xm[k]));
-    // A tiny rest keeps no steps (ex is then all of it): no subnormal step to flush.
-    const float t = amax >= 1e-20f ? amax / 127.f : 0.f;
-    double ex2 = 0, xt2 = 0;
-    uint8_t* bytes = reinterpret_cast<uint8_t*>(xq.data() + m * Kq);
-    for (int64_t k = 0; k < K; ++k) {
-      if (in_o[k]) continue;
-      const int q = t > 0.f ? int(std::clamp(std::nearbyint(xm[k] / t), -127.f, 127.f)) : 0;
-      const double xt = double(t) * q;
-      ex2 += (double(xm[k]) - xt) * (double(xm[k]) - xt);
-      xt2 += xt * xt;
-      bytes[k] = uint8_t(q + 128);
+    for (int64_t m = m0; m < m1; ++m) {
+      if (full[m]) continue;
+      const float* xm = xs + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k)
+        if (!in_o[k]) amax = std::max(amax, std::fabs(xm[k]));
+      // A tiny rest keeps no steps (ex is then all of it): no subnormal step to flush.
+      const float t = amax >= 1e-20f ? amax / 127.f : 0.f;
+      double ex2 = 0, xt2 = 0;
+      uint8_t* bytes = reinterpret_cast<uint8_t*>(xq.data() + m * Kq);
+      for (int64_t k = 0; k < K; ++k) {
+        if (in_o[k]) continue;
+        const int q = t > 0.f ? int(std::clamp(std::nearbyint(xm[k] / t), -127.f, 127.f)) : 0;
+        const double xt = double(t) * q;
+        ex2 += (double(xm[k]) - xt) * (double(xm[k]) - xt);
+        xt2 += xt * xt;
+        bytes[k] = uint8_t(q + 128);
+      }
+      step[m] = t;
+      alpha[m] = float(1.02 * (std::sqrt(ex2) + (gk + 1024 * u) * nx[m - m0]));
+      beta[m] = float(1.02 * std::sqrt(xt2));
     }
-    step[m] = t;
-    alpha[m] = float(1.02 * (std::sqrt(ex2) + (gk + 1024 * u) * nx));
-    beta[m] = float(1.02 * std::sqrt(xt2));
   }
   Head h{M, K, 0, N, panels, xs, nullptr, nullptr, norms.typed_data(), w.typed_data(),
          alpha.data(), full.data(), nullptr, false};
@@ -828,14 +867,9 @@ ffi::Error LmHeadGreedyInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   h.beta = beta.data();
   h.outl = outl.data();
   h.nout = nout;
-  std::vector<int32_t> dims;
-  for (int64_t k = 0; k < K; ++k)  // in_o is reused per row: collect O's union from outl
-    in_o[k] = 0;
-  for (int64_t m = 0; m < M; ++m)
-    if (!full[m])
-      for (int64_t j = 0; j < nout; ++j) in_o[outl[m * nout + j]] = 1;
+  std::vector<int32_t> dims;  // every block's O together
   for (int64_t k = 0; k < K; ++k)
-    if (in_o[k]) dims.push_back(int32_t(k));
+    if (any_o[k]) dims.push_back(int32_t(k));
   h.dims = &dims;
   screen_and_merge(pool, h, tok->typed_data());
   return ffi::Error::Success();
