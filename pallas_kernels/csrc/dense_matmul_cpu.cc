@@ -64,17 +64,29 @@ namespace {
 constexpr int64_t kCols = 64;        // output columns per panel
 constexpr int64_t kBlockRows = 6;    // rows sharing one pass over a panel (register block)
 constexpr int64_t kChunkRows = 64;  // a 64-row step is one item per panel
-// Rows per chunk of an M-row step: its ceil(M / 64) chunks start on register-block
-// boundaries, so only the step's last block is short. With 64-row chunks every chunk of a
-// 256-row step ended in a 4-row block, which read the panel from L2 for two thirds of a
-// 6-row block's work: those blocks took ~8 % of a 256-row decode step's matmul samples for
-// 6 % of its rows (perf, the demo model; docs/v1-core.md).
+// Rows per chunk of an M-row step: chunks start on register-block boundaries, so only the
+// step's last block is short. With 64-row chunks every chunk of a 256-row step ended in a
+// 4-row block, which read the panel from L2 for two thirds of a 6-row block's work: those
+// blocks took ~8 % of a 256-row decode step's matmul samples for 6 % of its rows (perf, the
+// demo model; docs/v1-core.md). Up to 512 rows (decode steps) the ceil(M / 64) chunks are
+// rounded up to whole blocks (256 rows: 66 + 66 + 66 + 58, ~1.5 % faster in
+// `bench/native_ab.py --kind matmul`); past that (prefill) down (60 rows), since chunks of
+// more than 64 rows ran a 2048-row step 3-10 % slower there, likely by spilling L2 (a chunk of
+// x, its panel and the next one pulled in: ~1.2 MB at K = 1536).
 inline int64_t chunk_rows(int64_t M) {
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows;
   const int64_t per = (M + chunks - 1) / chunks;
+  if (M > 8 * kChunkRows) return per / kBlockRows * kBlockRows;
   return (per + kBlockRows - 1) / kBlockRows * kBlockRows;
 }
-constexpr int64_t kMaxChunkRows = kChunkRows + kBlockRows - 1;  // chunk_rows' largest
+// The chunks of an M-row step: chunk_rows(M) rows each, the last taking what is left, and
+// fewer than 6 rows left over join the chunk before (544 rows: 8 x 60 and 64, not 9 x 60
+// and 4).
+inline int64_t chunk_count(int64_t M) {
+  const int64_t rows = chunk_rows(M), chunks = (M + rows - 1) / rows;
+  return chunks > 1 && M - (chunks - 1) * rows < kBlockRows ? chunks - 1 : chunks;
+}
+constexpr int64_t kMaxChunkRows = kChunkRows + 2 * kBlockRows;  // a chunk's most rows
 
 // The end of the register block that starts at row m of rows [m, m1): 6 rows, except that
 // the last 7-9 rows are two blocks of 3-5 (one of 1-3 rows would read the panel from L2 for
@@ -576,7 +588,8 @@ struct Split {
   int64_t unit(int64_t i) const { return i < whole ? i : whole + (i - whole) / threads; }
   int64_t panel(int64_t i) const { return unit(i) / chunks; }
   void rows_of(int64_t i, int64_t& m0, int64_t& m1) const {
-    const int64_t c0 = (unit(i) % chunks) * rows, c1 = std::min(M, c0 + rows);
+    const int64_t c = unit(i) % chunks, c0 = c * rows;
+    const int64_t c1 = c + 1 == chunks ? M : std::min(M, c0 + rows);  // `chunk_count`
     if (i < whole) {
       m0 = c0;
       m1 = c1;
@@ -749,7 +762,7 @@ ffi::Error run_dense(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffe
           y->typed_data(), yd[1]};
   p.gated = gated;
   if (p.M == 0 || p.N == 0) return ffi::Error::Success();
-  const int64_t panels = p.panels, chunks = (p.M + kChunkRows - 1) / kChunkRows;
+  const int64_t panels = p.panels, chunks = chunk_count(p.M);
   // The calling thread works too: one helper fewer than the pool's threads (one per core).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t g = group_size(p.M, panels, threads);

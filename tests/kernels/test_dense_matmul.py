@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(),
 _mm = jax.jit(cpu_native.dense_matmul_cpu, static_argnums=2)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 48, 49, 65, 100, 130, 256, 257])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 48, 49, 65, 100, 130, 256, 257, 544,
+                               2048])
 @pytest.mark.parametrize("k,n", [(576, 960), (100, 1), (37, 63), (64, 65), (1536, 200),
                                  (50, 64 * 9 + 5), (33, 64 * 7)])
 def test_matches_float64(m, k, n):
@@ -52,6 +53,12 @@ def test_rows_do_not_depend_on_the_batch():
     # 7-9 rows of a chunk as two blocks (9 rows: 5 + 4)
     for rows in (9, 65, 199):
         np.testing.assert_array_equal(np.asarray(_mm(x[:rows], w, 300)), whole[:rows])
+    # long steps: 60-row chunks; 544 rows: 8 of them and a last of 64 (4 left over join it)
+    big = jnp.asarray(rng.standard_normal((2048, 576)), jnp.float32)
+    all_rows = np.asarray(_mm(big, w, 300))
+    np.testing.assert_array_equal(np.asarray(_mm(big[:544], w, 300)), all_rows[:544])
+    for r in (0, 478, 479, 480, 538, 542, 2040, 2046):
+        np.testing.assert_array_equal(np.asarray(_mm(big[r:r + 2], w, 300)), all_rows[r:r + 2])
     for r in (0, 5, 6, 47, 48, 60, 64, 67, 130, 197):
         for rows in (1, 2, 3):
             np.testing.assert_array_equal(np.asarray(_mm(x[r:r + rows], w, 300)),
