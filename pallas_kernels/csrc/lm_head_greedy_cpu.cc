@@ -109,7 +109,7 @@ struct Head {
   const float* beta = nullptr;    // [M]: beta (`scale` holds alpha)
   const int32_t* outl = nullptr;  // [ceil(M / 6), nout]: each 6-row block's O, ascending
   int64_t nout = 0;
-  const std::vector<int32_t>* dims = nullptr;  // every row's O together, ascending
+  const std::vector<int32_t>* dims = nullptr;  // every block's O together, ascending
 };
 
 // The float32 logit of (row m, column j): the panel matmul's chain, k = 0 .. K-1 in order,
