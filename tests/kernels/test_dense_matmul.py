@@ -39,7 +39,7 @@ def test_matches_float64(m, k, n):
 
 def test_rows_do_not_depend_on_the_batch():
     """A row's result is bit-identical alone, with one or two others (panels read in groups),
-    in a 6-row block, in a partial block, in a later work item of up to 69 rows and in an item cut
+    in a 6-row block, in a partial block, in a later work item of up to 66 rows and in an item cut
     between threads (the batch's items do not divide evenly: 5 panels x 3 chunks at 130
     rows): a sequence scores the same in a decode step and in a speculative verification
     step."""
