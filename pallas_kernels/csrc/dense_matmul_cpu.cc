@@ -86,7 +86,7 @@ inline int64_t chunk_count(int64_t M) {
   const int64_t rows = chunk_rows(M), chunks = (M + rows - 1) / rows;
   return chunks > 1 && M - (chunks - 1) * rows < kBlockRows ? chunks - 1 : chunks;
 }
-constexpr int64_t kMaxChunkRows = kChunkRows + 2 * kBlockRows;  // a chunk's most rows
+constexpr int64_t kMaxChunkRows = kChunkRows + 2 * kBlockRows;  // above any chunk (<= 66 rows)
 
 // The end of the register block that starts at row m of rows [m, m1): 6 rows, except that
 // the last 7-9 rows are two blocks of 3-5 (one of 1-3 rows would read the panel from L2 for
